@@ -1,0 +1,38 @@
+"""Typed errors shared by every layer.
+
+An expected shortage returns ``None`` (never an exception); caller misuse raises
+one of these; a broken invariant is an ``assert``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DuoserveError(Exception):
+    """Base class of every error duoserve raises on purpose."""
+
+
+class ConfigError(DuoserveError, ValueError):
+    """A configuration value is not allowed.
+
+    The message always names the field, the value given and what is allowed, so
+    a user can fix it without reading the code.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str, hint: str = "") -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        message = f"{field}={value!r} is not allowed: {allowed}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+
+class ModelLoadError(DuoserveError):
+    """A checkpoint could not be turned into a model (missing or mis-shaped tensor, bad file)."""
+
+
+class InvalidRequestError(DuoserveError):
+    """A request was asked to do something its state does not allow."""

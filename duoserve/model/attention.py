@@ -1,0 +1,149 @@
+"""Attention over a paged KV cache: the torch reference, for CPU and CUDA.
+
+The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads,
+head_dim]``. A batch is a flat run of tokens; ``AttentionMetadata`` says where each
+token's keys and values go (``slot_mapping``: block * block_size + offset) and, per
+sequence, which blocks hold its context. Sequences decoding one token come first
+in the batch, then sequences with several new tokens (prefill chunks)::
+
+    tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1
+             decodes    prefill chunk  prefill chunk
+
+Decodes attend in one batched matmul over their gathered blocks; each prefill chunk
+attends with ``scaled_dot_product_attention`` over its cached prefix plus itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    query_start: int        # index of the chunk's first token in the flat batch
+    query_len: int          # tokens computed this step
+    seq_len: int            # tokens in the cache after this step (prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks_of_seq] block ids, long
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when causal over itself
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [num_tokens] long: where each token's K/V is written
+    num_decode_tokens: int              # the first tokens, one per decoding sequence
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
+    decode_mask: torch.Tensor | None    # [num_decodes, 1, 1, max_blocks * block_size] additive float
+    prefills: list[PrefillSeq]
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "AttentionMetadata":
+        """Describe one step. Sequences with ``query_len == 1`` must come first."""
+        slots: list[int] = []
+        for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(seq_len - query_len, seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        decode_tables = decode_mask = None
+        if num_decodes:
+            max_blocks = max(len(t) for t in block_tables[:num_decodes])
+            padded = [t + [0] * (max_blocks - len(t)) for t in block_tables[:num_decodes]]
+            decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            lens = torch.tensor(seq_lens[:num_decodes], device=device)
+            span = torch.arange(max_blocks * block_size, device=device)
+            hidden = span[None, :] >= lens[:, None]  # [num_decodes, max_blocks * block_size]
+            decode_mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+            decode_mask.masked_fill_(hidden, float("-inf"))
+            decode_mask = decode_mask[:, None, None, :]
+        prefills = []
+        start = num_decodes
+        for i in range(num_decodes, len(query_lens)):
+            query_len, seq_len = query_lens[i], seq_lens[i]
+            num_blocks = (seq_len + block_size - 1) // block_size
+            table = torch.tensor(block_tables[i][:num_blocks], dtype=torch.long, device=device)
+            mask = None
+            if seq_len != query_len:
+                rows = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
+                mask = torch.arange(seq_len, device=device)[None, :] <= rows  # [query_len, seq_len]
+            prefills.append(PrefillSeq(start, query_len, seq_len, table, mask))
+            start += query_len
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim] into the caches at ``slot_mapping``."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tables = meta.decode_block_tables
+    keys = k_cache[tables].flatten(1, 2).to(q.dtype)  # [num_decodes, ctx, num_kv_heads, head_dim]
+    values = v_cache[tables].flatten(1, 2).to(q.dtype)  # [num_decodes, ctx, num_kv_heads, head_dim]
+    q = q.view(num_decodes, num_kv_heads, group, head_dim)  # [num_decodes, kv_heads, group, head_dim]
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale  # [num_decodes, kv_heads, group, ctx]
+    scores = scores + meta.decode_mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # [num_decodes, kv_heads, group, head_dim]
+    return out.reshape(num_decodes, num_heads * head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       seq: PrefillSeq, scale: float) -> torch.Tensor:
+    query_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if seq.mask is None:
+        keys, values = k, v  # the chunk is the whole context: no need to read the cache
+    else:
+        keys = k_cache[seq.block_table].flatten(0, 1)[: seq.seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
+        values = v_cache[seq.block_table].flatten(0, 1)[: seq.seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
+    group = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    values = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values,  # [num_heads, query_len, head_dim]
+        attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
+    )
+    return out.transpose(0, 1).reshape(query_len, num_heads * head_dim)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+
+    Writes k, v into the cache, then returns the attention output [num_tokens, num_heads * head_dim].
+    """
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    parts = []
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale))
+    for seq in meta.prefills:
+        sl = slice(seq.query_start, seq.query_start + seq.query_len)
+        parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

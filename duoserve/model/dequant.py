@@ -1,0 +1,123 @@
+"""Dequantization of GGUF (ggml) tensor types into float32 torch tensors.
+
+Each quantized type packs a fixed number of values (a block) into a fixed number
+of bytes. The functions here take the raw bytes as ``[num_blocks, type_size]``
+uint8 and return ``[num_blocks, block_values]`` float32; ``dequantize`` handles
+the reshaping. The formats are ggml's (see ggml-quants.c), vectorized in torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from duoserve.errors import ModelLoadError
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Read a little-endian float16 at byte ``start`` of every block -> [num_blocks, 1] float32."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (qs & 0x0F).float(), (qs >> 4).float()
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)  # [n, 1]
+    q = blocks[:, 2:34].contiguous().view(torch.int8).float()  # [n, 32]
+    return d * q
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    low, high = _nibbles(blocks[:, 2:18])  # [n, 16] each
+    return d * (torch.cat([low, high], dim=1) - 8.0)  # [n, 32]
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    low, high = _nibbles(blocks[:, 4:20])
+    return d * torch.cat([low, high], dim=1) + m  # [n, 32]
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from 12 bytes -> 2 x [n, 8]."""
+    p = packed.long()
+    low_sc, low_m = p[:, 0:4] & 63, p[:, 4:8] & 63
+    high_sc = (p[:, 8:12] & 0x0F) | ((p[:, 0:4] >> 6) << 4)
+    high_m = (p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)
+    return torch.cat([low_sc, high_sc], 1).float(), torch.cat([low_m, high_m], 1).float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales(blocks[:, 4:16])  # [n, 8]
+    qs = blocks[:, 16:144].reshape(n, 4, 32)
+    low, high = _nibbles(qs)  # [n, 4, 32]
+    q = torch.stack([low, high], dim=2).reshape(n, 8, 32)  # sub-block 2i = low, 2i+1 = high
+    return (d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]  # [n, 8, 32]
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales(blocks[:, 4:16])
+    qh = blocks[:, 16:48].long()  # [n, 32]: bit j is the fifth bit of sub-block j
+    qs = blocks[:, 48:176].reshape(n, 4, 32)
+    low, high = _nibbles(qs)  # [n, 4, 32]
+    q = torch.stack([low, high], dim=2).reshape(n, 8, 32)
+    bits = torch.arange(8)[None, :, None]
+    fifth = ((qh[:, None, :] >> bits) & 1).float() * 16.0  # [n, 8, 32]
+    return (d * scales)[:, :, None] * (q + fifth) - (dmin * mins)[:, :, None]
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].long().reshape(n, 2, 64)
+    qh = blocks[:, 128:192].long().reshape(n, 2, 32)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 2, 8)
+    d = _f16(blocks, 208)  # [n, 1]
+    # Within each half of 128 values, four runs of 32: low/high nibble of ql[0:32] and ql[32:64],
+    # each topped with two bits of qh.
+    q = torch.stack([
+        (ql[:, :, 0:32] & 0x0F) | (((qh >> 0) & 3) << 4),
+        (ql[:, :, 32:64] & 0x0F) | (((qh >> 2) & 3) << 4),
+        (ql[:, :, 0:32] >> 4) | (((qh >> 4) & 3) << 4),
+        (ql[:, :, 32:64] >> 4) | (((qh >> 6) & 3) << 4),
+    ], dim=2).float() - 32.0  # [n, 2, 4, 32]
+    q = q.reshape(n, 2, 8, 16)  # 16 values per scale
+    return d[:, :, None, None] * scales[:, :, :, None] * q  # [n, 2, 8, 16]
+
+
+# type name -> (values per block, bytes per block, function)
+_QUANTIZED = {
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+    "Q4_K": (256, 144, _q4_k),
+    "Q5_K": (256, 176, _q5_k),
+    "Q6_K": (256, 210, _q6_k),
+}
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *_QUANTIZED)
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF tensor data -> float32 tensor of ``shape`` (row-major, outermost first)."""
+    raw = np.array(raw, copy=True)  # mmap-backed GGUF data is read-only; torch wants a writable buffer
+    if type_name == "F32":
+        return torch.from_numpy(raw.view(np.float32)).reshape(shape)
+    if type_name == "F16":
+        return torch.from_numpy(raw.view(np.float16)).float().reshape(shape)
+    if type_name == "BF16":
+        bits = torch.from_numpy(raw.view(np.int16)).reshape(shape)
+        return bits.view(torch.bfloat16).float()
+    if type_name not in _QUANTIZED:
+        raise ModelLoadError(
+            f"GGUF tensor type {type_name} is not supported; supported types are {', '.join(SUPPORTED_TYPES)}"
+        )
+    block_values, type_size, fn = _QUANTIZED[type_name]
+    blocks = torch.from_numpy(raw.view(np.uint8)).reshape(-1, type_size)
+    return fn(blocks).reshape(shape)

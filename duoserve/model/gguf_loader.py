@@ -1,0 +1,138 @@
+"""Load a GGUF file: hyper-parameters and tokenizer from its metadata, tensors dequantized.
+
+GGUF names tensors llama.cpp's way (``blk.3.attn_q.weight``) and, for the ``llama``
+architecture, stores Q and K with their rows permuted for interleaved rotary; we
+rename to Hugging Face names and undo the permutation so one model serves both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from duoserve.errors import ConfigError, ModelLoadError
+from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config, replace
+from duoserve.model.dequant import dequantize
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """A config.json-shaped dict, so ``hf_overrides`` and validation work the same for GGUF."""
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in _ARCHITECTURES:
+        raise ConfigError("general.architecture", gguf_arch,
+                          f"supported GGUF architectures are {', '.join(_ARCHITECTURES)}")
+    p = f"{gguf_arch}."
+    heads = int(meta[p + "attention.head_count"])
+    hidden = int(meta[p + "embedding_length"])
+    vocab = meta.get(p + "vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[gguf_arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[p + "feed_forward_length"]),
+        "num_hidden_layers": int(meta[p + "block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(p + "attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(p + "attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(p + "context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if meta.get(p + "rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+    return config
+
+
+class GGUFSource:
+    """Dequantized tensors of a GGUF file under Hugging Face names."""
+
+    def __init__(self, reader: Any, arch: ModelArch, permuted_qk: bool) -> None:
+        self._tensors = {}
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            if name is not None:
+                self._tensors[name] = tensor
+        self._arch = arch
+        self._permuted_qk = permuted_qk
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            return None
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = dequantize(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+        if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
+            values = _unpermute(values, heads)
+        return values
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row permutation (interleaved -> rotate-half rotary layout)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def open_gguf(path: Path, hf_overrides: dict[str, Any] | None) -> tuple[Any, dict[str, Any], ModelArch]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises bare ValueError/struct errors
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = apply_overrides(_hf_config_from_gguf(meta, names), hf_overrides)
+    arch = arch_from_hf_config(config)
+    if "rope_freqs.weight" in names:
+        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel())
+        arch = replace(arch, rope=RopeConfig(theta=arch.rope.theta, freq_factors=factors))
+    return reader, meta, arch

@@ -1,0 +1,93 @@
+"""One Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
+
+The model knows nothing of requests: it takes a flat batch of token ids, their
+positions, the per-layer KV caches and an ``AttentionMetadata`` saying where each
+token's keys and values live. Q/K/V and gate/up projections are stored fused so a
+layer runs three matmuls, not seven.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duoserve.model.arch import ModelArch
+from duoserve.model.attention import AttentionMetadata, paged_attention
+from duoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        qkv_rows = arch.q_size + 2 * arch.kv_size
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.qkv = nn.Linear(arch.hidden_size, qkv_rows, bias=arch.qkv_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.scale = arch.head_dim ** -0.5
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        arch = self.arch
+        num_tokens = x.shape[0]
+        qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
+        q = q.view(num_tokens, arch.num_heads, arch.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if arch.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, q_size]
+        return self.o_proj(out)  # [num_tokens, hidden]
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [num_tokens, intermediate]
+        return self.down(F.silu(gate) * up)  # [num_tokens, hidden]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""
+        x = self.embed(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [num_tokens, 1, head_dim]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> float32 logits [n, vocab]."""
+        weight = self.embed.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint must provide, by our parameter name."""
+        return {name: tuple(p.shape) for name, p in self.named_parameters()}

@@ -1,0 +1,183 @@
+"""Tokenizers: from a Hugging Face ``tokenizer.json`` or rebuilt from GGUF metadata.
+
+A GGUF file stores a byte-level BPE vocabulary as lists (tokens, token types,
+merges). We rebuild the same ``tokenizers.Tokenizer`` that transformers builds
+from it, so ids match token for token, special tokens such as ``<|im_start|>``
+included.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from duoserve.errors import ModelLoadError
+
+# llama.cpp token types
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Split patterns of GGUF pre-tokenizer names whose merges were learned on another split
+# than GPT-2's; any other name keeps the GPT-2 byte-level split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible map from each byte to a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Tokenizer:
+    """Encode, decode and render chat templates for one model."""
+
+    def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
+                 chat_template: str | None, add_bos_token: bool = False) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
+
+    def token_to_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return [self.backend.id_to_token(i) for i in token_ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ModelLoadError("this model has no chat template; send a plain prompt instead")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.token_to_text(self.bos_token_id) or "",
+            eos_token=self.token_to_text(self.eos_token_ids[0] if self.eos_token_ids else None) or "",
+        )
+
+    def vocabulary_digest_source(self) -> bytes:
+        """Canonical bytes of the vocabulary, for model fingerprints."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Tokenizer:
+    """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"tokenizer.ggml.model={kind!r} is not supported: duoserve rebuilds byte-level BPE ('gpt2') "
+            "tokenizers from GGUF files; use the Hugging Face directory of this model instead"
+        )
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {}
+    for index, token in enumerate(tokens):
+        spelled = token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
+        vocab[spelled] = index
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                     end_of_word_suffix="", fuse_unk=False))
+    split = _PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
+    # would grow the vocabulary past the model's, so it is left out (as transformers does).
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, kind_ in zip(tokens, token_types) if kind_ == _CONTROL and set(t) <= letters]
+    backend.add_special_tokens(control)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED]
+    backend.add_tokens(user)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos]))
+    return Tokenizer(
+        backend,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def tokenizer_from_hf_dir(path: Path, arch_bos: int | None, arch_eos: tuple[int, ...]) -> Tokenizer | None:
+    """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, chat template) or None when absent."""
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        return None
+    backend = HFTokenizer.from_file(str(tokenizer_file))
+    config: dict[str, Any] = {}
+    if (path / "tokenizer_config.json").exists():
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    template = config.get("chat_template")
+    if (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    # The post-processor in tokenizer.json adds BOS where the model wants it; ``encode``
+    # never runs it and adds BOS itself, so both tokenizer sources behave alike.
+    add_bos = bool(config.get("add_bos_token", False))
+    if backend.post_processor is not None and arch_bos is not None:
+        probe = backend.encode("a", add_special_tokens=True).ids
+        add_bos = add_bos or (len(probe) > 0 and probe[0] == arch_bos)
+    bos_text = _token_content(config.get("bos_token"))
+    bos_id = backend.token_to_id(bos_text) if bos_text else arch_bos
+    eos_text = _token_content(config.get("eos_token"))
+    eos_from_config = backend.token_to_id(eos_text) if eos_text else None
+    eos_ids = tuple(dict.fromkeys([*([eos_from_config] if eos_from_config is not None else []), *arch_eos]))
+    return Tokenizer(backend, bos_token_id=bos_id, eos_token_ids=eos_ids,
+                     chat_template=template, add_bos_token=add_bos)

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random checkpoints built with transformers, and the real default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_dir(kind, **config) -> a saved HF checkpoint directory (cached per session)."""
+    cache: dict[str, Path] = {}
+
+    def make(kind: str = "llama", sharded: bool = False, **overrides: Any) -> Path:
+        key = json.dumps([kind, sharded, overrides], sort_keys=True)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{kind}")
+            make_tiny_checkpoint(path, kind, sharded=sharded, **overrides)
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The packaged SmolLM2-135M-Instruct, loaded once per test session (fp32)."""
+    from duoserve.config import ModelConfig
+    from duoserve.model.loader import load_model
+
+    return load_model(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the same GGUF file: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from duoserve.model.loader import default_model_path
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return tokenizer, model.eval()

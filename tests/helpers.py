@@ -1,0 +1,58 @@
+"""Small factories for tests: tiny checkpoints and a one-sequence forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+
+
+def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int = 0,
+                         tokenizer_dir: Path | None = None, **overrides: Any) -> None:
+    """Save a random transformers model of ``kind`` (llama, qwen2, qwen3, mistral) as safetensors."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    params = {**TINY_BASE, **overrides}
+    if kind == "qwen3":
+        params.setdefault("head_dim", 16)
+    config = config_cls(**params)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # widen the init so logits are not all near zero
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.08 if p.dim() == 2 else 0.05)
+    model.save_pretrained(path, max_shard_size="100KB" if sharded else "5GB")
+
+
+def hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def forward_one(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Full-sequence logits [n, vocab] of one prompt through the paged-attention model."""
+    from duoserve.model.attention import AttentionMetadata
+
+    arch = model.arch
+    n = len(token_ids)
+    num_blocks = (n + block_size - 1) // block_size
+    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    dtype = model.embed.weight.dtype
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size, dtype=dtype)
+    hidden = model(torch.tensor(token_ids), torch.arange(n), caches, meta)
+    return model.compute_logits(hidden)

