@@ -49,3 +49,68 @@ class ModelConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_KV_CACHE_GIB = 4.0     # CPU tensors are allocated lazily: untouched blocks cost no memory
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_NUM_SEQS = 128
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: float | None = None      # GiB; None = 4 GiB on CPU, a fraction of free memory on GPU
+    gpu_memory_utilization: float = 0.9       # fraction of free GPU memory for KV when kv_cache_memory is None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"              # auto = the model dtype
+
+    def __post_init__(self) -> None:
+        size = self.block_size
+        if not isinstance(size, int) or size < 1 or size > 256 or size & (size - 1):
+            raise ConfigError("block_size", size, "a power of two from 1 to 256")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory", self.kv_cache_memory, "a positive number of GiB")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization, "a fraction in (0, 1]")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ConfigError("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int | None = None  # None = 512 with chunked prefill, else max_model_len
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens, "a positive number of tokens")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs", self.max_num_seqs, "a positive number of sequences")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The per-step token budget, checked against the context length."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_model_len
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens", budget,
+                f"at least max_model_len ({max_model_len}) when chunked prefill is off, or a prompt "
+                "of full length could never be scheduled",
+                "Enable chunked prefill, raise --max-num-batched-tokens or lower --max-model-len",
+            )
+        return budget
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None   # torch threads of the engine process; None = all cores
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads", self.num_threads, "a positive number of threads")

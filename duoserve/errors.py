@@ -36,3 +36,14 @@ class ModelLoadError(DuoserveError):
 
 class InvalidRequestError(DuoserveError):
     """A request was asked to do something its state does not allow."""
+
+
+class InvalidInputError(DuoserveError, ValueError):
+    """A request's input cannot be served (empty or too long prompt, bad token id, bad parameter).
+
+    ``param`` names the offending request field; the API turns this into a 400.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)

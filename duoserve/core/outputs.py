@@ -1,0 +1,62 @@
+"""The contract objects of one engine step: scheduler -> runner -> scheduler -> frontend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from duoserve.core.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request          # the runner reads its tokens and sampling params (same process)
+    start: int                # num_computed_tokens before this step: position of the first new token
+    num_new_tokens: int       # tokens whose KV this step computes
+    block_ids: list[int]      # the request's whole block table after allocation
+    sample: bool              # the chunk ends at the last known token: sample the next one
+    num_samples: int = 1      # n rows to sample (the first token of an n > 1 prompt), else 1
+    prompt_logprobs: bool = False  # return log-probabilities of this chunk's prompt tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]   # one-token (decode) requests first, then prefill chunks
+    num_batched_tokens: int             # sum of num_new_tokens
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token's, its rank, and the top N."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, list[int]]                          # request id -> new token(s)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per prompt token
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None   # stop, length, abort, error
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,224 @@
+"""Continuous batching under one token budget.
+
+Every request has ``num_computed_tokens`` catching up with ``num_tokens``; a step
+gives each a number of new tokens, never more than ``max_num_batched_tokens`` in
+all. A decoding request asks for 1, a prompt for the rest of its prompt (cut to the
+budget: chunked prefill). Running requests are served first, in admission order;
+when blocks run out the newest running request is preempted (its blocks freed, to
+be recomputed, mostly from the prefix cache). Waiting requests are admitted FIFO
+while the budget, ``max_num_seqs`` and free blocks allow.
+
+No torch here: this module plans, the model runner computes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
+from duoserve.core.request import Request, RequestStatus
+
+S = RequestStatus
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.token_budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.children: dict[str, list[str]] = {}   # n > 1: parent id -> ids of its other samples
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    # ---- intake -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str, status: RequestStatus = S.FINISHED_ABORTED,
+              error: str | None = None, with_samples: bool = True) -> list[EngineCoreOutput]:
+        """Finish a request now (with its other samples unless told not to); returns final outputs."""
+        outputs = []
+        siblings = self.children.get(request_id, ()) if with_samples else ()
+        for rid in [request_id, *siblings]:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            request.error = error
+            self._finish(request, status)
+            outputs.append(EngineCoreOutput(rid, [], status.finish_reason, error=error))
+        return outputs
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.token_budget
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._plan(request, num_new))
+                budget -= num_new
+                i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        copies, self.pending_copies = self.pending_copies, []
+        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            has_blocks = request.request_id in self.kv.req_blocks  # a forked sample
+            cached = [] if has_blocks else self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            remaining = request.num_tokens - request.num_computed_tokens - num_cached
+            if remaining > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            if self.kv.allocate_slots(request, num_new, cached) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
+            request.move_to(S.PREFILLING)
+            self.running.append(request)
+            scheduled.append(self._plan(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        first_token = sample and request.num_output_tokens == 0
+        num_samples = request.params.n if first_token and request.sample_index == 0 and \
+            request.request_id not in self.children else 1
+        wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < request.num_prompt_tokens
+        return ScheduledRequest(request, start, num_new, self.kv.block_ids(request.request_id), sample,
+                                num_samples, wants_prompt_logprobs)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the request's KV and send it to the front of the queue."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.move_to(S.WAITING)
+        self.waiting.appendleft(request)
+
+    # ---- results ------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for item in plan.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            prompt_lp = result.prompt_logprobs.get(request.request_id)
+            if not item.sample:
+                if prompt_lp:
+                    outputs.append(EngineCoreOutput(request.request_id, [], prompt_logprobs=prompt_lp))
+                continue
+            if request.params.max_tokens == 0:  # prompt only (e.g. for its log-probabilities)
+                self._finish(request, S.FINISHED_LENGTH)
+                outputs.append(EngineCoreOutput(request.request_id, [], "length", prompt_logprobs=prompt_lp,
+                                                num_cached_tokens=request.num_cached_tokens))
+                continue
+            tokens = result.sampled[request.request_id]
+            logprobs = result.logprobs.get(request.request_id)
+            siblings = [request] + [self._fork(request, k) for k in range(1, item.num_samples)]
+            for k, sibling in enumerate(siblings):
+                if sibling is None:
+                    continue
+                out = self._append_token(sibling, tokens[k], logprobs[k] if logprobs else None)
+                out.prompt_logprobs = prompt_lp
+                outputs.append(out)
+        return outputs
+
+    def _fork(self, parent: Request, sample_index: int) -> Request | None:
+        child = Request(f"{parent.request_id}/{sample_index}", parent.prompt_token_ids, parent.params,
+                        parent.eos_token_ids, parent.max_total_tokens, sample_index, parent.arrival_time)
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child.request_id] = child
+        self.children.setdefault(parent.request_id, []).append(child.request_id)
+        copies = self.kv.fork(parent, child)
+        child.move_to(S.PREFILLING)
+        if copies is None:  # no block for the prompt's tail: recompute this sample later
+            child.move_to(S.WAITING)
+            self.waiting.append(child)
+        else:
+            child.num_computed_tokens = parent.num_prompt_tokens
+            self.pending_copies.extend(copies)
+            self.running.append(child)
+        return child
+
+    def _append_token(self, request: Request, token: int, logprobs) -> EngineCoreOutput:
+        request.output_token_ids.append(token)
+        status, stop_reason = self._check_stop(request, token)
+        if status is None:
+            if request.status is S.PREFILLING:
+                request.move_to(S.RUNNING)
+        else:
+            self._finish(request, status)
+        return EngineCoreOutput(request.request_id, [token], status.finish_reason if status else None,
+                                [logprobs] if logprobs else None, request.num_cached_tokens,
+                                stop_reason=stop_reason)
+
+    def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return S.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return S.FINISHED_STOPPED, token
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return S.FINISHED_LENGTH, None
+        if request.max_total_tokens is not None and request.num_tokens >= request.max_total_tokens:
+            return S.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is S.WAITING:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+        request.move_to(status)
+        self.kv.free(request)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (the frontend has taken its last output)."""
+        for rid in [request_id, *self.children.pop(request_id, ())]:
+            request = self.requests.get(rid)
+            if request is not None and request.is_finished:
+                del self.requests[rid]

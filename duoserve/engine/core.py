@@ -1,0 +1,87 @@
+"""EngineCore: one engine's loop, ``step() = schedule -> execute -> update``.
+
+It owns a scheduler (pure bookkeeping) and a model runner (tensors). Requests
+come in already tokenized; outputs leave as token deltas. The frontend, in this
+process or another, turns them into text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from duoserve.config import EngineConfig
+from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.outputs import EngineCoreOutput
+from duoserve.core.request import Request, RequestStatus
+from duoserve.core.scheduler import Scheduler
+from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
+from duoserve.worker.kv_cache import num_kv_blocks
+from duoserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        start = time.monotonic()
+        self.loaded = loaded or load_model(config.model)
+        self.arch = self.loaded.arch
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = check_max_model_len(self.arch, config.model.max_model_len)
+        budget = config.scheduler.token_budget(self.max_model_len)
+        cache = config.cache
+        kv_dtype = self.loaded.dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)
+        self.num_blocks = num_kv_blocks(self.arch, cache, kv_dtype, config.model.device, self.max_model_len)
+        self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
+                                   config.scheduler.enable_chunked_prefill)
+        self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
+                                  config.model.device, config.model.seed)
+        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
+                    time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return self.tokenizer.eos_token_ids
+        return self.arch.eos_token_ids
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> list[EngineCoreOutput]:
+        """Abort a request and all its samples."""
+        return self.scheduler.abort(request_id)
+
+    def finish_stopped(self, request_id: str) -> None:
+        """One sample ended on a stop string (found by the frontend's detokenizer)."""
+        self.scheduler.abort(request_id, RequestStatus.FINISHED_STOPPED, with_samples=False)
+
+    def release(self, request_id: str) -> None:
+        """The frontend has taken a finished request's last output: forget it."""
+        self.scheduler.forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # one bad batch fails its requests, never the engine
+            logger.exception("model runner failed; finishing the %d scheduled requests with an error",
+                             len(plan.scheduled))
+            outputs = []
+            for item in plan.scheduled:
+                outputs += self.scheduler.abort(item.request.request_id, RequestStatus.FINISHED_ERROR,
+                                                f"internal error while running the model: {exc}")
+            return outputs
+        return self.scheduler.update(plan, result)

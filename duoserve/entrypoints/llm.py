@@ -1,0 +1,89 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from duoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from duoserve.engine.core import EngineCore
+from duoserve.frontend.frontend import Frontend
+from duoserve.outputs import RequestOutput
+from duoserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    """An engine in this process, for batch generation from Python."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str | None = None,
+                 max_model_len: int | None = None, hf_overrides: dict[str, Any] | None = None,
+                 block_size: int = 16, kv_cache_memory: float | None = None,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
+                 num_threads: int | None = None, seed: int = 0) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device or default_device(),
+                              hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            num_threads=num_threads,
+        )
+        self.engine = EngineCore(config)
+        self.frontend = Frontend(self.engine)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (strings or token-id lists); outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: "
+                             "give one, or one per prompt")
+        ids = [self.frontend.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt),
+                                    add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while self.frontend.has_unfinished():
+                for out in self.frontend.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                self.frontend.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in request_ids]

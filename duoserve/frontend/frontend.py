@@ -1,0 +1,165 @@
+"""The frontend: prompts in, RequestOutputs out.
+
+It tokenizes and validates each prompt, hands the engine a ``Request``, and turns the
+engine's token deltas into text (incremental detokenization, stop strings), samples of
+an ``n > 1`` prompt gathered under their prompt's id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from duoserve.core.outputs import EngineCoreOutput, TokenLogprobs
+from duoserve.core.request import Request
+from duoserve.engine.core import EngineCore
+from duoserve.errors import InvalidInputError
+from duoserve.frontend.detokenizer import IncrementalDetokenizer
+from duoserve.outputs import CompletionOutput, RequestOutput
+from duoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    outputs: list[CompletionOutput]
+    detokenizers: list[IncrementalDetokenizer | None]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def snapshot(self) -> RequestOutput:
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.outputs,
+                             self.prompt_logprobs, self.num_cached_tokens, metrics)
+
+
+class Frontend:
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.states: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidInputError("prompt", "this model has no tokenizer: send token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.engine.arch.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidInputError("prompt", f"token id {bad[0]!r} is out of range: ids are integers in [0, {vocab})")
+        return None, ids
+
+    def check_length(self, prompt_ids: list[int], params: SamplingParams, strict: bool) -> None:
+        """Refuse an empty prompt, or one with no room for a token; ``strict`` also counts max_tokens."""
+        if not prompt_ids:
+            raise InvalidInputError("prompt", "the prompt is empty: give at least one token")
+        num = len(prompt_ids)
+        if num >= self.max_model_len:
+            raise InvalidInputError(
+                "prompt", f"the prompt has {num} tokens, but the context length (max_model_len) is "
+                          f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
+        if strict and params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
+            raise InvalidInputError(
+                "max_tokens", f"this model's context length is {self.max_model_len} tokens, but the request "
+                              f"asks for {num + params.max_tokens} ({num} in the prompt + {params.max_tokens} "
+                              "max_tokens); lower max_tokens or shorten the prompt")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    strict_length: bool = False) -> str:
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self.check_length(prompt_ids, params, strict_length)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.states:
+            raise InvalidInputError("request_id", f"request id {request_id!r} is already in use")
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                                   params.include_stop_str_in_output) if self.tokenizer else None
+            for _ in range(params.n)]
+        state = RequestState(request_id, text, prompt_ids, params,
+                             [CompletionOutput(i) for i in range(params.n)], detokenizers,
+                             [None] if params.prompt_logprobs is not None else None)
+        for output in state.outputs:
+            output.logprobs = [] if params.logprobs is not None else None
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(prompt_ids) + params.max_tokens)
+        self.states[request_id] = state
+        self.engine.add_request(Request(request_id, prompt_ids, params, self.engine.eos_token_ids, max_total))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.states:
+            self.engine.abort(request_id)
+            for output in self.states[request_id].outputs:
+                if not output.finished:
+                    output.finish_reason = "abort"
+            self._release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns a snapshot of every request that moved."""
+        touched: dict[str, RequestState] = {}
+        for out in self.engine.step():
+            found = self._locate(out.request_id)
+            if found is None:
+                continue
+            state, index = found
+            self._apply(state, index, out)
+            touched[state.request_id] = state
+        results = []
+        for request_id, state in touched.items():
+            results.append(state.snapshot())
+            if all(o.finished for o in state.outputs):
+                self._release(request_id)
+        return results
+
+    def _locate(self, engine_id: str) -> tuple[RequestState, int] | None:
+        if engine_id in self.states:
+            return self.states[engine_id], 0
+        parent, _, index = engine_id.rpartition("/")
+        state = self.states.get(parent)
+        return (state, int(index)) if state is not None and index.isdigit() else None
+
+    def _apply(self, state: RequestState, index: int, out: EngineCoreOutput) -> None:
+        completion = state.outputs[index]
+        if out.prompt_logprobs and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(out.prompt_logprobs)
+            out.prompt_logprobs = None  # one sample carries them, once
+        if completion.finished:
+            return
+        if out.new_token_ids and state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        state.num_cached_tokens = out.num_cached_tokens
+        completion.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs and completion.logprobs is not None:
+            completion.logprobs.extend(out.new_logprobs)
+        detok = state.detokenizers[index]
+        stop_hit = detok.add_tokens(out.new_token_ids) if detok is not None else None
+        if detok is not None:
+            completion.text = detok.text
+        if stop_hit is not None and not out.finished:
+            self.engine.finish_stopped(out.request_id)
+            completion.finish_reason, completion.stop_reason = "stop", stop_hit
+        elif stop_hit is not None:
+            completion.finish_reason, completion.stop_reason = "stop", stop_hit
+        elif out.finished:
+            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+            completion.error = out.error
+
+    def _release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self.engine.release(request_id)

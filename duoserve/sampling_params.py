@@ -1,0 +1,85 @@
+"""SamplingParams: how one prompt's completions are drawn and when they stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from duoserve.errors import ConfigError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated on construction.
+
+    ``temperature == 0`` is greedy. With ``seed`` set, each draw depends only on
+    (seed, output position, sample index), so the same request gives the same tokens
+    whatever else shares its batch and whichever process samples it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16     # None: up to the context length
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None     # top-N log-probabilities per sampled token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", self.n, isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
+             "an integer >= 1, or 0 / -1 for no limit"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2,
+             "a number in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "a number > 0"),
+            ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens >= 0,
+             "an integer >= 0, or None for up to the context length"),
+            ("min_tokens", self.min_tokens, self.min_tokens >= 0 and (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens), "an integer in [0, max_tokens]"),
+            ("logprobs", self.logprobs, self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"an integer in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs,
+             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"an integer in [0, {MAX_LOGPROBS}]"),
+            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(name, value, allowed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

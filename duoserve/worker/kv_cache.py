@@ -1,0 +1,59 @@
+"""Size and allocate the paged KV cache tensors of one engine."""
+
+from __future__ import annotations
+
+import torch
+
+from duoserve.config import DEFAULT_CPU_KV_CACHE_GIB, CacheConfig
+from duoserve.errors import ConfigError
+from duoserve.model.arch import ModelArch
+
+GIB = 1 << 30
+_LAZY_ZERO_BYTES = 32 << 20
+
+
+def bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token."""
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def kv_budget_bytes(cache: CacheConfig, device: str) -> int:
+    if cache.kv_cache_memory is not None:
+        return int(cache.kv_cache_memory * GIB)
+    if device == "cpu":
+        return int(DEFAULT_CPU_KV_CACHE_GIB * GIB)
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free * cache.gpu_memory_utilization)
+
+
+def num_kv_blocks(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int) -> int:
+    """How many blocks the budget holds; refuses a budget too small for one full-length sequence."""
+    per_block = bytes_per_token(arch, dtype) * cache.block_size
+    num_blocks = kv_budget_bytes(cache, device) // per_block
+    needed_blocks = -(-max_model_len // cache.block_size)
+    if num_blocks < needed_blocks:
+        needed_gib = needed_blocks * per_block / GIB
+        raise ConfigError(
+            "kv_cache_memory", cache.kv_cache_memory,
+            f"at least {needed_gib:.4f} GiB to hold one sequence of max_model_len={max_model_len} tokens "
+            f"({needed_blocks} blocks of {per_block} bytes)",
+            "Raise --kv-cache-memory or lower --max-model-len",
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
+
+    Unwritten slots must hold finite numbers (masked attention multiplies them by 0). On
+    the CPU a tensor over glibc's largest mmap threshold (32 MiB) gets fresh zero pages
+    from ``torch.empty`` that cost memory only once written, so a large budget is free
+    until used; smaller ones are zeroed explicitly.
+    """
+    shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    nbytes = num_blocks * block_size * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
+    lazy = device == "cpu" and nbytes >= _LAZY_ZERO_BYTES
+    make = torch.empty if lazy else torch.zeros
+    return [(make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device))
+            for _ in range(arch.num_layers)]

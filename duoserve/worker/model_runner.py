@@ -1,0 +1,104 @@
+"""The model runner: owns the model and its KV tensors, runs one batch per step.
+
+``execute`` turns a ``SchedulerOutput`` into tensors (token ids, positions, slot
+mapping, block tables) once per step, runs one forward over every scheduled token,
+computes logits only where they are needed (the last token of a sequence, or prompt
+tokens whose log-probabilities were asked for) and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from duoserve.model.attention import AttentionMetadata
+from duoserve.model.loader import LoadedModel
+from duoserve.worker.kv_cache import allocate_kv_cache
+from duoserve.worker.sampler import SamplingRow, sample, top_logprobs
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: str, seed: int = 0) -> None:
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, kv_dtype, device)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if plan.block_copies:
+            self.copy_blocks(plan.block_copies)
+        items = plan.scheduled
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for item in items:
+            token_ids.extend(item.request.token_ids(item.start, item.start + item.num_new_tokens))
+            positions.extend(range(item.start, item.start + item.num_new_tokens))
+        meta = AttentionMetadata.build(
+            [i.num_new_tokens for i in items], [i.start + i.num_new_tokens for i in items],
+            [i.block_ids for i in items], self.block_size, self.device, self.model.embed.weight.dtype)
+        hidden = self.model(torch.tensor(token_ids, device=self.device),
+                            torch.tensor(positions, device=self.device), self.kv_caches, meta)
+        output = RunnerOutput(sampled={})
+        self._sample(items, hidden, output)
+        self._prompt_logprobs(items, hidden, output)
+        return output
+
+    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
+        rows: list[SamplingRow] = []
+        row_hidden: list[int] = []
+        owners: list[tuple[str, int]] = []  # (request id, number of rows)
+        offset = 0
+        for item in items:
+            offset += item.num_new_tokens
+            if not item.sample:
+                continue
+            request = item.request
+            params = request.params
+            stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
+            for k in range(item.num_samples):
+                index = request.sample_index if item.num_samples == 1 else k
+                rows.append(SamplingRow(params, request.num_output_tokens, index, request.prompt_token_ids,
+                                        request.output_token_ids, stop_ids))
+                row_hidden.append(offset - 1)
+            owners.append((request.request_id, item.num_samples))
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[row_hidden])  # [rows, vocab] float32
+        tokens, logprobs = sample(logits, rows, self.generator)
+        start = 0
+        for request_id, count in owners:
+            output.sampled[request_id] = tokens[start:start + count]
+            if logprobs[start] is not None:
+                output.logprobs[request_id] = logprobs[start:start + count]
+            start += count
+
+    def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
+        """Log-probabilities of each prompt token given the ones before it (the first has none)."""
+        offset = 0
+        for item in items:
+            first, offset = offset, offset + item.num_new_tokens
+            if not item.prompt_logprobs:
+                continue
+            request = item.request
+            # position p predicts token p + 1: score the prompt tokens this chunk predicts
+            end = min(item.start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if end <= item.start:
+                output.prompt_logprobs[request.request_id] = []
+                continue
+            count = end - item.start
+            logits = self.model.compute_logits(hidden[first:first + count])  # [count, vocab]
+            targets = torch.tensor(request.prompt_token_ids[item.start + 1:end + 1], device=logits.device)
+            lp = torch.log_softmax(logits, dim=-1)
+            entries: list[TokenLogprobs] = top_logprobs(lp, targets, [request.params.prompt_logprobs] * count)
+            output.prompt_logprobs[request.request_id] = entries
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]

@@ -1,0 +1,142 @@
+"""Turn logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per
+vocabulary entry draws exactly from ``probs``. With a seed, ``E`` comes from a
+generator seeded by (seed, output position, sample index) alone, on the CPU, so a
+draw is the same whatever the batch and whichever device or process makes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from duoserve.core.outputs import TokenLogprobs
+from duoserve.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int, sample_index: int) -> int:
+    """A 63-bit generator seed from (seed, position, sample index): splitmix64 over the three."""
+    x = 0
+    for part in (seed, position, sample_index):
+        x = (x ^ (part & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    position: int                 # index among the request's outputs of the token being drawn
+    sample_index: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids_until_min: tuple[int, ...]  # ids forbidden while position < min_tokens (eos, stop ids)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        outputs = torch.tensor(row.output_token_ids, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            seen = torch.cat([torch.tensor(row.prompt_token_ids, dtype=torch.long), outputs]).unique()
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if len(outputs) and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(outputs, minlength=vocab)[:vocab].to(logits.dtype)  # [vocab]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.position < row.params.min_tokens and row.stop_ids_until_min:
+            logits[i, list(row.stop_ids_until_min)] = float("-inf")
+
+
+def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, as -inf masks on [R, vocab] logits."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[1]
+    with_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
+    if with_k:
+        ks = torch.tensor([rows[i].params.top_k for i in with_k], device=logits.device)
+        sub = logits[with_k]  # [K, vocab]
+        kth = torch.topk(sub, int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])  # [K, 1]
+        logits[with_k] = sub.masked_fill(sub < kth, float("-inf"))
+    top_ps = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        ps = torch.tensor(top_ps, dtype=cum.dtype, device=logits.device)[:, None]
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= ps  # keep the token that crosses p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    min_ps = [r.params.min_p for r in rows]
+    if any(min_ps):
+        probs = logits.softmax(-1)
+        floor = probs.max(-1, keepdim=True).values * torch.tensor(min_ps, device=logits.device)[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _noise(rows: list[SamplingRow], vocab: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise [R, vocab] on the CPU: per-row seeded generators for seeded requests."""
+    noise = torch.empty(len(rows), vocab)
+    unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.params.seed is not None:
+            g = torch.Generator().manual_seed(draw_seed(row.params.seed, row.position, row.sample_index))
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """logprobs [R, vocab], chosen token_ids [R] -> one TokenLogprobs per row (top num_top[i])."""
+    chosen = logprobs.gather(1, token_ids[:, None])  # [R, 1]
+    ranks = (logprobs > chosen).sum(-1) + 1  # [R]
+    k = max(num_top) if num_top else 0
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen_l, ranks_l, ids_l = chosen[:, 0].tolist(), ranks.tolist(), token_ids.tolist()
+    vals_l = top_vals.tolist() if k else None
+    tops_l = top_ids.tolist() if k else None
+    result = []
+    for i, n in enumerate(num_top):
+        top = list(zip(tops_l[i][:n], vals_l[i][:n])) if n else []
+        result.append(TokenLogprobs(ids_l[i], chosen_l[i], ranks_l[i], top))
+    return result
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           generator: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [R, vocab], one row per draw. Returns tokens and per-row logprobs (or None)."""
+    raw = logits
+    want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if any(r.params.has_penalties for r in rows) or any(r.position < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+        _apply_min_tokens(logits, rows)
+    tokens = logits.argmax(dim=-1)  # [R]: the greedy answer, replaced below for sampled rows
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        sub_rows = [rows[i] for i in sampled]
+        probs = _truncate(logits[sampled], sub_rows).softmax(-1)  # [S, vocab]
+        noise = _noise(sub_rows, logits.shape[1], generator).to(probs.device)
+        tokens[sampled] = (probs / noise).argmax(dim=-1)
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if want_logprobs:
+        lp = torch.log_softmax(raw[want_logprobs], dim=-1)
+        entries = top_logprobs(lp, tokens[want_logprobs], [rows[i].params.logprobs for i in want_logprobs])
+        for i, entry in zip(want_logprobs, entries):
+            logprobs[i] = entry
+    return tokens.tolist(), logprobs
