@@ -1,18 +1,97 @@
-"""The ``duoserve`` command."""
+"""The ``duoserve`` command: ``duoserve generate --prompt ...``.
+
+Heavy imports (torch, the engine) happen inside the subcommands, so ``--help`` is instant.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from duoserve import __version__
+from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                             DEFAULT_MAX_NUM_SEQS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig)
+from duoserve.errors import ConfigError, DuoserveError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face checkpoint directory, a .gguf file, or 'smollm2-135m' "
+                        "(default: the packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations; auto = float32 on CPU, bfloat16 on GPU (default: auto)")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is visible, else cpu)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--hf-overrides", type=json.loads, default={},
+                   help='JSON object of config values to mend, e.g. \'{"max_position_embeddings": 32768}\'')
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per KV block, a power of two (default: {DEFAULT_BLOCK_SIZE})")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help=f"KV cache budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved lazily; "
+                        "on GPU --gpu-memory-utilization of free memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of free GPU memory for the KV cache (default: 0.9)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps under the token budget (default: on)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked "
+                        "prefill, else max_model_len)")
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"most sequences in one step (default: {DEFAULT_MAX_NUM_SEQS})")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=device, hf_overrides=args.hf_overrides,
+                          max_model_len=args.max_model_len, seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs,
+                                  enable_chunked_prefill=args.enable_chunked_prefill),
+        num_threads=args.num_threads,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="duoserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="duoserve", description="duoserve: prefill/decode-disaggregated LLM serving")
     parser.add_argument("--version", action="version", version=f"duoserve {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = commands.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(gen)
     return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from duoserve.engine.core import EngineCore
+    from duoserve.entrypoints.llm import LLM
+    from duoserve.sampling_params import SamplingParams
+
+    llm = LLM.from_engine(EngineCore(engine_config_from_args(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+    except (ConfigError, DuoserveError) as exc:
+        print(f"duoserve: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -48,3 +48,14 @@ def hf_default_model():
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return tokenizer, model.eval()
+
+
+@pytest.fixture(scope="session")
+def smol_llm(default_model):
+    """An offline LLM over the session's default model (0.5 GiB of KV cache)."""
+    from duoserve import LLM
+    from duoserve.config import CacheConfig, EngineConfig, ModelConfig
+    from duoserve.engine.core import EngineCore
+
+    config = EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_cache_memory=0.5))
+    return LLM.from_engine(EngineCore(config, loaded=default_model))

@@ -56,3 +56,34 @@ def forward_one(model, token_ids: list[int], block_size: int = 16) -> torch.Tens
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size, dtype=dtype)
     hidden = model(torch.tensor(token_ids), torch.arange(n), caches, meta)
     return model.compute_logits(hidden)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list]:
+    """transformers' greedy continuation (eos ignored) and its per-step logits."""
+    model.generation_config.eos_token_id = None  # never stop early, never suppress eos
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.scores]
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = torch.log_softmax(logits.float(), -1).topk(2).values
+    return (top[0] - top[1]).item()
+
+
+def assert_same_greedy(got: list[int], want: list[int], step_logits, label: str = "") -> None:
+    """Identical greedy tokens, or a first divergence at a near-tie (top-2 log-prob gap < 1e-3), reported."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            gap = top2_gap(step_logits[i])
+            assert gap < 1e-3, f"{label}: token {i} differs ({a} vs {b}) with top-2 gap {gap:.2e}"
+            print(f"{label}: near-tie divergence at token {i} (gap {gap:.2e}), accepted")
+            return
+    assert len(got) == len(want), f"{label}: {len(got)} tokens vs {len(want)}"
+
+
+def assert_pool_whole(llm) -> None:
+    pool = llm.engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.num_free_blocks} blocks leaked"
+    assert not llm.engine.has_unfinished() and not llm.engine.scheduler.requests

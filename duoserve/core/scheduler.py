@@ -191,8 +191,8 @@ class Scheduler:
         else:
             self._finish(request, status)
         return EngineCoreOutput(request.request_id, [token], status.finish_reason if status else None,
-                                [logprobs] if logprobs else None, request.num_cached_tokens,
-                                stop_reason=stop_reason)
+                                new_logprobs=[logprobs] if logprobs else None,
+                                num_cached_tokens=request.num_cached_tokens, stop_reason=stop_reason)
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params

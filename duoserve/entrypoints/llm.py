@@ -41,8 +41,18 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill),
             num_threads=num_threads,
         )
-        self.engine = EngineCore(config)
-        self.frontend = Frontend(self.engine)
+        self._attach(EngineCore(config))
+
+    @classmethod
+    def from_engine(cls, engine: EngineCore) -> "LLM":
+        """Wrap an engine built elsewhere (e.g. over an already loaded model)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.frontend = Frontend(engine)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -58,7 +68,14 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: "
                              "give one, or one per prompt")
-        ids = [self.frontend.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.frontend.add_request(prompt, sp))
+        except Exception:  # one bad prompt: nothing of this call stays in the engine
+            for request_id in ids:
+                self.frontend.abort(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],

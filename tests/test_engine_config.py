@@ -1,0 +1,75 @@
+"""Engine configuration errors: the field, the value and what is allowed, in the message."""
+
+from __future__ import annotations
+
+import pytest
+
+from duoserve import LLM
+from duoserve.config import CacheConfig, SchedulerConfig
+from duoserve.errors import ConfigError, InvalidInputError
+from duoserve import SamplingParams
+
+
+@pytest.mark.parametrize("size", [0, 3, 48, 512])
+def test_block_size_power_of_two(size):
+    with pytest.raises(ConfigError) as err:
+        CacheConfig(block_size=size)
+    assert str(err.value) == f"block_size={size} is not allowed: a power of two from 1 to 256"
+
+
+def test_budget_below_context_without_chunking():
+    with pytest.raises(ConfigError) as err:
+        SchedulerConfig(max_num_batched_tokens=256, enable_chunked_prefill=False).token_budget(512)
+    assert str(err.value).startswith(
+        "max_num_batched_tokens=256 is not allowed: at least max_model_len (512) when chunked prefill is off")
+    assert SchedulerConfig(max_num_batched_tokens=256).token_budget(512) == 256
+    assert SchedulerConfig().token_budget(8192) == 512
+
+
+def test_kv_budget_too_small(tiny_dir):
+    with pytest.raises(ConfigError) as err:
+        LLM(str(tiny_dir()), kv_cache_memory=0.0001)
+    # tiny llama: 512 bytes a token, 512 tokens -> 32 blocks of 16 tokens = 262144 bytes
+    assert str(err.value) == (
+        "kv_cache_memory=0.0001 is not allowed: at least 0.0002 GiB to hold one sequence of max_model_len=512 "
+        "tokens (32 blocks of 8192 bytes). Raise --kv-cache-memory or lower --max-model-len")
+
+
+def test_max_model_len_over_model_limit(tiny_dir):
+    with pytest.raises(ConfigError, match=r"max_model_len=4096 is not allowed: at most the model's "
+                                          r"max_position_embeddings \(512\)"):
+        LLM(str(tiny_dir()), max_model_len=4096)
+
+
+def test_sampling_params_errors():
+    with pytest.raises(ConfigError, match=r"^temperature=-1 is not allowed: a number >= 0 \(0 is greedy\)$"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ConfigError, match=r"^top_p=0 is not allowed: a number in \(0, 1\]$"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ConfigError, match=r"^logprobs=21 is not allowed: an integer in \[0, 20\]$"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ConfigError, match=r"^n=0 is not allowed"):
+        SamplingParams(n=0)
+
+
+def test_bad_prompts_are_refused_and_lose_nothing(tiny_dir):
+    llm = LLM(str(tiny_dir()), kv_cache_memory=0.01, max_model_len=64)
+    with pytest.raises(InvalidInputError, match="the prompt is empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match=r"token id 999 is out of range: ids are integers in \[0, 256\)"):
+        llm.generate([[1, 999]], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="the prompt has 64 tokens, but the context length"):
+        llm.generate([[1] * 64], use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="this model has no tokenizer"):
+        llm.generate(["text"], use_tqdm=False)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 61 and out[0].outputs[0].finish_reason == "length"
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks
+
+
+def test_bad_prompt_in_a_batch_leaves_nothing_behind(tiny_dir):
+    llm = LLM(str(tiny_dir()), kv_cache_memory=0.01)
+    with pytest.raises(InvalidInputError):
+        llm.generate([[1, 2], [3, 4], [1, 999]], use_tqdm=False)
+    assert not llm.engine.has_unfinished() and not llm.frontend.states
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].finish_reason
