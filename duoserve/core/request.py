@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
-
 from duoserve.errors import InvalidRequestError
 from duoserve.sampling_params import SamplingParams
 
@@ -68,8 +66,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "sample_index",
                  "status", "num_computed_tokens", "num_cached_tokens", "arrival_time", "eos_token_ids",
-                 "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time",
-                 "extra")
+                 "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_total_tokens: int | None = None,
@@ -89,7 +86,6 @@ class Request:
         self.block_hashes: list[bytes] = []      # digests of this request's full blocks, in order
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
-        self.extra: dict[str, Any] = {}
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -48,13 +48,15 @@ class IncrementalDetokenizer:
         return None
 
     def _find_stop(self, old_len: int) -> bool:
-        for stop in self.stop:
-            index = self.text.find(stop, max(0, old_len - len(stop) + 1))
-            if index != -1:
-                self.text = self.text[:index + len(stop) if self.include_stop else index]
-                self.stopped_by = stop
-                return True
-        return False
+        """Cut the text at the earliest stop string that the new text completes."""
+        found = [(index, stop) for stop in self.stop
+                 if (index := self.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        if not found:
+            return False
+        index, stop = min(found)
+        self.text = self.text[:index + len(stop) if self.include_stop else index]
+        self.stopped_by = stop
+        return True
 
     def take_delta(self, finished: bool) -> str:
         """Text not handed out yet; the tail that may still begin a stop string waits unless finished."""

@@ -9,8 +9,10 @@ in the batch, then sequences with several new tokens (prefill chunks)::
     tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1
              decodes    prefill chunk  prefill chunk
 
-Decodes attend in one batched matmul over their gathered blocks; each prefill chunk
-attends with ``scaled_dot_product_attention`` over its cached prefix plus itself.
+Decodes attend together: their context slots are gathered once per layer with one
+``index_select`` (the slot list is built once per step), then two batched matmuls do
+all heads at once (see ``_decode_attention``). Each prefill chunk attends with
+``scaled_dot_product_attention`` over its cached prefix plus itself.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from duoserve.model.cpu_kernels import c_decode_attention
 
 
 @dataclass(slots=True)
@@ -34,8 +38,10 @@ class PrefillSeq:
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [num_tokens] long: where each token's K/V is written
     num_decode_tokens: int              # the first tokens, one per decoding sequence
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None    # [num_decodes, 1, 1, max_blocks * block_size] additive float
+    decode_slots: torch.Tensor | None   # [num_decodes * ctx] long: cache slots of each decode's context
+    decode_mask: torch.Tensor | None    # [num_decodes, 1, ctx] additive float: -inf past each seq_len
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (for the C kernel)
+    decode_seq_lens: torch.Tensor | None      # [num_decodes] long
     prefills: list[PrefillSeq]
 
     @staticmethod
@@ -55,17 +61,19 @@ class AttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        decode_tables = decode_mask = None
+        decode_slots = decode_mask = tables = lens = None
         if num_decodes:
             max_blocks = max(len(t) for t in block_tables[:num_decodes])
             padded = [t + [0] * (max_blocks - len(t)) for t in block_tables[:num_decodes]]
-            decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            tables = torch.tensor(padded, dtype=torch.long, device=device)  # [num_decodes, max_blocks]
+            offsets = torch.arange(block_size, device=device)
+            decode_slots = (tables[:, :, None] * block_size + offsets).reshape(-1)
             lens = torch.tensor(seq_lens[:num_decodes], device=device)
             span = torch.arange(max_blocks * block_size, device=device)
-            hidden = span[None, :] >= lens[:, None]  # [num_decodes, max_blocks * block_size]
+            hidden = span[None, :] >= lens[:, None]  # [num_decodes, ctx]
             decode_mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
             decode_mask.masked_fill_(hidden, float("-inf"))
-            decode_mask = decode_mask[:, None, None, :]
+            decode_mask = decode_mask[:, None, :]
         prefills = []
         start = num_decodes
         for i in range(num_decodes, len(query_lens)):
@@ -81,8 +89,10 @@ class AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             num_decode_tokens=num_decodes,
-            decode_block_tables=decode_tables,
+            decode_slots=decode_slots,
             decode_mask=decode_mask,
+            decode_block_tables=tables,
+            decode_seq_lens=lens,
             prefills=prefills,
         )
 
@@ -96,19 +106,27 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, head_slot: torch.Tensor) -> torch.Tensor:
+    """One query token per sequence against its gathered context.
+
+    Keys stay [num_decodes, ctx, num_kv_heads * head_dim] as gathered; each query head is
+    placed in its KV head's slot of a zero vector of that width, so one batched matmul
+    scores every head against its own KV head (the zeros cancel the others). This
+    spends num_kv_heads times the (tiny) FLOPs to avoid copying K and V per KV head.
+    """
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    tables = meta.decode_block_tables
-    keys = k_cache[tables].flatten(1, 2).to(q.dtype)  # [num_decodes, ctx, num_kv_heads, head_dim]
-    values = v_cache[tables].flatten(1, 2).to(q.dtype)  # [num_decodes, ctx, num_kv_heads, head_dim]
-    q = q.view(num_decodes, num_kv_heads, group, head_dim)  # [num_decodes, kv_heads, group, head_dim]
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale  # [num_decodes, kv_heads, group, ctx]
-    scores = scores + meta.decode_mask
+    width = num_kv_heads * head_dim
+    keys = k_cache.view(-1, width).index_select(0, meta.decode_slots).view(num_decodes, -1, width)
+    values = v_cache.view(-1, width).index_select(0, meta.decode_slots).view(num_decodes, -1, width)
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # [num_decodes, ctx, width]
+    slot = head_slot.to(q.dtype)[None, :, :, None]  # [1, num_heads, num_kv_heads, 1]: 1 at each head's KV head
+    spread = (q[:, :, None, :] * slot).view(num_decodes, num_heads, width)  # zeros outside the head's slot
+    scores = torch.baddbmm(meta.decode_mask.to(q.dtype), spread, keys.transpose(1, 2),
+                           alpha=scale)  # [num_decodes, num_heads, ctx]
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # [num_decodes, kv_heads, group, head_dim]
-    return out.reshape(num_decodes, num_heads * head_dim)
+    out = torch.bmm(probs, values).view(num_decodes, num_heads, num_kv_heads, head_dim)
+    return (out * slot).sum(dim=2).view(num_decodes, num_heads * head_dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -119,8 +137,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if seq.mask is None:
         keys, values = k, v  # the chunk is the whole context: no need to read the cache
     else:
-        keys = k_cache[seq.block_table].flatten(0, 1)[: seq.seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
-        values = v_cache[seq.block_table].flatten(0, 1)[: seq.seq_len].to(q.dtype)  # [seq_len, kv_heads, head_dim]
+        keys = k_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len].to(q.dtype)
+        values = v_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len].to(q.dtype)
+        # keys, values: [seq_len, num_kv_heads, head_dim]
     group = num_heads // num_kv_heads
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     values = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
@@ -133,17 +152,31 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, head_slot: torch.Tensor) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
     Writes k, v into the cache, then returns the attention output [num_tokens, num_heads * head_dim].
+    ``head_slot`` [num_heads, num_kv_heads] bool marks each query head's KV head (see ``kv_head_slots``).
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale))
+        out = c_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
+                                 meta.decode_seq_lens, scale)
+        if out is None:
+            out = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot)
+        parts.append(out.to(q.dtype))
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
         parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def kv_head_slots(num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """[num_heads, num_kv_heads] bool: True where query head h reads KV head h // group."""
+    group = num_heads // num_kv_heads
+    heads = torch.arange(num_heads, device="cpu")  # explicit: models are built under a meta device
+    slots = torch.zeros(num_heads, num_kv_heads, dtype=torch.bool, device="cpu")
+    slots[heads, heads // group] = True
+    return slots

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from duoserve.model.arch import RopeConfig
@@ -19,11 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)  # [..., 1]
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype == torch.float32:  # one fused kernel; same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -56,8 +56,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)  # rotate-half's sign folded in
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", signed_sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
@@ -66,7 +67,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim]."""
+    """x: [num_tokens, num_heads, head_dim]; cos: [num_tokens, 1, head_dim]; sin likewise, with
+    its first half negated (``RotaryEmbedding.cos_sin``), so rotate-half is a swap of halves."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [num_tokens, num_heads, head_dim]
-    return x * cos + rotated * sin
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)  # [num_tokens, num_heads, head_dim]
+    return torch.addcmul(x * cos, swapped, sin)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duoserve.model.arch import ModelArch
-from duoserve.model.attention import AttentionMetadata, paged_attention
+from duoserve.model.attention import AttentionMetadata, kv_head_slots, paged_attention
 from duoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -34,22 +34,22 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
+        self.register_buffer("head_slot", kv_head_slots(arch.num_heads, arch.num_kv_heads), persistent=False)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         arch = self.arch
         num_tokens = x.shape[0]
         qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
-        q = q.view(num_tokens, arch.num_heads, arch.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        heads = arch.num_heads + arch.num_kv_heads
+        qk = qkv[:, : arch.q_size + arch.kv_size].reshape(num_tokens, heads, arch.head_dim)
+        v = qkv[:, arch.q_size + arch.kv_size:].reshape(num_tokens, arch.num_kv_heads, arch.head_dim)
         if arch.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, q_size]
+            qk = torch.cat([self.q_norm(qk[:, : arch.num_heads]), self.k_norm(qk[:, arch.num_heads:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # [num_tokens, num_heads + num_kv_heads, head_dim]: Q and K at once
+        q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads:]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              self.head_slot)  # [num_tokens, q_size]
         return self.o_proj(out)  # [num_tokens, hidden]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +71,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # With tied embeddings, an optional faster copy of the output projection (see cpu_linear).
+        self.tied_head: nn.Module | None = None
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
         self.requires_grad_(False)
 
@@ -85,8 +87,11 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""
-        weight = self.embed.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if not self.arch.tie_word_embeddings:
+            return self.lm_head(hidden).float()
+        if self.tied_head is not None:
+            return self.tied_head(hidden).float()
+        return F.linear(hidden, self.embed.weight).float()
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint must provide, by our parameter name."""

@@ -12,6 +12,7 @@ import torch
 
 from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from duoserve.model.attention import AttentionMetadata
+from duoserve.model.cpu_linear import pack_for_cpu
 from duoserve.model.loader import LoadedModel
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, sample, top_logprobs
@@ -21,6 +22,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: str, seed: int = 0) -> None:
         self.model = loaded.model
+        if self.model.embed.weight.device.type == "cpu":
+            pack_for_cpu(self.model)
         self.arch = loaded.arch
         self.device = torch.device(device)
         self.block_size = block_size
