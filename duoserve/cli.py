@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from duoserve import __version__
-from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                              DEFAULT_MAX_NUM_SEQS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig)
 from duoserve.errors import ConfigError, DuoserveError
 
@@ -76,7 +77,54 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible server and its engine")
+    add_server_args(serve)
+    add_engine_args(serve)
     return parser
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the --model value, or smollm2-135m)")
+    g.add_argument("--api-key", default=os.environ.get("DUOSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DUOSERVE_API_KEY, or none)")
+    g.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"],
+                   help="one engine doing prefill and decode, or separate engines (default: colocated)")
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="requests in flight beyond which new ones get 429 (default: no limit)")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted, larger gets 413 (default: 1048576)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log every HTTP request (default: on)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from duoserve.entrypoints.api_server import ServerConfig, create_app
+
+    if args.mode == "disaggregated":
+        raise ConfigError("mode", "disaggregated", "colocated: disaggregated serving is not available in this "
+                          "version yet")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
+    server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
+                          max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
+    app = create_app(engine_config_from_args(args), server)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout))
+    uvicorn.Server(config).run()
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -103,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
     except (ConfigError, DuoserveError) as exc:
         print(f"duoserve: error: {exc}", file=sys.stderr)
         return 2

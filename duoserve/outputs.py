@@ -16,6 +16,8 @@ class CompletionOutput:
     finish_reason: str | None = None    # stop, length, abort, error
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None
+    delta_text: str = ""                # text added since the previous snapshot (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -56,6 +56,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    queue_seconds: float | None = None    # with the first token: arrival -> first scheduled
+    prefill_seconds: float | None = None  # with the first token: first scheduled -> first token
 
     @property
     def finished(self) -> bool:

@@ -190,9 +190,13 @@ class Scheduler:
                 request.move_to(S.RUNNING)
         else:
             self._finish(request, status)
-        return EngineCoreOutput(request.request_id, [token], status.finish_reason if status else None,
-                                new_logprobs=[logprobs] if logprobs else None,
-                                num_cached_tokens=request.num_cached_tokens, stop_reason=stop_reason)
+        out = EngineCoreOutput(request.request_id, [token], status.finish_reason if status else None,
+                               new_logprobs=[logprobs] if logprobs else None,
+                               num_cached_tokens=request.num_cached_tokens, stop_reason=stop_reason)
+        if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
+            out.queue_seconds = request.first_scheduled_time - request.arrival_time
+            out.prefill_seconds = time.monotonic() - request.first_scheduled_time
+        return out
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params

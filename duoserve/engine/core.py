@@ -17,6 +17,7 @@ from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
+from duoserve.engine.messages import EngineStats
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
 from duoserve.worker.kv_cache import num_kv_blocks
 from duoserve.worker.model_runner import ModelRunner
@@ -43,8 +44,14 @@ class EngineCore:
                                    config.scheduler.enable_chunked_prefill)
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
                                   config.model.device, config.model.seed)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -84,4 +91,18 @@ class EngineCore:
                 outputs += self.scheduler.abort(item.request.request_id, RequestStatus.FINISHED_ERROR,
                                                 f"internal error while running the model: {exc}")
             return outputs
-        return self.scheduler.update(plan, result)
+        outputs = self.scheduler.update(plan, result)
+        for item in plan.scheduled:
+            computed_end = min(item.start + item.num_new_tokens, item.request.num_prompt_tokens)
+            self.num_prompt_tokens += max(0, computed_end - item.start)
+        self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=pool.usage, num_blocks=pool.num_blocks,
+            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens=self.num_prompt_tokens)

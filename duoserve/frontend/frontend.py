@@ -3,21 +3,40 @@
 It tokenizes and validates each prompt, hands the engine a ``Request``, and turns the
 engine's token deltas into text (incremental detokenization, stop strings), samples of
 an ``n > 1`` prompt gathered under their prompt's id.
+
+The engine is anything with the ``EngineHandle`` methods: an ``EngineCore`` in this
+process (offline use) or a client of an engine in another process (the server).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from duoserve.core.outputs import EngineCoreOutput, TokenLogprobs
 from duoserve.core.request import Request
-from duoserve.engine.core import EngineCore
 from duoserve.errors import InvalidInputError
 from duoserve.frontend.detokenizer import IncrementalDetokenizer
+from duoserve.model.tokenizer import Tokenizer
 from duoserve.outputs import CompletionOutput, RequestOutput
 from duoserve.sampling_params import SamplingParams
+
+
+class EngineHandle(Protocol):
+    tokenizer: Tokenizer | None
+    max_model_len: int
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    def add_request(self, request: Request) -> None: ...
+    def abort(self, request_id: str) -> object: ...
+    def finish_stopped(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -32,17 +51,28 @@ class RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # TTFT stages reported by the engine
 
     def snapshot(self) -> RequestOutput:
+        """A copy of the request's state, carrying each sample's delta since the last snapshot."""
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.outputs,
-                             self.prompt_logprobs, self.num_cached_tokens, metrics)
+        metrics.update({f"{stage}_seconds": value for stage, value in self.stage_seconds.items()})
+        outputs = []
+        for output in self.outputs:
+            outputs.append(dataclasses.replace(
+                output, token_ids=list(output.token_ids),
+                logprobs=None if output.logprobs is None else list(output.logprobs),
+                delta_token_ids=list(output.delta_token_ids)))
+            output.delta_text, output.delta_token_ids = "", []
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             self.num_cached_tokens, metrics)
 
 
 class Frontend:
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, engine: EngineHandle) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -55,7 +85,7 @@ class Frontend:
                 raise InvalidInputError("prompt", "this model has no tokenizer: send token ids instead of text")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.engine.arch.vocab_size
+        vocab = self.engine.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidInputError("prompt", f"token id {bad[0]!r} is out of range: ids are integers in [0, {vocab})")
@@ -111,9 +141,13 @@ class Frontend:
         return bool(self.states)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns a snapshot of every request that moved."""
+        """Run one step of an in-process engine; returns a snapshot of every request that moved."""
+        return self.process_outputs(self.engine.step())
+
+    def process_outputs(self, engine_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Apply the engine's token deltas; one snapshot per request that moved."""
         touched: dict[str, RequestState] = {}
-        for out in self.engine.step():
+        for out in engine_outputs:
             found = self._locate(out.request_id)
             if found is None:
                 continue
@@ -144,21 +178,24 @@ class Frontend:
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = time.monotonic()
         state.num_cached_tokens = out.num_cached_tokens
+        if out.queue_seconds is not None:
+            state.stage_seconds.update(queue=out.queue_seconds, prefill=out.prefill_seconds or 0.0)
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and completion.logprobs is not None:
             completion.logprobs.extend(out.new_logprobs)
+        completion.delta_token_ids.extend(out.new_token_ids)
         detok = state.detokenizers[index]
         stop_hit = detok.add_tokens(out.new_token_ids) if detok is not None else None
-        if detok is not None:
-            completion.text = detok.text
-        if stop_hit is not None and not out.finished:
-            self.engine.finish_stopped(out.request_id)
-            completion.finish_reason, completion.stop_reason = "stop", stop_hit
-        elif stop_hit is not None:
+        if stop_hit is not None:
+            if not out.finished:
+                self.engine.finish_stopped(out.request_id)
             completion.finish_reason, completion.stop_reason = "stop", stop_hit
         elif out.finished:
             completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
             completion.error = out.error
+        if detok is not None:
+            completion.text = detok.text
+            completion.delta_text += detok.take_delta(completion.finished)
 
     def _release(self, request_id: str) -> None:
         self.states.pop(request_id, None)

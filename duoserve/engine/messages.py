@@ -1,0 +1,93 @@
+"""Every message that crosses a process boundary, and its encoding (msgpack via msgspec).
+
+Frontend -> engine: ``AddRequest``, ``AbortRequest``, ``FinishStopped``, ``ReleaseRequest``,
+``Shutdown``. Engine -> frontend: ``EngineReady`` once, then ``EngineOutputs`` (token
+deltas, and engine stats every ``stats_interval``), or ``EngineFailed`` if it cannot start.
+No pickle: a message is plain data, decoded into these types or refused.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from duoserve.core.outputs import EngineCoreOutput
+from duoserve.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    max_total_tokens: int
+    arrival_time: float
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class FinishStopped(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class ReleaseRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int      # cumulative prompt tokens looked up
+    prefix_cache_hits: int         # cumulative prompt tokens found
+    num_preemptions: int
+    num_generated_tokens: int      # cumulative
+    num_prompt_tokens: int         # cumulative prompt tokens computed
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    block_size: int
+    model_path: str
+    tokenizer_json: str | None     # the engine's tokenizer, so the frontend needn't load the model
+    bos_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats | None = None
+
+
+class EngineFailed(msgspec.Struct, tag=True):
+    error: str
+
+
+ToEngine = AddRequest | AbortRequest | FinishStopped | ReleaseRequest | Shutdown
+FromEngine = EngineReady | EngineOutputs | EngineFailed
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine.decode(data)

@@ -1,0 +1,191 @@
+"""The HTTP server: FastAPI app, its guards (API key, body size, queue length) and lifecycle.
+
+Startup launches the engine process and waits until it is ready; shutdown (after
+uvicorn has drained or timed out in-flight requests) aborts what is left and stops
+the engine, so no child process outlives the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from duoserve.config import EngineConfig
+from duoserve.entrypoints.errors import APIError, error_response
+from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           GenerateRequest, TokenizeRequest)
+from duoserve.entrypoints.serving import OpenAIServing
+from duoserve.entrypoints.serving_chat import ChatServing
+from duoserve.frontend.async_engine import AsyncEngine
+from duoserve.metrics import ServerMetrics
+
+logger = logging.getLogger("duoserve.api")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_queue_len: int | None = None         # unfinished requests beyond which new ones get 429
+    max_request_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+
+
+class BodyLimit:
+    """ASGI middleware: refuse a body over ``limit`` bytes with 413, by header or by count."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise APIError(413, f"request body over {self.limit} bytes")
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except APIError:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, f"request body over the limit of {self.limit} bytes "
+                                       "(--max-request-bytes)", code="request_too_large")
+        await response(scope, receive, send)
+
+
+def _validation_param(exc: RequestValidationError) -> tuple[str, str]:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return param, f"invalid value for {param or 'the request body'}: {first.get('msg', 'invalid')}"
+
+
+def create_app(engine_config: EngineConfig, server: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
+    engine = engine or AsyncEngine(engine_config)
+    metrics = ServerMetrics()
+    engine.on_output.append(metrics.observe_output)
+    engine.on_stats.append(metrics.observe_stats)
+    openai = OpenAIServing(engine, server.served_model_name)
+    chat = ChatServing(openai)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        start = time.monotonic()
+        await engine.start()
+        logger.info("serving %s: ready in %.1fs", server.served_model_name, time.monotonic() - start)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="duoserve", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(BodyLimit, limit=server.max_request_bytes)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if server.api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+        if server.max_queue_len is not None and request.method == "POST" and \
+                request.url.path in ("/v1/completions", "/v1/chat/completions", "/generate") and \
+                engine.num_unfinished >= server.max_queue_len:
+            return error_response(429, f"the server is full ({engine.num_unfinished} requests in flight, "
+                                       f"--max-queue-len {server.max_queue_len}); retry shortly",
+                                  headers={"Retry-After": "1"})
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        param, message = _validation_param(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    def warn_unknown(body) -> None:
+        unknown = body.unknown_fields()
+        if unknown:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        warn_unknown(body)
+        return await openai.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        warn_unknown(body)
+        return await chat.chat(body, raw)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, raw: Request):
+        warn_unknown(body)
+        return await chat.generate(body, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.served_model_name, "object": "model",
+                                            "created": int(time.time()), "owned_by": "duoserve",
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        openai.check_model(body.model)
+        if body.messages is not None:
+            ids = chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
+                                                         add_generation_prompt=body.add_generation_prompt))
+        elif body.prompt is not None:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give prompt or messages", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        openai.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.client.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.client.vocab_size})",
+                           param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health():
+        if engine.ready:
+            return {"status": "ok"}
+        reason = engine.dead_reason or "engine-0 is not ready"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,128 @@
+"""/v1/chat/completions (through the model's chat template) and the simple /generate API."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from duoserve.entrypoints.errors import APIError
+from duoserve.entrypoints.protocol import ChatCompletionRequest, GenerateRequest
+from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect, sse, usage
+
+
+def _chat_logprobs(tokenizer, entries: list) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+class ChatServing:
+    def __init__(self, base: OpenAIServing) -> None:
+        self.base = base
+        self.engine = base.engine
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as exc:  # the template itself may refuse a conversation
+            raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self.base.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _params(lambda: body.sampling_params(max_tokens, logprobs))
+        prompt = self.chat_prompt(body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = Streams(self.engine, [prompt], params, rid)
+        await streams.start()
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream(streams, body, rid, created), media_type="text/event-stream")
+        (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(self.engine.tokenizer, c.logprobs) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        num_completion = sum(len(c.token_ids) for c in final.outputs)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": self.base.model_name, "choices": choices,
+                             "usage": usage(len(final.prompt_token_ids), num_completion)})
+
+    async def _stream(self, streams: Streams, body: ChatCompletionRequest, rid: str,
+                      created: int) -> AsyncIterator[str]:
+        opts = body.stream_options
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.base.model_name}
+        started: set[int] = set()
+        num_prompt = 0
+        counts: dict[int, int] = {}
+        try:
+            async for _, out in streams.merged():
+                num_prompt = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    if c.index not in started:
+                        started.add(c.index)
+                        yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]})
+                    if not c.delta_text and not c.finished:
+                        continue
+                    counts[c.index] = len(c.token_ids)
+                    lp = None
+                    if body.logprobs and c.logprobs:
+                        lp = _chat_logprobs(self.engine.tokenizer, c.logprobs[len(c.token_ids) - len(c.delta_token_ids):])
+                    chunk = {**head, "choices": [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text
+                                                  else {}, "logprobs": lp, "finish_reason": c.finish_reason}]}
+                    if opts is not None and opts.continuous_usage_stats:
+                        chunk["usage"] = usage(num_prompt, sum(counts.values()))
+                    yield sse(chunk)
+            if opts is not None and opts.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(num_prompt, sum(counts.values()))})
+        except APIError as exc:
+            yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": "503"}})
+        yield sse("[DONE]")
+
+    # ---- /generate ----------------------------------------------------------------------
+
+    async def generate(self, body: GenerateRequest, raw: Request):
+        """The seed documents' simple API: the completion only (no echo), its token ids and usage."""
+        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        rid = f"gen-{uuid.uuid4().hex}"
+        streams = Streams(self.engine, [body.prompt], params, rid)
+        await streams.start()
+        if body.stream:
+            return StreamingResponse(self._stream_generate(streams), media_type="text/event-stream")
+        (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
+        c = final.outputs[0]
+        result = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                  "usage": usage(len(final.prompt_token_ids), len(c.token_ids))}
+        if params.n > 1:
+            result["choices"] = [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                                  "finish_reason": o.finish_reason} for o in final.outputs]
+        return JSONResponse(result)
+
+    async def _stream_generate(self, streams: Streams) -> AsyncIterator[str]:
+        try:
+            async for _, out in streams.merged():
+                for c in out.outputs:
+                    if c.delta_text or c.delta_token_ids or c.finished:
+                        event = {"index": c.index, "text": c.delta_text, "token_ids": c.delta_token_ids,
+                                 "finish_reason": c.finish_reason}
+                        if c.finished:
+                            event["usage"] = usage(len(out.prompt_token_ids), len(c.token_ids))
+                        yield sse(event)
+        except APIError as exc:
+            yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": "503"}})
+        yield sse("[DONE]")

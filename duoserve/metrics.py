@@ -1,0 +1,102 @@
+"""Prometheus metrics and the periodic engine stats log line.
+
+Latencies are measured in the frontend from each request's snapshots (arrival, first
+token, every later token); engine-side figures (running, waiting, KV usage, prefix
+cache) come from the engine's stats messages. Counters that the engine keeps
+cumulatively are advanced by the difference since the last stats message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from duoserve.engine.messages import EngineStats
+from duoserve.outputs import RequestOutput
+
+logger = logging.getLogger("duoserve.stats")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+STAGES = ("queue", "prefill", "transfer", "admit")
+
+
+class ServerMetrics:
+    def __init__(self, engine_name: str = "engine-0", log_interval: float = 5.0) -> None:
+        self.registry = CollectorRegistry()
+        r, b = self.registry, _LATENCY_BUCKETS
+        self.ttft = Histogram("duoserve:time_to_first_token_seconds", "Time to first token", registry=r, buckets=b)
+        self.tpot = Histogram("duoserve:time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request", registry=r, buckets=b)
+        self.itl = Histogram("duoserve:inter_token_latency_seconds", "Time between consecutive tokens",
+                             registry=r, buckets=b)
+        self.e2e = Histogram("duoserve:e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             registry=r, buckets=b)
+        self.stage = Histogram("duoserve:ttft_stage_seconds", "Time to first token by stage", ["stage"],
+                               registry=r, buckets=b)
+        self.kv_transfer = Histogram("duoserve:kv_transfer_seconds", "KV handoff time per request", registry=r,
+                                     buckets=b)
+        self.running = Gauge("duoserve:num_requests_running", "Requests being computed", registry=r)
+        self.waiting = Gauge("duoserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("duoserve:kv_cache_usage_ratio", "Fraction of KV blocks in use", ["engine"],
+                              registry=r)
+        self.prompt_tokens = Counter("duoserve:prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("duoserve:generation_tokens", "Tokens generated", registry=r)
+        self.prefix_queries = Counter("duoserve:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=r)
+        self.prefix_hits = Counter("duoserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.kv_transfer_bytes = Counter("duoserve:kv_transfer_bytes", "KV bytes handed between engines",
+                                         registry=r)
+        self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
+        self.engine_name = engine_name
+        self.log_interval = log_interval
+        self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
+        self._last_stats: EngineStats | None = None
+        self._last_log = time.monotonic()
+        self._tokens_at_last_log = 0
+
+    def observe_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        arrival = out.metrics.get("arrival_time", now)
+        num_tokens = sum(len(o.token_ids) for o in out.outputs)
+        last_time, seen = self._seen.get(out.request_id, (arrival, 0))
+        new = num_tokens - seen
+        if seen == 0 and new > 0:
+            self.ttft.observe(now - arrival)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            for stage in ("queue", "prefill"):
+                if f"{stage}_seconds" in out.metrics:
+                    self.stage.labels(stage).observe(out.metrics[f"{stage}_seconds"])
+        elif new > 0:
+            self.itl.observe(now - last_time)
+        if new > 0:
+            self.generation_tokens.inc(new)
+            self._seen[out.request_id] = (now, num_tokens)
+        if out.finished:
+            self._seen.pop(out.request_id, None)
+            self.e2e.observe(now - arrival)
+            first = out.metrics.get("first_token_time")
+            if first is not None and num_tokens > len(out.outputs):
+                self.tpot.observe((now - first) / (num_tokens - len(out.outputs)))
+            for o in out.outputs:
+                self.success.labels(o.finish_reason or "unknown").inc()
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.labels(self.engine_name).set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
+        self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        self._last_stats = stats
+        now = time.monotonic()
+        if now - self._last_log >= self.log_interval:
+            rate = (stats.num_generated_tokens - self._tokens_at_last_log) / (now - self._last_log)
+            logger.info("%s: running %d, waiting %d, KV usage %.1f%%, generation %.1f tokens/s, "
+                        "prefix cache hit rate %.1f%%", self.engine_name, stats.num_running, stats.num_waiting,
+                        100 * stats.kv_cache_usage, rate,
+                        100 * stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1))
+            self._last_log, self._tokens_at_last_log = now, stats.num_generated_tokens
