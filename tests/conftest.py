@@ -59,3 +59,25 @@ def smol_llm(default_model):
 
     config = EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_cache_memory=0.5))
     return LLM.from_engine(EngineCore(config, loaded=default_model))
+
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One real server (uvicorn + engine process) for the API tests of a session."""
+    from tests.server_helpers import Server
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = Server("--kv-cache-memory", "0.5", "--max-queue-len", "40", "--num-threads", "2",
+                 api_key=API_KEY, log=log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)

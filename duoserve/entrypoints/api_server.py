@@ -33,7 +33,7 @@ logger = logging.getLogger("duoserve.api")
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
-    max_queue_len: int | None = None         # unfinished requests beyond which new ones get 429
+    max_queue_len: int | None = None         # requests in flight beyond which new ones get 429
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
 
@@ -81,7 +81,7 @@ def _validation_param(exc: RequestValidationError) -> tuple[str, str]:
 
 
 def create_app(engine_config: EngineConfig, server: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
-    engine = engine or AsyncEngine(engine_config)
+    engine = engine or AsyncEngine(engine_config, server.max_queue_len)
     metrics = ServerMetrics()
     engine.on_output.append(metrics.observe_output)
     engine.on_stats.append(metrics.observe_stats)
@@ -108,12 +108,6 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, engine: AsyncE
             if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
                 return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                       code="invalid_api_key")
-        if server.max_queue_len is not None and request.method == "POST" and \
-                request.url.path in ("/v1/completions", "/v1/chat/completions", "/generate") and \
-                engine.num_unfinished >= server.max_queue_len:
-            return error_response(429, f"the server is full ({engine.num_unfinished} requests in flight, "
-                                       f"--max-queue-len {server.max_queue_len}); retry shortly",
-                                  headers={"Retry-After": "1"})
         return await call_next(request)
 
     @app.exception_handler(APIError)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import CompletionRequest
 from duoserve.errors import ConfigError, InvalidInputError, ModelLoadError
-from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError
+from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
@@ -39,6 +39,8 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         return await stream.__anext__()
     except InvalidInputError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
+    except QueueFullError as exc:
+        raise APIError(429, str(exc), headers={"Retry-After": "1"}) from exc
     except (EngineUnavailableError, ModelLoadError) as exc:
         raise APIError(503, f"the engine is unavailable: {exc}") from exc
 

@@ -28,9 +28,14 @@ class EngineUnavailableError(DuoserveError):
     """The engine is not running (dead, or not started)."""
 
 
+class QueueFullError(DuoserveError):
+    """``max_queue_len`` requests are already in flight."""
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, max_queue_len: int | None = None) -> None:
         self.config = config
+        self.max_queue_len = max_queue_len
         self.client = EngineProcessClient(config)
         self.frontend: Frontend | None = None
         self.queues: dict[str, asyncio.Queue] = {}
@@ -96,6 +101,9 @@ class AsyncEngine:
         """Stream snapshots of one request until it finishes; aborts it if the caller stops listening."""
         if not self.ready:
             raise EngineUnavailableError(self.dead_reason or "the engine is not ready")
+        if self.max_queue_len is not None and self.num_unfinished >= self.max_queue_len:
+            raise QueueFullError(f"the server is full ({self.num_unfinished} requests in flight, "
+                                 f"--max-queue-len {self.max_queue_len}); retry shortly")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False

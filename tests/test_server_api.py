@@ -1,0 +1,253 @@
+"""The OpenAI-compatible server, through the official openai SDK and plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import API_KEY
+
+MODEL = "smollm2-135m"
+PROMPT = "The three primary colors are"
+
+
+def test_completion_greedy_stream_equals_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert full.object == "text_completion" and len(full.choices) == 1
+    pieces, finish = [], None
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True):
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full.choices[0].text
+    assert finish == full.choices[0].finish_reason
+
+
+def test_completion_matches_offline_engine_and_usage(client, smol_llm):
+    from duoserve import SamplingParams
+
+    want = smol_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert got.choices[0].text == want.outputs[0].text
+    tokenizer = smol_llm.get_tokenizer()
+    assert got.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_four_prompt_forms(client, smol_llm):
+    ids = smol_llm.get_tokenizer().encode("Hello there")
+    for prompt, count in [("Hello there", 1), (["Hello there", "Goodbye"], 2), (ids, 1), ([ids, ids[:1]], 2)]:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, n=2)
+        assert sorted(c.index for c in out.choices) == list(range(2 * count))
+    same = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    text = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0)
+    assert same.choices[0].text == text.choices[0].text
+
+
+def test_chat_streamed_and_not(client, smol_llm):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    tokenizer = smol_llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert full.usage.prompt_tokens == len(prompt_ids)
+    roles, content, usage = [], [], None
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            content.append(choice.delta.content or "")
+    assert roles == ["assistant"]
+    assert "".join(content) == full.choices[0].message.content
+    assert usage.prompt_tokens == full.usage.prompt_tokens and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_prompt_logprobs_match_transformers(client, hf_default_model):
+    hf_tokenizer, hf = hf_default_model
+    text = "The quick brown fox jumps over the lazy dog"
+    out = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    lp = out.choices[0].logprobs
+    ids = hf_tokenizer(text)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4
+    assert "".join(lp.tokens) == text and out.choices[0].text == text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert len(lp.top_logprobs[1]) == 1
+
+
+def test_sampling_extras_and_unknown_fields_accepted(client):
+    out = client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=6, temperature=0.8, seed=3,
+                                    extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 6, "ignore_eos": True,
+                                                "repetition_penalty": 1.1, "some_new_field": {"x": 1}})
+    again = client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=6, temperature=0.8, seed=3,
+                                      extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 6, "ignore_eos": True,
+                                                  "repetition_penalty": 1.1})
+    assert out.usage.completion_tokens == 6 and out.choices[0].text == again.choices[0].text
+
+
+def _post(server, path: str, body: dict, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_errors_have_openai_shape_and_status(server):
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x", "temperature": -1}), 400, "temperature")
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x", "n": "many"}), 400, "n")
+    _assert_error(_post(server, "/v1/completions", {"max_tokens": 3}), 400, "prompt")
+    error = _assert_error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 9000}), 400, "max_tokens")
+    assert "8192" in error["message"] and "9001" in error["message"]
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404, "model")
+    _assert_error(_post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    _assert_error(_post(server, "/v1/completions", {"prompt": [1, 10**9]}), 400, "prompt")
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x" * (1 << 20)}), 413)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x"}, key=None), 401)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x"}, key="wrong"), 401)
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    # and the server still serves
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_sdk_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", top_p=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+
+
+def test_models_tokenize_detokenize(server, smol_llm):
+    models = httpx.get(f"{server.url}/v1/models", headers=server.headers).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 8192
+    tokens = _post(server, "/tokenize", {"prompt": "Hello <|im_start|>"}).json()
+    assert tokens["tokens"] == smol_llm.get_tokenizer().encode("Hello <|im_start|>")
+    assert tokens["count"] == len(tokens["tokens"])
+    assert _post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == "Hello <|im_start|>"
+    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 5
+
+
+def test_generate_route(server):
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+    out = _post(server, "/generate", body).json()
+    assert set(out) == {"text", "token_ids", "finish_reason", "usage"}
+    assert len(out["token_ids"]) == out["usage"]["completion_tokens"] == 10
+    assert not out["text"].startswith(PROMPT)
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, headers=server.headers) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(e["text"] for e in events) == out["text"]
+    assert sum((e["token_ids"] for e in events), []) == out["token_ids"]
+
+
+def _metric(server, name: str, labels: dict | None = None) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
+
+
+def test_metrics_parse_and_move(server, client):
+    before = _metric(server, "duoserve:generation_tokens_total")
+    ttft_before = _metric(server, "duoserve:time_to_first_token_seconds_count")
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    time.sleep(1.5)  # engine stats arrive every second
+    assert _metric(server, "duoserve:generation_tokens_total") - before == 5
+    assert _metric(server, "duoserve:time_to_first_token_seconds_count") == ttft_before + 1
+    assert _metric(server, "duoserve:request_success_total", {"finish_reason": "length"}) >= 1
+    assert _metric(server, "duoserve:prefix_cache_queries_total") > 0
+    assert _metric(server, "duoserve:ttft_stage_seconds_count", {"stage": "queue"}) >= 1
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    for name in ["duoserve:time_per_output_token_seconds", "duoserve:inter_token_latency_seconds",
+                 "duoserve:e2e_request_latency_seconds", "duoserve:kv_transfer_seconds",
+                 "duoserve:num_requests_running", "duoserve:num_requests_waiting", "duoserve:kv_cache_usage_ratio",
+                 "duoserve:prompt_tokens_total", "duoserve:prefix_cache_hits_total",
+                 "duoserve:kv_transfer_bytes_total"]:
+        assert name in text, name
+
+
+def _wait_idle(server, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.2)
+        if _metric(server, "duoserve:num_requests_running") == 0 and \
+                _metric(server, "duoserve:kv_cache_usage_ratio") == 0:
+            return
+    raise AssertionError("requests or blocks still held")
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leave mid-stream
+    time.sleep(1.5)
+    assert _metric(server, "duoserve:request_success_total", {"finish_reason": "length"}) >= 0
+    _wait_idle(server)
+
+
+def test_32_concurrent_streams_complete(server):
+    async def one(http: httpx.AsyncClient, i: int) -> str:
+        body = {"prompt": f"Story number {i}:", "max_tokens": 16, "ignore_eos": True, "stream": True,
+                "temperature": 0.7, "seed": i}
+        text, done = "", False
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert done
+        return text
+
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=180) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(32)))
+
+    texts = asyncio.run(main())
+    assert len(texts) == 32 and all(texts)
+    _wait_idle(server)
+
+
+def test_full_queue_gets_429_with_retry_after(server):
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=180) as http:
+            body = {"prompt": "x", "max_tokens": 64, "ignore_eos": True}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(48)))
+
+    responses = asyncio.run(main())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused, [r.status_code for r in responses]
+    assert all(r.headers["retry-after"] == "1" for r in refused)
+    _assert_error(refused[0], 429)
+    assert all(r.status_code in (200, 429) for r in responses)
+    _wait_idle(server)
