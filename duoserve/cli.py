@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default: the packaged SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations; auto = float32 on CPU, bfloat16 on GPU (default: auto)")
-    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is visible, else cpu)")
+    g.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N (default: auto = cuda if a GPU is visible, else cpu)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings)")
     g.add_argument("--hf-overrides", type=json.loads, default={},
@@ -31,8 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per KV block, a power of two (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--kv-cache-memory", type=float, default=None,
-                   help=f"KV cache budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved lazily; "
-                        "on GPU --gpu-memory-utilization of free memory)")
+                   help=f"KV cache budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved as "
+                        "blocks are first written; on GPU --gpu-memory-utilization of free memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory for the KV cache (default: 0.9)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -49,13 +50,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    device = args.device
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=device, hf_overrides=args.hf_overrides,
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, hf_overrides=args.hf_overrides,
                           max_model_len=args.max_model_len, seed=args.seed),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,

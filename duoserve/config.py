@@ -17,19 +17,19 @@ DEFAULT_MODEL_ALIAS = "smollm2-135m"
 
 
 def parse_device(value: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N``."""
-    if value in ("cpu", "cuda"):
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    if value in ("auto", "cpu", "cuda"):
         return value
     if value.startswith("cuda:") and value[5:].isdigit():
         return value
-    raise ConfigError("device", value, "one of cpu, cuda, cuda:N")
+    raise ConfigError("device", value, "one of auto, cpu, cuda, cuda:N")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None          # HF directory, .gguf file, alias, or None for the default model
     dtype: str = "auto"               # auto = float32 on CPU, bfloat16 on GPU
-    device: str = "cpu"
+    device: str = "auto"              # auto = cuda when a GPU is visible, else cpu (resolved in the engine)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
@@ -48,11 +48,19 @@ class ModelConfig:
     def torch_dtype_name(self) -> str:
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def resolved_device(self) -> str:
+        """The device to run on; ``auto`` asks torch whether a GPU is visible."""
+        if self.device != "auto":
+            return self.device
+        import torch  # only here: the frontend process never needs torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_CPU_KV_CACHE_GIB = 4.0     # CPU tensors are allocated lazily: untouched blocks cost no memory
+DEFAULT_CPU_KV_CACHE_GIB = 1.0     # reserved lazily: a block costs memory once first written
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 

@@ -21,7 +21,7 @@ def test_unknown_dtype():
 
 
 def test_unknown_device():
-    with pytest.raises(ConfigError, match=r"device='tpu' is not allowed: one of cpu, cuda, cuda:N"):
+    with pytest.raises(ConfigError, match=r"device='tpu' is not allowed: one of auto, cpu, cuda, cuda:N"):
         ModelConfig(device="tpu")
 
 

@@ -19,6 +19,8 @@ def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
     engine_pids = engine_children(srv.proc.pid)
     all_children = children(srv.proc.pid)
     assert len(engine_pids) == 1, "the engine runs in a child process"
+    maps = open(f"/proc/{srv.proc.pid}/maps").read()
+    assert "libtorch" not in maps, "the API process must not load torch (it would cost ~250 MB)"
     result = {}
 
     def request() -> None:

@@ -7,6 +7,7 @@ process or another, turns them into text.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -31,19 +32,20 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         start = time.monotonic()
-        self.loaded = loaded or load_model(config.model)
+        self.device = config.model.resolved_device()
+        self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device))
         self.arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = check_max_model_len(self.arch, config.model.max_model_len)
         budget = config.scheduler.token_budget(self.max_model_len)
         cache = config.cache
         kv_dtype = self.loaded.dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)
-        self.num_blocks = num_kv_blocks(self.arch, cache, kv_dtype, config.model.device, self.max_model_len)
+        self.num_blocks = num_kv_blocks(self.arch, cache, kv_dtype, self.device, self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
                                    config.scheduler.enable_chunked_prefill)
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
-                                  config.model.device, config.model.seed)
+                                  self.device, config.model.seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",

@@ -17,12 +17,6 @@ Prompt = str | list[int]
 Message = dict[str, Any]
 
 
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class LLM:
     """An engine in this process, for batch generation from Python."""
 
@@ -33,7 +27,7 @@ class LLM:
                  max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
                  num_threads: int | None = None, seed: int = 0) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device or default_device(),
+            model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),

@@ -8,6 +8,7 @@ plain ``nn.Linear``; the runner swaps them here, at the edge, after loading.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -54,7 +55,16 @@ def pack_for_cpu(model: nn.Module) -> int:
     if getattr(model, "tied_head", False) is None and embed is not None and _packable(embed.weight):
         model.tied_head = PackedLinear(embed.weight, None)
         count += 1
+    release_free_memory()
     return count
+
+
+def release_free_memory() -> None:
+    """Hand memory freed by the swap back to the OS (glibc keeps freed heap pages otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _packable(weight: torch.Tensor) -> bool:

@@ -91,5 +91,5 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if tokenizer is None:
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
     max_model_len = check_max_model_len(arch, config.max_model_len)
-    model = build_model(arch, source, dtype, config.device, max_positions=max_model_len)
+    model = build_model(arch, source, dtype, config.resolved_device(), max_positions=max_model_len)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
 from duoserve.errors import ModelLoadError
 from duoserve.model.arch import ModelArch
@@ -65,10 +66,14 @@ def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, devic
     """Build the model on ``device`` with every parameter taken from ``source``."""
     with torch.device("meta"):
         model = LlamaModel(arch)
-    state = {}
+    # One parameter at a time, straight to the device: the peak is the model plus one tensor.
     for name, pieces in checkpoint_parts(arch).items():
         tensors = [_fetch(source, src, shape, dtype) for src, shape in pieces]
-        state[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-    model.load_state_dict(state, strict=True, assign=True)
+        value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(value.to(device), requires_grad=False))
+        del tensors, value
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not missing, f"parameters left unloaded: {missing}"
     model.rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope)
     return model.to(device).eval()

