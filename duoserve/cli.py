@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=None,
                    help=f"KV cache budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved as "
                         "blocks are first written; on GPU --gpu-memory-utilization of free memory)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache element type; auto = the model dtype (default: auto). bfloat16 halves the "
+                        "KV memory and the bytes decode attention reads")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory for the KV cache (default: 0.9)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -54,7 +57,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, hf_overrides=args.hf_overrides,
                           max_model_len=args.max_model_len, seed=args.seed),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from duoserve import LLM, SamplingParams
 from tests.helpers import assert_pool_whole
@@ -86,3 +87,20 @@ def test_batch_of_many_equals_batch_of_one(baseline):
     path, prompts, ref = baseline
     _, outs = run(path, prompts * 3, kv_cache_memory=0.01, max_num_batched_tokens=256)
     assert_same_outputs(outs, ref * 3, "batched")
+
+
+def test_bfloat16_kv_cache_with_float32_model(baseline):
+    """KV stored in bf16 (converted on write, read back by both attention paths) stays close to fp32."""
+    path, prompts, ref = baseline
+    from duoserve.config import CacheConfig, EngineConfig, ModelConfig
+    from duoserve.engine.core import EngineCore
+
+    engine = EngineCore(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                                     cache=CacheConfig(kv_cache_memory=0.01, kv_cache_dtype="bfloat16")))
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    llm = LLM.from_engine(engine)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert_pool_whole(llm)
+    same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
+    assert same / sum(len(r.outputs[0].token_ids) for r in ref) > 0.8
+    assert all(o.outputs[0].token_ids[0] == r.outputs[0].token_ids[0] for o, r in zip(outs, ref))
