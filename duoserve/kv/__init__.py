@@ -1,0 +1,1 @@
+"""Moving KV between engines: the wire format, re-blocking between paged caches."""

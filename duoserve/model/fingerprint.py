@@ -1,0 +1,61 @@
+"""Model fingerprints: engines that exchange KV must compute the same function.
+
+sha256 over the architecture and every value that shapes the KV cache or the logits,
+a digest of the tokenizer's vocabulary, and a digest of the checkpoint's bytes. Dtype
+and block size are left out: those are converted, not refused. Hashing the checkpoint
+takes a moment, so its digest is cached under ~/.cache/duoserve keyed by path, size
+and modification time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from duoserve.model.arch import ModelArch
+from duoserve.model.tokenizer import Tokenizer
+
+_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm")
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def weights_digest(path: Path) -> str:
+    files = _checkpoint_files(path)
+    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / "fingerprints"
+    cache_file = cache_dir / hashlib.sha256(key.encode()).hexdigest()
+    if cache_file.exists():
+        return cache_file.read_text().strip()
+    digest = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    value = digest.hexdigest()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(value)
+    except OSError:
+        pass  # a read-only cache only costs the hashing next time
+    return value
+
+
+def describe(arch: ModelArch, tokenizer: Tokenizer | None, path: Path) -> dict:
+    """The values the fingerprint covers, by name (engines show both sides' on a mismatch)."""
+    values = {name: getattr(arch, name) for name in _SHAPE_FIELDS}
+    values["rope"] = dataclasses.asdict(arch.rope)
+    values["tokenizer"] = (hashlib.sha256(tokenizer.vocabulary_digest_source()).hexdigest()
+                           if tokenizer is not None else None)
+    values["weights"] = weights_digest(path)
+    return values
+
+
+def fingerprint(values: dict) -> bytes:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).digest()
