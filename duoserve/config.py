@@ -13,6 +13,7 @@ from typing import Any
 from duoserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLES = ("colocated", "prefill", "decode")
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
 
 
@@ -118,7 +119,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None   # torch threads of the engine process; None = all cores
+    role: str = "colocated"          # colocated, prefill or decode
+    kv_lease_timeout: float = 30.0   # prefill role: seconds leased KV waits for the decode side's ack
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", self.num_threads, "a positive number of threads")
+        if self.role not in ROLES:
+            raise ConfigError("role", self.role, f"one of {', '.join(ROLES)}")
+        if self.kv_lease_timeout <= 0:
+            raise ConfigError("kv_lease_timeout", self.kv_lease_timeout, "a positive number of seconds")

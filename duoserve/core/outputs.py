@@ -24,6 +24,8 @@ class SchedulerOutput:
     num_batched_tokens: int             # sum of num_new_tokens
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
     preempted_ids: list[str] = field(default_factory=list)
+    # decode role: KV that arrived from a prefill engine, to write before the forward
+    kv_inserts: list[tuple[str, list[int], object]] = field(default_factory=list)  # (request id, blocks, KV)
 
     @property
     def is_empty(self) -> bool:

@@ -8,6 +8,12 @@ when blocks run out the newest running request is preempted (its blocks freed, t
 be recomputed, mostly from the prefix cache). Waiting requests are admitted FIFO
 while the budget, ``max_num_seqs`` and free blocks allow.
 
+Roles: a ``colocated`` engine does everything above. A ``prefill`` engine stops a
+request at its first token: the request moves to ``KV_LEASED`` (out of the running
+set, blocks kept) until the decode side acknowledges its KV or the lease expires. A
+``decode`` engine takes requests whose prompt KV arrives from elsewhere: they wait in
+``WAITING_FOR_KV`` for blocks, then start decoding with their KV copied in.
+
 No torch here: this module plans, the model runner computes.
 """
 
@@ -25,7 +31,8 @@ S = RequestStatus
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, role: str = "colocated",
+                 lease_timeout: float = 30.0) -> None:
         self.kv = kv
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -36,6 +43,11 @@ class Scheduler:
         self.children: dict[str, list[str]] = {}   # n > 1: parent id -> ids of its other samples
         self.pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.role = role
+        self.lease_timeout = lease_timeout
+        self.leases: dict[str, float] = {}              # prefill: leased request id -> deadline
+        self.newly_leased: list[tuple[Request, list[int]]] = []  # (request, its blocks) to ship
+        self.waiting_for_kv: deque[tuple[Request, object]] = deque()  # decode: (request, KV payload)
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -61,7 +73,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.leases)
 
     # ---- planning -----------------------------------------------------------------------
 
@@ -86,11 +98,56 @@ class Scheduler:
                 scheduled.append(self._plan(request, num_new))
                 budget -= num_new
                 i += 1
+        inserts: list[tuple[str, list[int], object]] = []
         if not preempted:
+            budget = self._admit_transferred(budget, scheduled, inserts)
             budget = self._admit_waiting(budget, scheduled)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         copies, self.pending_copies = self.pending_copies, []
-        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted)
+        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts)
+
+    def _admit_transferred(self, budget: int, scheduled: list[ScheduledRequest],
+                           inserts: list[tuple[str, list[int], object]]) -> int:
+        """Decode role: give arrived requests blocks, have their KV copied in, decode their first token."""
+        while self.waiting_for_kv and budget > 0 and len(self.running) < self.max_num_seqs:
+            request, payload = self.waiting_for_kv[0]
+            if self.kv.allocate_slots(request, request.num_tokens) is None:
+                break
+            self.waiting_for_kv.popleft()
+            inserts.append((request.request_id, self.kv.block_ids(request.request_id), payload))
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.first_scheduled_time = time.monotonic()
+            request.move_to(S.RUNNING)
+            self.running.append(request)
+            scheduled.append(self._plan(request, request.num_tokens - request.num_computed_tokens))
+            budget -= 1
+        return budget
+
+    def add_transferred(self, request: Request, payload: object) -> None:
+        """Decode role: a request prefilled elsewhere, its first token already in its outputs."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.move_to(S.WAITING_FOR_KV)
+        self.requests[request.request_id] = request
+        self.waiting_for_kv.append((request, payload))
+
+    def acknowledge(self, request_id: str) -> None:
+        """Prefill role: the decode side holds the KV now; free the leased blocks."""
+        if self.leases.pop(request_id, None) is not None:
+            self._finish(self.requests.pop(request_id), S.FINISHED_STOPPED)  # the frontend follows the decode side
+
+    def expire_leases(self, now: float) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id, deadline in list(self.leases.items()):
+            if now >= deadline:
+                error = (f"the decode engine did not acknowledge the KV of request {request_id} within "
+                         f"{self.lease_timeout:g} s (--kv-lease-timeout); its blocks were freed")
+                outputs += self.abort(request_id, S.FINISHED_ERROR, error, with_samples=False)
+        return outputs
+
+    def drain_leased(self) -> list[tuple[Request, list[int]]]:
+        leased, self.newly_leased = self.newly_leased, []
+        return leased
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -186,7 +243,9 @@ class Scheduler:
         request.output_token_ids.append(token)
         status, stop_reason = self._check_stop(request, token)
         if status is None:
-            if request.status is S.PREFILLING:
+            if request.status is S.PREFILLING and self.role == "prefill":
+                self._lease(request)
+            elif request.status is S.PREFILLING:
                 request.move_to(S.RUNNING)
         else:
             self._finish(request, status)
@@ -197,6 +256,12 @@ class Scheduler:
             out.queue_seconds = request.first_scheduled_time - request.arrival_time
             out.prefill_seconds = time.monotonic() - request.first_scheduled_time
         return out
+
+    def _lease(self, request: Request) -> None:
+        request.move_to(S.KV_LEASED)
+        self.running.remove(request)
+        self.leases[request.request_id] = time.monotonic() + self.lease_timeout
+        self.newly_leased.append((request, self.kv.block_ids(request.request_id)))
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params
@@ -215,6 +280,10 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is S.WAITING:
             self.waiting.remove(request)
+        elif request.status is S.WAITING_FOR_KV:
+            self.waiting_for_kv = deque(item for item in self.waiting_for_kv if item[0] is not request)
+        elif request.status is S.KV_LEASED:
+            self.leases.pop(request.request_id, None)
         elif request in self.running:
             self.running.remove(request)
         request.move_to(status)

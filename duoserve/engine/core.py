@@ -19,6 +19,8 @@ from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
 from duoserve.engine.messages import EngineStats
+from duoserve.kv.connector import KVTransfer
+from duoserve.kv.reblock import extract_kv
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
 from duoserve.worker.kv_cache import num_kv_blocks
 from duoserve.worker.model_runner import ModelRunner
@@ -43,7 +45,9 @@ class EngineCore:
         self.num_blocks = num_kv_blocks(self.arch, cache, kv_dtype, self.device, self.max_model_len)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
-                                   config.scheduler.enable_chunked_prefill)
+                                   config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout)
+        self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
+        self.num_kv_transfer_bytes = 0
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
                                   self.device, config.model.seed)
         self.num_generated_tokens = 0
@@ -79,21 +83,62 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def attach_connector(self, connector) -> None:
+        self.connector = connector
+
+    def _exchange_kv(self) -> list[EngineCoreOutput]:
+        """Take the other side's messages: acks (prefill role) or arrived transfers (decode role)."""
+        outputs: list[EngineCoreOutput] = []
+        if self.connector is None:
+            return outputs
+        if self.config.role == "prefill":
+            for request_id in self.connector.poll_acks():
+                self.scheduler.acknowledge(request_id)
+            outputs += self.scheduler.expire_leases(time.monotonic())
+        elif self.config.role == "decode":
+            for transfer in self.connector.poll_transfers():
+                request = Request(transfer.request_id, transfer.prompt_token_ids, transfer.params,
+                                  transfer.eos_token_ids, transfer.max_total_tokens, transfer.sample_index,
+                                  transfer.arrival_time)
+                request.output_token_ids.append(transfer.first_token)
+                self.scheduler.add_transferred(request, (transfer.keys, transfer.values))
+        return outputs
+
+    def _ship_leased(self) -> None:
+        """Prefill role: send each request that just got its first token, with its prompt's KV."""
+        leased = self.scheduler.drain_leased()
+        if not leased:
+            return
+        if self.scheduler.pending_copies:  # a forked sample's tail block must be in place first
+            self.runner.copy_blocks(self.scheduler.pending_copies)
+        for request, block_ids in leased:
+            keys, values = extract_kv(self.runner.kv_caches, block_ids, request.num_prompt_tokens)
+            transfer = KVTransfer(request.request_id, request.prompt_token_ids, request.params,
+                                  request.eos_token_ids, request.max_total_tokens, request.arrival_time,
+                                  request.output_token_ids[0], request.sample_index, keys, values)
+            self.num_kv_transfer_bytes += transfer.num_bytes
+            self.connector.send(transfer)
+
     def step(self) -> list[EngineCoreOutput]:
+        early = self._exchange_kv()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return early
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # one bad batch fails its requests, never the engine
             logger.exception("model runner failed; finishing the %d scheduled requests with an error",
                              len(plan.scheduled))
-            outputs = []
+            outputs = early
             for item in plan.scheduled:
                 outputs += self.scheduler.abort(item.request.request_id, RequestStatus.FINISHED_ERROR,
                                                 f"internal error while running the model: {exc}")
             return outputs
-        outputs = self.scheduler.update(plan, result)
+        outputs = early + self.scheduler.update(plan, result)
+        if self.config.role == "prefill":
+            self._ship_leased()
+        for request_id, _, _ in plan.kv_inserts:  # decode role: the KV is in place, the lease can end
+            self.connector.acknowledge(request_id)
         for item in plan.scheduled:
             computed_end = min(item.start + item.num_new_tokens, item.request.num_prompt_tokens)
             self.num_prompt_tokens += max(0, computed_end - item.start)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from duoserve.kv.reblock import insert_kv
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.cpu_linear import pack_for_cpu
 from duoserve.model.loader import LoadedModel
@@ -34,6 +35,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
+        for _, block_ids, (keys, values) in plan.kv_inserts:
+            insert_kv(self.kv_caches, block_ids, keys, values)
         items = plan.scheduled
         token_ids: list[int] = []
         positions: list[int] = []

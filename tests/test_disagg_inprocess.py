@@ -1,0 +1,101 @@
+"""Prefill and decode engines joined in one process by the in-process connector.
+
+The handoff itself (lease, transfer, re-blocking, acknowledgement) without processes or
+transports: the same tokens as a colocated engine, both pools whole afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from duoserve import SamplingParams
+from duoserve.config import CacheConfig, EngineConfig, ModelConfig
+from duoserve.core.request import Request, RequestStatus
+from duoserve.engine.core import EngineCore
+from duoserve.entrypoints.llm import LLM
+from duoserve.kv.connector import InProcessConnector
+
+
+def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0):
+    def make(role, block):
+        return EngineCore(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                                       cache=CacheConfig(block_size=block, kv_cache_memory=0.01),
+                                       role=role, kv_lease_timeout=lease_timeout))
+    prefill, decode = make("prefill", prefill_block), make("decode", decode_block)
+    link = InProcessConnector()
+    prefill.attach_connector(link)
+    decode.attach_connector(link)
+    return prefill, decode
+
+
+def run(prefill, decode, prompts, params, limit=2000):
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    finished = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(Request(f"r{i}", prompt, params, (), 512))
+    for _ in range(limit):
+        for out in prefill.step() + decode.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        if len(finished) == len(prompts) and not prefill.has_unfinished() and not decode.has_unfinished():
+            return [tokens[f"r{i}"] for i in range(len(prompts))], finished
+    raise AssertionError(f"not finished: {finished}")
+
+
+def pool_whole(engine) -> bool:
+    pool = engine.kv.pool
+    return pool.num_free_blocks == pool.num_blocks and not engine.has_unfinished()
+
+
+def prompts():
+    rng = random.Random(5)
+    shared = [rng.randrange(256) for _ in range(40)]
+    return [[rng.randrange(256) for _ in range(n)] for n in (1, 7, 16, 33, 90)] + [shared + [1, 2], shared + [3]]
+
+
+def test_greedy_and_seeded_equal_colocated_across_block_sizes(tiny_dir):
+    path = tiny_dir(kind="llama")
+    for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=20, ignore_eos=True)):
+        colocated = LLM(str(path), dtype="float32", kv_cache_memory=0.01)
+        want = [o.outputs[0].token_ids for o in colocated.generate(prompts(), params, use_tqdm=False)]
+        prefill, decode = engines(path)
+        got, finished = run(prefill, decode, prompts(), params)
+        assert got == want
+        assert set(finished.values()) == {"length"}
+        assert prefill.kv.num_hits > 0, "the shared prefix must hit the prefill side's cache"
+        assert pool_whole(prefill) and pool_whole(decode)
+        assert prefill.num_kv_transfer_bytes > 0
+
+
+def test_first_token_that_finishes_never_ships_kv(tiny_dir):
+    prefill, decode = engines(tiny_dir(kind="llama"))
+    got, finished = run(prefill, decode, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1))
+    assert len(got[0]) == 1 and finished == {"r0": "length"}
+    assert prefill.num_kv_transfer_bytes == 0 and pool_whole(prefill) and pool_whole(decode)
+
+
+def test_expired_lease_frees_blocks_and_fails_the_request(tiny_dir):
+    prefill, _ = engines(tiny_dir(kind="llama"), lease_timeout=0.2)
+    prefill.add_request(Request("lost", [4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=5), (), 512))
+    outs = prefill.step()
+    assert [o.new_token_ids for o in outs if o.request_id == "lost"] and not outs[0].finished
+    assert prefill.kv.pool.num_free_blocks < prefill.kv.pool.num_blocks  # leased, not freed
+    assert prefill.scheduler.requests["lost"].status is RequestStatus.KV_LEASED
+    time.sleep(0.25)
+    (out,) = prefill.step()  # nobody acknowledged
+    assert out.finish_reason == "error" and "did not acknowledge the KV of request lost within 0.2 s" in out.error
+    assert prefill.kv.pool.num_free_blocks == prefill.kv.pool.num_blocks
+
+
+def test_abort_while_waiting_for_kv_frees_everything(tiny_dir):
+    prefill, decode = engines(tiny_dir(kind="llama"))
+    prefill.add_request(Request("a", list(range(30)), SamplingParams(temperature=0, max_tokens=8), (), 512))
+    prefill.step()  # first token sampled, KV sent
+    decode._exchange_kv()  # arrived: WAITING_FOR_KV
+    assert decode.scheduler.requests["a"].status is RequestStatus.WAITING_FOR_KV
+    assert [o.finish_reason for o in decode.abort("a")] == ["abort"]
+    prefill.abort("a")
+    assert pool_whole(decode) and pool_whole(prefill)
