@@ -12,7 +12,8 @@ import sys
 
 from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                             DEFAULT_MAX_NUM_SEQS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig)
+                             DEFAULT_MAX_NUM_SEQS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig,
+                             SchedulerConfig, parse_cpu_list)
 from duoserve.errors import ConfigError, DuoserveError
 
 
@@ -93,6 +94,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "(default: $DUOSERVE_API_KEY, or none)")
     g.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"],
                    help="one engine doing prefill and decode, or separate engines (default: colocated)")
+    d = parser.add_argument_group("disaggregated serving (--mode disaggregated)")
+    d.add_argument("--prefill-device", default="cpu", choices=["cpu", "cuda", "gpu", "auto"],
+                   help="where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or "
+                        "auto: prompts of at most --max-prefill-len tokens on a CPU prefill engine, longer "
+                        "ones on the decode engine itself (default: cpu)")
+    d.add_argument("--max-prefill-len", type=int, default=512, help="the auto placement threshold (default: 512)")
+    d.add_argument("--prefill-threads", type=int, default=None, help="torch threads of the prefill engine")
+    d.add_argument("--decode-threads", type=int, default=None, help="torch threads of the decode engine")
+    d.add_argument("--prefill-cpus", default=None, help="pin the prefill engine to these CPUs (0, 0-1, 0,2)")
+    d.add_argument("--decode-cpus", default=None, help="pin the decode engine to these CPUs")
+    d.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"],
+                   help="how KV moves between the engines: shared memory or TCP (default: shm)")
+    d.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                   help="seconds a prefill engine keeps KV for an unacknowledged handoff (default: 30)")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="requests in flight beyond which new ones get 429 (default: no limit)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -112,14 +127,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from duoserve.entrypoints.api_server import ServerConfig, create_app
 
+    disagg = None
     if args.mode == "disaggregated":
-        raise ConfigError("mode", "disaggregated", "colocated: disaggregated serving is not available in this "
-                          "version yet")
+        disagg = DisaggConfig(prefill_device=args.prefill_device, max_prefill_len=args.max_prefill_len,
+                              prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
+                              prefill_cpus=parse_cpu_list(args.prefill_cpus, "prefill_cpus"),
+                              decode_cpus=parse_cpu_list(args.decode_cpus, "decode_cpus"),
+                              kv_transport=args.kv_transport, kv_lease_timeout=args.kv_lease_timeout)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
     server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                           max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
-    app = create_app(engine_config_from_args(args), server)
+    app = create_app(engine_config_from_args(args), server, disagg)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout))
     uvicorn.Server(config).run()

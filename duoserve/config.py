@@ -120,6 +120,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None   # torch threads of the engine process; None = all cores
     role: str = "colocated"          # colocated, prefill or decode
+    cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
     kv_lease_timeout: float = 30.0   # prefill role: seconds leased KV waits for the decode side's ack
 
     def __post_init__(self) -> None:
@@ -129,3 +130,61 @@ class EngineConfig:
             raise ConfigError("role", self.role, f"one of {', '.join(ROLES)}")
         if self.kv_lease_timeout <= 0:
             raise ConfigError("kv_lease_timeout", self.kv_lease_timeout, "a positive number of seconds")
+
+
+PREFILL_DEVICES = ("cpu", "cuda", "gpu", "auto")
+KV_TRANSPORTS = ("shm", "tcp")
+
+
+def parse_cpu_list(value: str | None, field_name: str) -> tuple[int, ...] | None:
+    """``0``, ``0-1``, ``0,2`` -> a tuple of CPU ids."""
+    if value is None or value == "":
+        return None
+    cpus: list[int] = []
+    try:
+        for part in value.split(","):
+            low, _, high = part.partition("-")
+            cpus.extend(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ConfigError(field_name, value, "a CPU list like 0, 0-1 or 0,2") from None
+    return tuple(cpus)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """How a disaggregated deployment on one host is laid out (``--mode disaggregated``)."""
+    prefill_device: str = "cpu"       # cpu, cuda/gpu (every prompt), or auto (short prompts only)
+    max_prefill_len: int = 512        # auto: longer prompts are prefilled on the decode engine
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
+    prefill_cpus: tuple[int, ...] | None = None
+    decode_cpus: tuple[int, ...] | None = None
+    kv_transport: str = "shm"         # shm (same host) or tcp
+    kv_lease_timeout: float = 30.0
+    prefill_block_size: int | None = None  # None = the decode engine's (KV is re-blocked either way)
+
+    def __post_init__(self) -> None:
+        if self.prefill_block_size is not None:
+            CacheConfig(block_size=self.prefill_block_size)  # same rule, same error
+        if self.prefill_device not in PREFILL_DEVICES:
+            raise ConfigError("prefill_device", self.prefill_device, f"one of {', '.join(PREFILL_DEVICES)}")
+        if self.max_prefill_len < 1:
+            raise ConfigError("max_prefill_len", self.max_prefill_len, "a positive number of tokens")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ConfigError("kv_transport", self.kv_transport, f"one of {', '.join(KV_TRANSPORTS)}")
+        if self.kv_lease_timeout <= 0:
+            raise ConfigError("kv_lease_timeout", self.kv_lease_timeout, "a positive number of seconds")
+
+    def engine_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+        """(prefill, decode) engine configs derived from the decode engine's ``base``."""
+        import dataclasses
+
+        device = {"gpu": "cuda", "auto": "cpu"}.get(self.prefill_device, self.prefill_device)
+        cache = base.cache
+        if self.prefill_block_size is not None:
+            cache = dataclasses.replace(cache, block_size=self.prefill_block_size)
+        prefill = dataclasses.replace(base, role="prefill", num_threads=self.prefill_threads,
+                                      cpus=self.prefill_cpus, kv_lease_timeout=self.kv_lease_timeout,
+                                      model=dataclasses.replace(base.model, device=device), cache=cache)
+        decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus)
+        return prefill, decode

@@ -24,7 +24,7 @@ STAGES = ("queue", "prefill", "transfer", "admit")
 
 
 class ServerMetrics:
-    def __init__(self, engine_name: str = "engine-0", log_interval: float = 5.0) -> None:
+    def __init__(self, log_interval: float = 5.0) -> None:
         self.registry = CollectorRegistry()
         r, b = self.registry, _LATENCY_BUCKETS
         self.ttft = Histogram("duoserve:time_to_first_token_seconds", "Time to first token", registry=r, buckets=b)
@@ -51,12 +51,11 @@ class ServerMetrics:
         self.kv_transfer_bytes = Counter("duoserve:kv_transfer_bytes", "KV bytes handed between engines",
                                          registry=r)
         self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
-        self.engine_name = engine_name
         self.log_interval = log_interval
         self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
-        self._last_stats: EngineStats | None = None
-        self._last_log = time.monotonic()
-        self._tokens_at_last_log = 0
+        self._engines: dict[str, EngineStats] = {}
+        self._previous: dict[str, EngineStats] = {}
+        self._log_marks: dict[str, tuple[float, int]] = {}  # engine -> (time, generated tokens) at its last line
 
     def observe_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -84,19 +83,24 @@ class ServerMetrics:
             for o in out.outputs:
                 self.success.labels(o.finish_reason or "unknown").inc()
 
-    def observe_stats(self, stats: EngineStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.labels(self.engine_name).set(stats.kv_cache_usage)
-        last = self._last_stats
+    def observe_stats(self, engine: str, stats: EngineStats) -> None:
+        self._engines[engine] = stats
+        self.running.set(sum(s.num_running for s in self._engines.values()))
+        self.waiting.set(sum(s.num_waiting for s in self._engines.values()))
+        self.kv_usage.labels(engine).set(stats.kv_cache_usage)
+        last = self._previous.get(engine)
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
-        self._last_stats = stats
+        self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - (last.kv_transfer_bytes if last else 0))
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer.observe(seconds)
+        self._previous[engine] = stats
         now = time.monotonic()
-        if now - self._last_log >= self.log_interval:
-            rate = (stats.num_generated_tokens - self._tokens_at_last_log) / (now - self._last_log)
+        last_time, last_tokens = self._log_marks.setdefault(engine, (now, stats.num_generated_tokens))
+        if now - last_time >= self.log_interval:
+            rate = (stats.num_generated_tokens - last_tokens) / (now - last_time)
             logger.info("%s: running %d, waiting %d, KV usage %.1f%%, generation %.1f tokens/s, "
-                        "prefix cache hit rate %.1f%%", self.engine_name, stats.num_running, stats.num_waiting,
+                        "prefix cache hit rate %.1f%%", engine, stats.num_running, stats.num_waiting,
                         100 * stats.kv_cache_usage, rate,
                         100 * stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1))
-            self._last_log, self._tokens_at_last_log = now, stats.num_generated_tokens
+            self._log_marks[engine] = (now, stats.num_generated_tokens)

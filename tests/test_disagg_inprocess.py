@@ -36,7 +36,8 @@ def run(prefill, decode, prompts, params, limit=2000):
         prefill.add_request(Request(f"r{i}", prompt, params, (), 512))
     for _ in range(limit):
         for out in prefill.step() + decode.step():
-            tokens[out.request_id] += out.new_token_ids
+            # both engines report the first token (position 0); keep one copy, as the frontend does
+            tokens[out.request_id][out.position:] = out.new_token_ids
             if out.finished:
                 finished[out.request_id] = out.finish_reason
         if len(finished) == len(prompts) and not prefill.has_unfinished() and not decode.has_unfinished():
@@ -99,3 +100,20 @@ def test_abort_while_waiting_for_kv_frees_everything(tiny_dir):
     assert [o.finish_reason for o in decode.abort("a")] == ["abort"]
     prefill.abort("a")
     assert pool_whole(decode) and pool_whole(prefill)
+
+
+def test_frontend_keeps_one_copy_of_the_first_token_whichever_engine_reports_first(tiny_dir):
+    from duoserve.core.outputs import EngineCoreOutput
+    from duoserve.frontend.frontend import Frontend
+
+    engine = EngineCore(EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama"))),
+                                     cache=CacheConfig(kv_cache_memory=0.01)))
+    frontend = Frontend(engine)
+    frontend.add_request([1, 2, 3], SamplingParams(max_tokens=4), request_id="x")
+    engine.abort("x")  # only the frontend's bookkeeping is under test here
+    decode_first = EngineCoreOutput("x", [11, 12], position=0)   # decode engine: restated first token + next
+    prefill_late = EngineCoreOutput("x", [11], position=0)       # prefill engine's copy, arriving later
+    (snap,) = frontend.process_outputs([decode_first])
+    assert snap.outputs[0].token_ids == [11, 12] and snap.outputs[0].delta_token_ids == [11, 12]
+    (snap,) = frontend.process_outputs([prefill_late, EngineCoreOutput("x", [13], position=2)])
+    assert snap.outputs[0].token_ids == [11, 12, 13] and snap.outputs[0].delta_token_ids == [13]

@@ -52,6 +52,9 @@ class RunnerOutput:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
+    # position of new_token_ids[0] among the request's outputs: with a handoff, the prefill
+    # and decode engines both report the first token and the frontend keeps one of them
+    position: int = 0
     finish_reason: str | None = None   # stop, length, abort, error
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None

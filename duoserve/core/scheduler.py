@@ -68,7 +68,8 @@ class Scheduler:
                 continue
             request.error = error
             self._finish(request, status)
-            outputs.append(EngineCoreOutput(rid, [], status.finish_reason, error=error))
+            outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason, error=error,
+                                            position=request.num_output_tokens))
         return outputs
 
     @property
@@ -207,8 +208,8 @@ class Scheduler:
                 continue
             if request.params.max_tokens == 0:  # prompt only (e.g. for its log-probabilities)
                 self._finish(request, S.FINISHED_LENGTH)
-                outputs.append(EngineCoreOutput(request.request_id, [], "length", prompt_logprobs=prompt_lp,
-                                                num_cached_tokens=request.num_cached_tokens))
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length",
+                                                prompt_logprobs=prompt_lp, num_cached_tokens=request.num_cached_tokens))
                 continue
             tokens = result.sampled[request.request_id]
             logprobs = result.logprobs.get(request.request_id)
@@ -249,7 +250,8 @@ class Scheduler:
                 request.move_to(S.RUNNING)
         else:
             self._finish(request, status)
-        out = EngineCoreOutput(request.request_id, [token], status.finish_reason if status else None,
+        out = EngineCoreOutput(request.request_id, [token], request.num_output_tokens - 1,
+                               status.finish_reason if status else None,
                                new_logprobs=[logprobs] if logprobs else None,
                                num_cached_tokens=request.num_cached_tokens, stop_reason=stop_reason)
         if request.num_output_tokens == 1 and request.first_scheduled_time is not None:

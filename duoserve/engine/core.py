@@ -48,6 +48,7 @@ class EngineCore:
                                    config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout)
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
         self.num_kv_transfer_bytes = 0
+        self.recent_transfer_seconds: list[float] = []
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
                                   self.device, config.model.seed)
         self.num_generated_tokens = 0
@@ -83,6 +84,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_work(self) -> bool:
+        """Requests to compute now (leased KV only waits, it needs no steps)."""
+        s = self.scheduler
+        return bool(s.waiting or s.running or s.waiting_for_kv)
+
     def attach_connector(self, connector) -> None:
         self.connector = connector
 
@@ -101,23 +107,26 @@ class EngineCore:
                                   transfer.eos_token_ids, transfer.max_total_tokens, transfer.sample_index,
                                   transfer.arrival_time)
                 request.output_token_ids.append(transfer.first_token)
-                self.scheduler.add_transferred(request, (transfer.keys, transfer.values))
+                self.scheduler.add_transferred(request, (transfer.keys, transfer.values, transfer.first_logprobs))
         return outputs
 
-    def _ship_leased(self) -> None:
+    def _ship_leased(self, outputs: list[EngineCoreOutput]) -> None:
         """Prefill role: send each request that just got its first token, with its prompt's KV."""
         leased = self.scheduler.drain_leased()
         if not leased:
             return
         if self.scheduler.pending_copies:  # a forked sample's tail block must be in place first
             self.runner.copy_blocks(self.scheduler.pending_copies)
+        first_logprobs = {o.request_id: o.new_logprobs[0] for o in outputs if o.new_logprobs}
         for request, block_ids in leased:
             keys, values = extract_kv(self.runner.kv_caches, block_ids, request.num_prompt_tokens)
             transfer = KVTransfer(request.request_id, request.prompt_token_ids, request.params,
                                   request.eos_token_ids, request.max_total_tokens, request.arrival_time,
-                                  request.output_token_ids[0], request.sample_index, keys, values)
-            self.num_kv_transfer_bytes += transfer.num_bytes
+                                  request.output_token_ids[0], request.sample_index, keys, values,
+                                  first_logprobs.get(request.request_id))
             self.connector.send(transfer)
+            self.num_kv_transfer_bytes += transfer.num_bytes
+            self.recent_transfer_seconds.append(getattr(self.connector, "last_transfer", (0, 0.0))[1])
 
     def step(self) -> list[EngineCoreOutput]:
         early = self._exchange_kv()
@@ -136,14 +145,33 @@ class EngineCore:
             return outputs
         outputs = early + self.scheduler.update(plan, result)
         if self.config.role == "prefill":
-            self._ship_leased()
-        for request_id, _, _ in plan.kv_inserts:  # decode role: the KV is in place, the lease can end
-            self.connector.acknowledge(request_id)
+            self._ship_leased(outputs)
+        if plan.kv_inserts:
+            self._restate_first_tokens(plan, outputs)
         for item in plan.scheduled:
             computed_end = min(item.start + item.num_new_tokens, item.request.num_prompt_tokens)
             self.num_prompt_tokens += max(0, computed_end - item.start)
         self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
+
+    def _restate_first_tokens(self, plan, outputs: list[EngineCoreOutput]) -> None:
+        """Decode role: ack each arrived KV, and report the prefill engine's first token again.
+
+        The two engines' outputs reach the frontend by different routes, so the decode
+        side's first output restates the first token (position 0): the frontend keeps
+        whichever copy comes first and drops the other.
+        """
+        by_id = {o.request_id: o for o in outputs}
+        for request_id, _, (_, _, first_logprobs) in plan.kv_inserts:
+            self.connector.acknowledge(request_id)
+            out = by_id.get(request_id)
+            request = self.scheduler.requests.get(request_id)
+            if out is None or request is None or not out.new_token_ids:
+                continue
+            out.new_token_ids = [request.output_token_ids[0], *out.new_token_ids]
+            out.position = 0
+            if out.new_logprobs is not None and first_logprobs is not None:
+                out.new_logprobs = [first_logprobs, *out.new_logprobs]
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -152,4 +180,9 @@ class EngineCore:
             kv_cache_usage=pool.usage, num_blocks=pool.num_blocks,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
-            num_prompt_tokens=self.num_prompt_tokens)
+            num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.num_kv_transfer_bytes,
+            kv_transfer_seconds=self._drain_transfer_seconds())
+
+    def _drain_transfer_seconds(self) -> list[float]:
+        seconds, self.recent_transfer_seconds = self.recent_transfer_seconds, []
+        return seconds

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from duoserve.core.outputs import EngineCoreOutput
+from duoserve.core.outputs import EngineCoreOutput, TokenLogprobs
 from duoserve.sampling_params import SamplingParams
 
 
@@ -49,9 +49,13 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int
     num_generated_tokens: int      # cumulative
     num_prompt_tokens: int         # cumulative prompt tokens computed
+    kv_transfer_bytes: int = 0     # cumulative bytes of KV sent (prefill role)
+    kv_transfer_seconds: list[float] = []  # durations of the transfers since the last stats message
 
 
 class EngineReady(msgspec.Struct, tag=True):
+    role: str
+    fingerprint: dict              # the values the model fingerprint covers (compared across engines)
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
@@ -73,12 +77,35 @@ class EngineFailed(msgspec.Struct, tag=True):
     error: str
 
 
+# ---- engine <-> engine (the KV handoff) -----------------------------------------------------
+
+class TransferMeta(msgspec.Struct, tag=True):
+    """Precedes a transfer's wire frames; with ``shm_name`` the frames lie in that shared memory."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    max_total_tokens: int | None
+    arrival_time: float
+    first_token: int
+    sample_index: int
+    frame_sizes: list[int]
+    shm_name: str | None = None
+    first_logprobs: TokenLogprobs | None = None
+
+
+class TransferAck(msgspec.Struct, tag=True):
+    request_id: str
+
+
 ToEngine = AddRequest | AbortRequest | FinishStopped | ReleaseRequest | Shutdown
 FromEngine = EngineReady | EngineOutputs | EngineFailed
+BetweenEngines = TransferMeta | TransferAck
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _from_engine = msgspec.msgpack.Decoder(FromEngine)
+_between = msgspec.msgpack.Decoder(BetweenEngines)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -91,3 +118,7 @@ def decode_to_engine(data: bytes) -> ToEngine:
 
 def decode_from_engine(data: bytes) -> FromEngine:
     return _from_engine.decode(data)
+
+
+def decode_between_engines(data: bytes) -> BetweenEngines:
+    return _between.decode(data)

@@ -19,13 +19,19 @@ STATS_INTERVAL = 1.0
 IDLE_POLL_MS = 100
 
 
-def engine_main(config_bytes: bytes, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
-    """Process entry point (kept import-light: heavy modules load after the sockets connect)."""
+def engine_main(config_bytes: bytes, input_addr: str, output_addr: str, log_level: int = logging.INFO,
+                handoff: dict | None = None) -> None:
+    """Process entry point (kept import-light: heavy modules load after the sockets connect).
+
+    ``handoff`` (prefill and decode roles): ``kv_addr`` where the decode engine receives KV,
+    ``ack_addr`` where the prefill engine receives acknowledgements, ``transport`` shm or tcp.
+    """
     import zmq
 
     from duoserve.engine import messages as msg
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    _pin(config_bytes)
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -34,12 +40,13 @@ def engine_main(config_bytes: bytes, input_addr: str, output_addr: str, log_leve
     outbox.connect(output_addr)
     try:
         core = _start_core(config_bytes)
+        fingerprint = _attach_connector(core, handoff)
     except Exception as exc:  # a bad config or model: say why, then stop
         logging.getLogger(__name__).error("engine failed to start: %s", exc)
         outbox.send(msg.encode(msg.EngineFailed(f"{type(exc).__name__}: {exc}")))
         outbox.close(linger=2000)
         return
-    outbox.send(msg.encode(_ready(core)))
+    outbox.send(msg.encode(_ready(core, fingerprint)))
     try:
         _loop(core, inbox, outbox, parent)
     except Exception:
@@ -49,6 +56,15 @@ def engine_main(config_bytes: bytes, input_addr: str, output_addr: str, log_leve
         outbox.close(linger=1000)
         inbox.close(linger=0)
         ctx.term()
+
+
+def _pin(config_bytes: bytes) -> None:
+    """Apply ``cpus`` before torch starts its threads (they inherit the affinity)."""
+    import msgspec
+
+    cpus = msgspec.msgpack.decode(config_bytes).get("cpus")
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _start_core(config_bytes: bytes):
@@ -61,11 +77,32 @@ def _start_core(config_bytes: bytes):
     return EngineCore(config)
 
 
-def _ready(core):
+def _attach_connector(core, handoff: dict | None) -> dict:
+    """Connect a prefill or decode engine to its peer; returns the fingerprint values."""
+    role = core.config.role
+    if role == "colocated":
+        return {}
+    from duoserve.kv.zmq_connector import DecodeEnd, PrefillEnd
+    from duoserve.model.fingerprint import describe, fingerprint
+
+    values = describe(core.arch, core.tokenizer, core.loaded.path)
+    digest = fingerprint(values)
+    if handoff is None:
+        raise ValueError(f"a {role} engine needs the addresses of its peer (kv_addr, ack_addr)")
+    if role == "prefill":
+        core.attach_connector(PrefillEnd(handoff["ack_addr"], handoff["kv_addr"], digest,
+                                         handoff.get("transport", "shm")))
+    else:
+        core.attach_connector(DecodeEnd(handoff["kv_addr"], handoff["ack_addr"], digest))
+    return values
+
+
+def _ready(core, fingerprint: dict):
     from duoserve.engine.messages import EngineReady
 
     tok = core.tokenizer
     return EngineReady(
+        role=core.config.role, fingerprint=fingerprint,
         max_model_len=core.max_model_len, vocab_size=core.vocab_size, eos_token_ids=list(core.eos_token_ids),
         num_blocks=core.num_blocks, block_size=core.config.cache.block_size, model_path=str(core.loaded.path),
         tokenizer_json=None if tok is None else tok.backend.to_str(),
@@ -104,11 +141,17 @@ def _loop(core, inbox, outbox, parent: int) -> None:
 
     log = logging.getLogger(__name__)
     last_stats = 0.0
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    peer_sockets = core.connector.sockets() if core.connector is not None else []
+    for sock in peer_sockets:
+        poller.register(sock, zmq.POLLIN)
     while True:
         outputs = []
-        timeout = 0 if core.has_unfinished() else IDLE_POLL_MS
-        while inbox.poll(timeout, zmq.POLLIN):
-            timeout = 0
+        busy = core.has_work()
+        events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+        while inbox in events or inbox.poll(0, zmq.POLLIN):
+            events.pop(inbox, None)
             try:
                 message = msg.decode_to_engine(inbox.recv())
             except Exception as exc:  # a malformed message is dropped, never fatal
@@ -122,7 +165,8 @@ def _loop(core, inbox, outbox, parent: int) -> None:
             if produced is None:
                 return
             outputs += produced
-        if core.has_unfinished():
+        # leased KV waits for acks (socket events) or its deadline (checked once per idle poll)
+        if core.has_work() or core.has_unfinished() and not busy or any(s in events for s in peer_sockets):
             outputs += core.step()
         now = time.monotonic()
         stats = None

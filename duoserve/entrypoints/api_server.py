@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from duoserve.config import EngineConfig
+from duoserve.config import DisaggConfig, EngineConfig
 from duoserve.entrypoints.errors import APIError, error_response
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            GenerateRequest, TokenizeRequest)
@@ -80,8 +80,8 @@ def _validation_param(exc: RequestValidationError) -> tuple[str, str]:
     return param, f"invalid value for {param or 'the request body'}: {first.get('msg', 'invalid')}"
 
 
-def create_app(engine_config: EngineConfig, server: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
-    engine = engine or AsyncEngine(engine_config, server.max_queue_len)
+def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None) -> FastAPI:
+    engine = AsyncEngine(engine_config, server.max_queue_len, disagg)
     metrics = ServerMetrics()
     engine.on_output.append(metrics.observe_output)
     engine.on_stats.append(metrics.observe_stats)
@@ -165,9 +165,9 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, engine: AsyncE
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         openai.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < engine.client.vocab_size]
+        bad = [t for t in body.tokens if not 0 <= t < engine.handle.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.client.vocab_size})",
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.handle.vocab_size})",
                            param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
@@ -175,7 +175,8 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, engine: AsyncE
     async def health():
         if engine.ready:
             return {"status": "ok"}
-        reason = engine.dead_reason or "engine-0 is not ready"
+        down = [c.name for c in engine.clients if not c.is_alive()]
+        reason = engine.dead_reason or f"not ready: {', '.join(down) or 'starting'}"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/metrics")

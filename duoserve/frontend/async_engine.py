@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
-from duoserve.config import EngineConfig
+from duoserve.config import DisaggConfig, EngineConfig
 from duoserve.engine.messages import EngineStats
 from duoserve.errors import DuoserveError
 from duoserve.frontend.engine_client import EngineDeadError, EngineProcessClient
 from duoserve.frontend.frontend import Frontend
+from duoserve.frontend.router import DisaggregatedEngines, Router, check_same_model
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
@@ -33,47 +38,75 @@ class QueueFullError(DuoserveError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, max_queue_len: int | None = None) -> None:
+    """One colocated engine process, or a prefill and a decode engine process (``disagg``)."""
+
+    def __init__(self, config: EngineConfig, max_queue_len: int | None = None,
+                 disagg: DisaggConfig | None = None) -> None:
         self.config = config
         self.max_queue_len = max_queue_len
-        self.client = EngineProcessClient(config)
+        self.disagg = disagg
+        if disagg is None:
+            self.clients = [EngineProcessClient(config)]
+        else:
+            prefill_config, decode_config = disagg.engine_configs(config)
+            handoff = _handoff_addresses(disagg.kv_transport)
+            self.clients = [EngineProcessClient(prefill_config, "prefill-0", handoff),
+                            EngineProcessClient(decode_config, "decode-0", handoff)]
+        self.handle = None
         self.frontend: Frontend | None = None
         self.queues: dict[str, asyncio.Queue] = {}
-        self.stats: EngineStats | None = None
+        self.stats: dict[str, EngineStats] = {}
         self.dead_reason: str | None = None
         self.on_output: list[Callable[[RequestOutput], None]] = []   # metrics hooks
-        self.on_stats: list[Callable[[EngineStats], None]] = []
-        self._reader: asyncio.Task | None = None
+        self.on_stats: list[Callable[[str, EngineStats], None]] = []
+        self._readers: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        await self.client.start()
-        self.frontend = Frontend(self.client)
-        self._reader = asyncio.create_task(self._read_outputs(), name="duoserve-output-reader")
+        try:
+            await asyncio.gather(*(client.start() for client in self.clients))
+            if self.disagg is not None:
+                check_same_model(*self.clients)
+        except BaseException:
+            await asyncio.gather(*(client.shutdown() for client in self.clients), return_exceptions=True)
+            raise
+        if self.disagg is None:
+            self.handle = self.clients[0]
+        else:
+            router = Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
+            self.handle = DisaggregatedEngines(self.clients[0], self.clients[1], router)
+        self.frontend = Frontend(self.handle)
+        self._readers = [asyncio.create_task(self._read_outputs(c), name=f"duoserve-reader-{c.name}")
+                         for c in self.clients]
 
     @property
     def ready(self) -> bool:
-        return self.frontend is not None and self.dead_reason is None and self.client.is_alive()
+        return self.frontend is not None and self.dead_reason is None and all(c.is_alive() for c in self.clients)
+
+    @property
+    def client(self) -> EngineProcessClient:
+        """The engine that decodes (the only one when colocated)."""
+        return self.clients[-1]
 
     @property
     def tokenizer(self):
-        return self.client.tokenizer
+        return self.handle.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.client.max_model_len
+        return self.handle.max_model_len
 
     @property
     def num_unfinished(self) -> int:
         return 0 if self.frontend is None else len(self.frontend.states)
 
-    async def _read_outputs(self) -> None:
+    async def _read_outputs(self, client: EngineProcessClient) -> None:
         try:
             while True:
-                batch = await self.client.recv()
+                batch = await client.recv()
                 if batch.stats is not None:
-                    self.stats = batch.stats
+                    self.stats[client.name] = batch.stats
                     for hook in self.on_stats:
-                        hook(batch.stats)
+                        hook(client.name, batch.stats)
                 if not batch.outputs:
                     continue
                 for snapshot in self.frontend.process_outputs(batch.outputs):
@@ -129,8 +162,23 @@ class AsyncEngine:
         if self.frontend is not None:
             for request_id in list(self.frontend.states):
                 self.frontend.abort(request_id)
-        if self._reader is not None:
-            self._reader.cancel()
+        for reader in self._readers:
+            reader.cancel()
         start = time.monotonic()
-        await self.client.shutdown(timeout)
+        await asyncio.gather(*(client.shutdown(timeout) for client in self.clients))
         logger.info("engine stopped in %.1fs", time.monotonic() - start)
+
+
+def _handoff_addresses(transport: str) -> dict:
+    """Where the decode engine takes KV and the prefill engine takes acks, on this host."""
+    if transport == "tcp":
+        return {"kv_addr": f"tcp://127.0.0.1:{_free_port()}", "ack_addr": f"tcp://127.0.0.1:{_free_port()}",
+                "transport": "tcp"}
+    base = os.path.join(tempfile.gettempdir(), f"duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return {"kv_addr": f"ipc://{base}-kv", "ack_addr": f"ipc://{base}-ack", "transport": "shm"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

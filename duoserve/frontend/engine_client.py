@@ -36,9 +36,10 @@ class EngineDeadError(DuoserveError):
 
 
 class EngineProcessClient:
-    def __init__(self, config: EngineConfig, name: str = "engine-0") -> None:
+    def __init__(self, config: EngineConfig, name: str = "engine-0", handoff: dict | None = None) -> None:
         self.config = config
         self.name = name
+        self.handoff = handoff
         base = os.path.join(tempfile.gettempdir(), f"duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._paths = [f"{base}-in", f"{base}-out"]
         self._ctx = zmq.asyncio.Context()
@@ -58,7 +59,7 @@ class EngineProcessClient:
         self.process = spawn.Process(
             target=engine_main, name=f"duoserve-{self.name}", daemon=True,
             args=(msgspec.msgpack.encode(self.config), f"ipc://{self._paths[0]}", f"ipc://{self._paths[1]}",
-                  logging.getLogger().getEffectiveLevel() or logging.INFO))
+                  logging.getLogger().getEffectiveLevel() or logging.INFO, self.handoff))
         self.process.start()
         message = await self._recv(timeout, waiting_for="EngineReady")
         if isinstance(message, msg.EngineFailed):

@@ -175,6 +175,11 @@ class Frontend:
             out.prompt_logprobs = None  # one sample carries them, once
         if completion.finished:
             return
+        already = len(completion.token_ids) - out.position  # tokens of this output seen before
+        if already > 0:
+            out.new_token_ids = out.new_token_ids[already:]
+            if out.new_logprobs:
+                out.new_logprobs = out.new_logprobs[already:]
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = time.monotonic()
         state.num_cached_tokens = out.num_cached_tokens

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from duoserve.core.outputs import TokenLogprobs
 from duoserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class KVTransfer:
     sample_index: int
     keys: list[Any]       # per layer [num_prompt_tokens, num_kv_heads, head_dim] tensors
     values: list[Any]
+    first_logprobs: TokenLogprobs | None = None
     sent_at: float = field(default_factory=time.monotonic)
 
     @property

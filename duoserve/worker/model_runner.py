@@ -35,7 +35,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
-        for _, block_ids, (keys, values) in plan.kv_inserts:
+        for _, block_ids, (keys, values, _) in plan.kv_inserts:
             insert_kv(self.kv_caches, block_ids, keys, values)
         items = plan.scheduled
         token_ids: list[int] = []
