@@ -117,3 +117,15 @@ def test_frontend_keeps_one_copy_of_the_first_token_whichever_engine_reports_fir
     assert snap.outputs[0].token_ids == [11, 12] and snap.outputs[0].delta_token_ids == [11, 12]
     (snap,) = frontend.process_outputs([prefill_late, EngineCoreOutput("x", [13], position=2)])
     assert snap.outputs[0].token_ids == [11, 12, 13] and snap.outputs[0].delta_token_ids == [13]
+
+
+def test_abort_that_overtakes_the_transfer_drops_it_and_frees_the_lease(tiny_dir):
+    prefill, decode = engines(tiny_dir(kind="llama"))
+    prefill.add_request(Request("late", list(range(20)), SamplingParams(temperature=0, max_tokens=8), (), 512))
+    decode.abort("late")  # the client went away; the decode engine has not seen the request yet
+    prefill.step()        # first token sampled, KV sent
+    decode.step()         # the transfer arrives: dropped, acknowledged
+    assert "late" not in decode.scheduler.requests and pool_whole(decode)
+    prefill.abort("late")
+    prefill.step()
+    assert pool_whole(prefill)

@@ -7,6 +7,7 @@ process or another, turns them into text.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -47,6 +48,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
                                    config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout)
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
+        # decode role: ids aborted before their KV arrived (the abort overtook the transfer)
+        self.aborted_early: collections.deque[str] = collections.deque(maxlen=4096)
         self.num_kv_transfer_bytes = 0
         self.recent_transfer_seconds: list[float] = []
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
@@ -71,6 +74,8 @@ class EngineCore:
 
     def abort(self, request_id: str) -> list[EngineCoreOutput]:
         """Abort a request and all its samples."""
+        if request_id not in self.scheduler.requests:
+            self.aborted_early.append(request_id)
         return self.scheduler.abort(request_id)
 
     def finish_stopped(self, request_id: str) -> None:
@@ -103,6 +108,9 @@ class EngineCore:
             outputs += self.scheduler.expire_leases(time.monotonic())
         elif self.config.role == "decode":
             for transfer in self.connector.poll_transfers():
+                if transfer.request_id in self.aborted_early:  # free the sender's lease, compute nothing
+                    self.connector.acknowledge(transfer.request_id)
+                    continue
                 request = Request(transfer.request_id, transfer.prompt_token_ids, transfer.params,
                                   transfer.eos_token_ids, transfer.max_total_tokens, transfer.sample_index,
                                   transfer.arrival_time)
