@@ -125,3 +125,47 @@ def test_engines_of_different_models_are_refused_at_connect(tiny_dir):
     assert message.startswith("prefill and decode engines serve different models (")
     assert "architecture: prefill-0='LlamaForCausalLM', decode-0='Qwen2ForCausalLM'" in message
     assert "qkv_bias: prefill-0=False, decode-0=True" in message
+
+
+def test_killed_prefill_engine_fails_its_request_then_decode_prefills_until_restart(tiny_dir):
+    import os
+    import signal
+
+    config = EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama")), dtype="float32"),
+                          cache=CacheConfig(kv_cache_memory=0.01))
+    disagg = DisaggConfig(prefill_threads=1, decode_threads=1)
+    long_prompt = list(range(1, 200))
+
+    async def main():
+        engine = AsyncEngine(config, disagg=disagg)
+        await engine.start()
+        prefill = engine.clients[0]
+        first_pid = prefill.process.pid
+        try:
+            os.kill(first_pid, signal.SIGSTOP)  # frozen: the request is placed on it but never prefilled
+            stream = engine.generate(long_prompt, GREEDY, "doomed", strict_length=False)
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.2)
+            os.kill(first_pid, signal.SIGKILL)
+            with pytest.raises(Exception) as err:
+                await asyncio.wait_for(task, 20)
+                async for _ in stream:
+                    pass
+            detected = "prefill engine died" in str(err.value)
+            # meanwhile the decode engine prefills new requests itself
+            fallback = await _generate_all(engine, [[5, 6, 7]], GREEDY)
+            for _ in range(200):
+                if prefill.is_alive() and prefill.process.pid != first_pid and prefill.ready is not None:
+                    break
+                await asyncio.sleep(0.1)
+            after = await _generate_all(engine, [[5, 6, 7]], GREEDY)
+            await asyncio.sleep(1.3)
+            return detected, fallback, after, prefill.process.pid != first_pid, dict(engine.stats)
+        finally:
+            await engine.shutdown()
+
+    detected, fallback, after, restarted, stats = asyncio.run(main())
+    assert detected
+    assert len(fallback[0].token_ids) == 16 and after[0].token_ids == fallback[0].token_ids
+    assert restarted
+    assert stats["decode-0"].kv_cache_usage == 0 and stats["prefill-0"].kv_cache_usage == 0

@@ -175,7 +175,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     async def health():
         if engine.ready:
             return {"status": "ok"}
-        down = [c.name for c in engine.clients if not c.is_alive()]
+        down = [c.name for c in engine.clients if not c.is_up()]
         reason = engine.dead_reason or f"not ready: {', '.join(down) or 'starting'}"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 

@@ -22,6 +22,7 @@ from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import CompletionRequest
 from duoserve.errors import ConfigError, InvalidInputError, ModelLoadError
 from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from duoserve.frontend.engine_client import EngineDeadError
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise APIError(400, str(exc), param=exc.param) from exc
     except QueueFullError as exc:
         raise APIError(429, str(exc), headers={"Retry-After": "1"}) from exc
-    except (EngineUnavailableError, ModelLoadError) as exc:
+    except (EngineUnavailableError, EngineDeadError, ModelLoadError) as exc:
         raise APIError(503, f"the engine is unavailable: {exc}") from exc
 
 

@@ -80,7 +80,14 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self.frontend is not None and self.dead_reason is None and all(c.is_alive() for c in self.clients)
+        """Every engine is up (what /health reports)."""
+        return self.accepting and all(c.is_up() for c in self.clients)
+
+    @property
+    def accepting(self) -> bool:
+        """Requests can be served: the decode (or only) engine is up; a missing prefill engine
+        only moves prefills onto it."""
+        return self.frontend is not None and self.dead_reason is None and self.client.is_up()
 
     @property
     def client(self) -> EngineProcessClient:
@@ -100,6 +107,38 @@ class AsyncEngine:
         return 0 if self.frontend is None else len(self.frontend.states)
 
     async def _read_outputs(self, client: EngineProcessClient) -> None:
+        while True:
+            try:
+                await self._read_until_dead(client)
+                return
+            except EngineDeadError as exc:
+                if self.disagg is None or client is not self.clients[0]:
+                    self._fail_all(str(exc))
+                    return
+                await self._recover_prefill(client, str(exc))
+
+    async def _recover_prefill(self, client: EngineProcessClient, reason: str) -> None:
+        """A dead prefill engine fails only the requests it held; the decode engine prefills
+        new ones (the router sees it down) until the restarted one is ready."""
+        logger.error("%s died (%s): failing the requests it was prefilling, restarting it", client.name, reason)
+        for request_id, placed in list(self.handle.placements.items()):
+            if placed == client.name and request_id in self.frontend.states:
+                queue = self.queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(EngineUnavailableError(
+                        f"the prefill engine died while this request was on it ({reason}); retry it"))
+                self.frontend.abort(request_id)
+        for attempt in range(1, 4):
+            try:
+                await client.restart()
+                logger.info("%s restarted", client.name)
+                return
+            except EngineDeadError as exc:
+                logger.error("restarting %s failed (attempt %d): %s", client.name, attempt, exc)
+                await asyncio.sleep(2.0 * attempt)
+        raise EngineDeadError(f"{client.name} could not be restarted")
+
+    async def _read_until_dead(self, client: EngineProcessClient) -> None:
         try:
             while True:
                 batch = await client.recv()
@@ -115,9 +154,7 @@ class AsyncEngine:
                     queue = self.queues.get(snapshot.request_id)
                     if queue is not None:
                         queue.put_nowait(snapshot)
-        except EngineDeadError as exc:
-            self._fail_all(str(exc))
-        except asyncio.CancelledError:
+        except (EngineDeadError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a bug here must not leave requests hanging
             logger.exception("output reader failed")
@@ -132,7 +169,7 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        strict_length: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream snapshots of one request until it finishes; aborts it if the caller stops listening."""
-        if not self.ready:
+        if not self.accepting:
             raise EngineUnavailableError(self.dead_reason or "the engine is not ready")
         if self.max_queue_len is not None and self.num_unfinished >= self.max_queue_len:
             raise QueueFullError(f"the server is full ({self.num_unfinished} requests in flight, "

@@ -76,8 +76,23 @@ class EngineProcessClient:
                                        eos_token_ids=tuple(message.eos_token_ids),
                                        chat_template=message.chat_template, add_bos_token=message.add_bos_token)
 
+    async def restart(self, timeout: float = 300.0) -> None:
+        """Start a fresh engine process on the same addresses (the old one is dead)."""
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+        if self.process is not None:
+            self.process.join(timeout=5)
+        while await self._from_engine.poll(timeout=0):  # whatever the dead one left unread
+            await self._from_engine.recv()
+        self.ready = None
+        await self.start(timeout)
+
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def is_up(self) -> bool:
+        """Alive and past its EngineReady: it can take requests."""
+        return self.ready is not None and self.is_alive()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to stop, then make sure it has: no child process is left behind."""
@@ -116,7 +131,10 @@ class EngineProcessClient:
         return tuple(self.ready.eos_token_ids)
 
     def _send(self, message: msgspec.Struct) -> None:
-        self._to_engine.send(msg.encode(message), flags=zmq.NOBLOCK)
+        try:
+            self._to_engine.send(msg.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no engine on the other end (it died or is restarting)
+            raise EngineDeadError(f"{self.name} is not connected") from None
 
     def add_request(self, request: Request) -> None:
         self._send(msg.AddRequest(request.request_id, request.prompt_token_ids, request.params,

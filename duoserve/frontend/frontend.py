@@ -125,8 +125,8 @@ class Frontend:
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_ids) + params.max_tokens)
-        self.states[request_id] = state
         self.engine.add_request(Request(request_id, prompt_ids, params, self.engine.eos_token_ids, max_total))
+        self.states[request_id] = state  # only once the engine took it: a refusal leaves nothing behind
         return request_id
 
     def abort(self, request_id: str) -> None:

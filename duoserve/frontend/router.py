@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from duoserve.core.request import Request
-from duoserve.frontend.engine_client import EngineProcessClient
+from duoserve.frontend.engine_client import EngineDeadError, EngineProcessClient
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class DisaggregatedEngines:
 
     def add_request(self, request: Request) -> None:
         remote = self.router.prefill_remotely(request.num_prompt_tokens)
-        if remote and not self.prefill.is_alive():
+        if remote and not self.prefill.is_up():
             if not self._warned_fallback:
                 logger.warning("no prefill engine is up: prefilling on the decode engine")
                 self._warned_fallback = True
@@ -67,8 +67,11 @@ class DisaggregatedEngines:
 
     def _both(self, method: str, request_id: str) -> None:
         for client in (self.prefill, self.decode):
-            if client.is_alive():
-                getattr(client, method)(request_id)
+            if client.is_up():
+                try:
+                    getattr(client, method)(request_id)
+                except EngineDeadError:  # it went down meanwhile: nothing of the request is left there
+                    pass
 
     def abort(self, request_id: str) -> None:
         self._both("abort", request_id)
@@ -87,6 +90,4 @@ def check_same_model(prefill: EngineProcessClient, decode: EngineProcessClient) 
     differ = [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
     if differ:
         detail = "; ".join(f"{key}: {prefill.name}={a.get(key)!r}, {decode.name}={b.get(key)!r}" for key in differ)
-        from duoserve.frontend.engine_client import EngineDeadError
-
         raise EngineDeadError(f"prefill and decode engines serve different models ({detail})")
