@@ -61,19 +61,19 @@ class ServerMetrics:
         now = time.monotonic()
         arrival = out.metrics.get("arrival_time", now)
         num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        last_time, seen = self._seen.get(out.request_id, (arrival, 0))
+        last_time, seen, staged = self._seen.get(out.request_id, (arrival, 0, frozenset()))
         new = num_tokens - seen
         if seen == 0 and new > 0:
             self.ttft.observe(now - arrival)
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-            for stage in ("queue", "prefill"):
-                if f"{stage}_seconds" in out.metrics:
-                    self.stage.labels(stage).observe(out.metrics[f"{stage}_seconds"])
         elif new > 0:
             self.itl.observe(now - last_time)
-        if new > 0:
+        fresh = {s for s in STAGES if f"{s}_seconds" in out.metrics} - staged  # stages arrive from two engines
+        for stage in fresh:
+            self.stage.labels(stage).observe(out.metrics[f"{stage}_seconds"])
+        if new > 0 or fresh:
             self.generation_tokens.inc(new)
-            self._seen[out.request_id] = (now, num_tokens)
+            self._seen[out.request_id] = (now if new > 0 else last_time, num_tokens, staged | fresh)
         if out.finished:
             self._seen.pop(out.request_id, None)
             self.e2e.observe(now - arrival)

@@ -25,11 +25,15 @@ def prompts() -> list[list[int]]:
             + [shared + [5], shared + [6, 7], list(shared + [5])])
 
 
-async def _generate_all(engine: AsyncEngine, items, params) -> list[list[int]]:
+STAGE_METRICS: list[dict] = []   # the final metrics of every request of the last run
+
+
+async def _generate_all(engine: AsyncEngine, items, params) -> list:
     async def one(i, prompt):
         final = None
         async for out in engine.generate(prompt, params, f"r{i}", strict_length=False):
             final = out
+        STAGE_METRICS.append(final.metrics)
         return final.outputs[0]
 
     results = []
@@ -83,9 +87,13 @@ def assert_same(got, want) -> None:
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_disaggregated_equals_colocated(tiny_dir, colocated, transport):
     disagg = DisaggConfig(prefill_threads=1, decode_threads=1, kv_transport=transport, prefill_block_size=16)
+    STAGE_METRICS.clear()
     outs, stats = run_disaggregated(tiny_dir(kind="llama"), disagg, [GREEDY, SEEDED])
     for got, want in zip(outs, colocated):
         assert_same(got, want)
+    for metrics in STAGE_METRICS:  # every TTFT stage was measured, on one engine or the other
+        assert {"queue_seconds", "prefill_seconds", "transfer_seconds", "admit_seconds"} <= set(metrics)
+        assert all(metrics[f"{s}_seconds"] >= 0 for s in ("queue", "prefill", "transfer", "admit"))
     prefill, decode = stats["prefill-0"], stats["decode-0"]
     assert prefill.kv_transfer_bytes == sum(len(p) for p in prompts()) * 2 * 2 * 2 * 16 * 4 * 2
     assert prefill.prefix_cache_hits > 0, "repeated prefixes hit the prefill engine's cache"

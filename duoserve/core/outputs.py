@@ -61,8 +61,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
-    queue_seconds: float | None = None    # with the first token: arrival -> first scheduled
-    prefill_seconds: float | None = None  # with the first token: first scheduled -> first token
+    # TTFT stages measured by this engine, once per request: queue and prefill with the first
+    # token; transfer and admit on a decode engine's first output after a handoff
+    stages: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:

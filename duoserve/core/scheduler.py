@@ -255,8 +255,8 @@ class Scheduler:
                                new_logprobs=[logprobs] if logprobs else None,
                                num_cached_tokens=request.num_cached_tokens, stop_reason=stop_reason)
         if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
-            out.queue_seconds = request.first_scheduled_time - request.arrival_time
-            out.prefill_seconds = time.monotonic() - request.first_scheduled_time
+            out.stages = {"queue": request.first_scheduled_time - request.arrival_time,
+                          "prefill": time.monotonic() - request.first_scheduled_time}
         return out
 
     def _lease(self, request: Request) -> None:

@@ -115,7 +115,7 @@ class EngineCore:
                                   transfer.eos_token_ids, transfer.max_total_tokens, transfer.sample_index,
                                   transfer.arrival_time)
                 request.output_token_ids.append(transfer.first_token)
-                self.scheduler.add_transferred(request, (transfer.keys, transfer.values, transfer.first_logprobs))
+                self.scheduler.add_transferred(request, transfer)
         return outputs
 
     def _ship_leased(self, outputs: list[EngineCoreOutput]) -> None:
@@ -170,7 +170,7 @@ class EngineCore:
         whichever copy comes first and drops the other.
         """
         by_id = {o.request_id: o for o in outputs}
-        for request_id, _, (_, _, first_logprobs) in plan.kv_inserts:
+        for request_id, _, transfer in plan.kv_inserts:
             self.connector.acknowledge(request_id)
             out = by_id.get(request_id)
             request = self.scheduler.requests.get(request_id)
@@ -178,8 +178,11 @@ class EngineCore:
                 continue
             out.new_token_ids = [request.output_token_ids[0], *out.new_token_ids]
             out.position = 0
-            if out.new_logprobs is not None and first_logprobs is not None:
-                out.new_logprobs = [first_logprobs, *out.new_logprobs]
+            if out.new_logprobs is not None and transfer.first_logprobs is not None:
+                out.new_logprobs = [transfer.first_logprobs, *out.new_logprobs]
+            received = transfer.received_at or request.first_scheduled_time
+            out.stages = {"transfer": max(received - transfer.sent_at, 0.0),
+                          "admit": max(request.first_scheduled_time - received, 0.0)}
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -183,8 +183,8 @@ class Frontend:
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = time.monotonic()
         state.num_cached_tokens = out.num_cached_tokens
-        if out.queue_seconds is not None:
-            state.stage_seconds.update(queue=out.queue_seconds, prefill=out.prefill_seconds or 0.0)
+        if out.stages:
+            state.stage_seconds.update(out.stages)
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and completion.logprobs is not None:
             completion.logprobs.extend(out.new_logprobs)

@@ -34,6 +34,8 @@ class KVTransfer:
     first_logprobs: TokenLogprobs | None = None
     sent_at: float = field(default_factory=time.monotonic)
 
+    received_at: float | None = None   # set by the decode end when the transfer lands
+
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -57,6 +59,8 @@ class InProcessConnector:
     # decode end
     def poll_transfers(self) -> list[KVTransfer]:
         transfers, self._transfers = list(self._transfers), deque()
+        for transfer in transfers:
+            transfer.received_at = time.monotonic()
         return transfers
 
     def acknowledge(self, request_id: str) -> None:

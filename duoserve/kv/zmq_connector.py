@@ -74,7 +74,7 @@ class PrefillEnd(_End):
         meta = msg.TransferMeta(transfer.request_id, transfer.prompt_token_ids, transfer.params,
                                 list(transfer.eos_token_ids), transfer.max_total_tokens, transfer.arrival_time,
                                 transfer.first_token, transfer.sample_index, sizes,
-                                first_logprobs=transfer.first_logprobs)
+                                first_logprobs=transfer.first_logprobs, sent_at=transfer.sent_at)
         if self.transport == "shm":
             segment = shared_memory.SharedMemory(create=True, size=sum(sizes))
             _untrack(segment)
@@ -120,7 +120,8 @@ class DecodeEnd(_End):
                 continue
             transfers.append(KVTransfer(meta.request_id, meta.prompt_token_ids, meta.params,
                                         tuple(meta.eos_token_ids), meta.max_total_tokens, meta.arrival_time,
-                                        meta.first_token, meta.sample_index, keys, values, meta.first_logprobs))
+                                        meta.first_token, meta.sample_index, keys, values, meta.first_logprobs,
+                                        sent_at=meta.sent_at, received_at=time.monotonic()))
         return transfers
 
     def _frames(self, meta: msg.TransferMeta, parts: list) -> list[bytes]:

@@ -35,8 +35,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
-        for _, block_ids, (keys, values, _) in plan.kv_inserts:
-            insert_kv(self.kv_caches, block_ids, keys, values)
+        for _, block_ids, transfer in plan.kv_inserts:
+            insert_kv(self.kv_caches, block_ids, transfer.keys, transfer.values)
         items = plan.scheduled
         token_ids: list[int] = []
         positions: list[int] = []
