@@ -115,7 +115,11 @@ class EngineCore:
                                   transfer.eos_token_ids, transfer.max_total_tokens, transfer.sample_index,
                                   transfer.arrival_time)
                 request.output_token_ids.append(transfer.first_token)
-                self.scheduler.add_transferred(request, transfer)
+                try:
+                    self.scheduler.add_transferred(request, transfer)
+                except ValueError as exc:  # e.g. a duplicate id: refuse this one, keep serving
+                    logger.error("refused a transferred request: %s", exc)
+                    self.connector.acknowledge(transfer.request_id)
         return outputs
 
     def _ship_leased(self, outputs: list[EngineCoreOutput]) -> None:
