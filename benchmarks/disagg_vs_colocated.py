@@ -22,6 +22,7 @@ import sys
 import time
 
 import httpx
+from _common import wait_healthy
 
 SETUPS = {
     "colocated": ["--mode", "colocated", "--num-threads", "2", "--max-num-batched-tokens", "512"],
@@ -84,14 +85,7 @@ def run_setup(name: str, args, items, port: int) -> dict:
            "--max-model-len", "2048", *SETUPS[name]]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
         return asyncio.run(drive(port, items, args))
     finally:
         server.terminate()

@@ -12,7 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from _common import wait_healthy
 
 NAME = "smollm2-135m"
 
@@ -49,17 +49,10 @@ class Running:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                      start_new_session=True)
         self.peak_kb = 0
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited; log: {self.log.name}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}{health}", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > 600:
-                raise RuntimeError(f"{cmd[0]} not healthy in 600 s; log: {self.log.name}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}{health}", 600, lambda: self.proc.poll() is None)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; log: {self.log.name}") from None
         self.startup_s = time.monotonic() - start
         self.sample_memory()
 

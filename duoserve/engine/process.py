@@ -165,8 +165,9 @@ def _loop(core, inbox, outbox, parent: int) -> None:
             if produced is None:
                 return
             outputs += produced
-        # leased KV waits for acks (socket events) or its deadline (checked once per idle poll)
-        if core.has_work() or core.has_unfinished() and not busy or any(s in events for s in peer_sockets):
+        # when idle the poll above waited, so leased KV is checked for acks and deadlines
+        # once per IDLE_POLL_MS, not in a busy loop
+        if core.has_unfinished() or any(s in events for s in peer_sockets):
             outputs += core.step()
         now = time.monotonic()
         stats = None

@@ -192,9 +192,6 @@ class AsyncEngine:
             if not finished and self.frontend is not None and request_id in self.frontend.states:
                 self.frontend.abort(request_id)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.frontend.tokenize_prompt(prompt)[1]
-
     async def shutdown(self, timeout: float = 10.0) -> None:
         if self.frontend is not None:
             for request_id in list(self.frontend.states):

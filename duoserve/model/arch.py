@@ -6,7 +6,6 @@ one ``ModelArch``; the model is built from it alone.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +161,3 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         eos_token_ids=_eos_ids(config.get("eos_token_id")),
     )
 
-
-def replace(arch: ModelArch, **changes: Any) -> ModelArch:
-    return dataclasses.replace(arch, **changes)

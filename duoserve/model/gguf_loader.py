@@ -7,6 +7,7 @@ rename to Hugging Face names and undo the permutation so one model serves both.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from duoserve.errors import ConfigError, ModelLoadError
-from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config, replace
+from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config
 from duoserve.model.dequant import dequantize
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -134,5 +135,5 @@ def open_gguf(path: Path, hf_overrides: dict[str, Any] | None) -> tuple[Any, dic
     if "rope_freqs.weight" in names:
         freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel())
-        arch = replace(arch, rope=RopeConfig(theta=arch.rope.theta, freq_factors=factors))
+        arch = dataclasses.replace(arch, rope=RopeConfig(theta=arch.rope.theta, freq_factors=factors))
     return reader, meta, arch

@@ -92,7 +92,3 @@ class LlamaModel(nn.Module):
         if self.tied_head is not None:
             return self.tied_head(hidden).float()
         return F.linear(hidden, self.embed.weight).float()
-
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a checkpoint must provide, by our parameter name."""
-        return {name: tuple(p.shape) for name, p in self.named_parameters()}

@@ -78,9 +78,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return [self.backend.id_to_token(i) for i in token_ids]
-
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")

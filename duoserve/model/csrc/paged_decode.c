@@ -29,16 +29,22 @@ static void load_row(const void *cache, int is_bf16, int64_t index, int head_dim
     }
 }
 
+/* Row t of one KV head in a cache: a pointer into it, or (bf16) into ``row`` after conversion. */
+static inline const float *cache_row(const void *cache, int is_bf16, const int64_t *table, int t, int kv_head,
+                                     int num_kv_heads, int head_dim, int block_size, float *row) {
+    int64_t slot = table[t / block_size] * block_size + t % block_size;
+    int64_t index = (slot * num_kv_heads + kv_head) * head_dim;
+    if (!is_bf16) return (const float *)cache + index;
+    load_row(cache, 1, index, head_dim, row);
+    return row;
+}
+
 static void attend_one(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                        const int64_t *table, int seq_len, int kv_head, int group, int num_kv_heads,
                        int head_dim, int block_size, float scale, float *scores, float *row, float *out) {
     /* q: [group, head_dim] (this KV head's query heads); out: [group, head_dim]; scores: [group, seq_len] */
     for (int t = 0; t < seq_len; t++) {
-        int64_t slot = table[t / block_size] * block_size + t % block_size;
-        int64_t index = (slot * num_kv_heads + kv_head) * head_dim;
-        const float *k;
-        if (is_bf16) { load_row(k_cache, 1, index, head_dim, row); k = row; }
-        else k = (const float *)k_cache + index;
+        const float *k = cache_row(k_cache, is_bf16, table, t, kv_head, num_kv_heads, head_dim, block_size, row);
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float dot = 0.0f;
@@ -56,11 +62,7 @@ static void attend_one(const float *q, const void *k_cache, const void *v_cache,
         memset(out + g * head_dim, 0, sizeof(float) * head_dim);
     }
     for (int t = 0; t < seq_len; t++) {
-        int64_t slot = table[t / block_size] * block_size + t % block_size;
-        int64_t index = (slot * num_kv_heads + kv_head) * head_dim;
-        const float *v;
-        if (is_bf16) { load_row(v_cache, 1, index, head_dim, row); v = row; }
-        else v = (const float *)v_cache + index;
+        const float *v = cache_row(v_cache, is_bf16, table, t, kv_head, num_kv_heads, head_dim, block_size, row);
         for (int g = 0; g < group; g++) {
             float p = scores[g * seq_len + t];
             float *o = out + g * head_dim;
