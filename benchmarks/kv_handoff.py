@@ -15,9 +15,11 @@ import argparse
 import json
 import random
 import statistics
+import threading
 import time
 
 import torch
+import zmq
 
 
 def main() -> None:
@@ -32,7 +34,8 @@ def main() -> None:
     from duoserve.config import ModelConfig
     from duoserve.kv.connector import KVTransfer
     from duoserve.kv.reblock import extract_kv, insert_kv
-    from duoserve.kv.zmq_connector import DecodeEnd, PrefillEnd
+    from duoserve.engine import messages as msg
+    from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
     from duoserve.model.attention import AttentionMetadata
     from duoserve.model.cpu_linear import pack_for_cpu
     from duoserve.model.loader import load_model
@@ -61,27 +64,38 @@ def main() -> None:
                 hidden = model(torch.tensor(prompt[chunk:end]), torch.arange(chunk, end), src, meta)
             model.compute_logits(hidden[-1:])
             prefill_times.append(time.perf_counter() - start)
-    if args.transport == "shm":
-        addrs = ("ipc:///tmp/duoserve-bench-kv", "ipc:///tmp/duoserve-bench-ack")
-    else:
-        addrs = ("tcp://127.0.0.1:5791", "tcp://127.0.0.1:5792")
-    fingerprint = bytes(32)
-    sender = PrefillEnd(addrs[1], addrs[0], fingerprint, args.transport)
-    receiver = DecodeEnd(addrs[0], addrs[1], fingerprint)
-    time.sleep(0.2)  # let the sockets connect
+    address = ("ipc:///tmp/duoserve-bench-kv" if args.transport == "shm"  # ipc peers get shared memory
+               else "tcp://127.0.0.1:5791")
+    fingerprint, values = bytes(32), {"model": "bench"}
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(address)
+    receiver = DecodeConnector(router, fingerprint, values, "bench")
+    sender = PrefillConnector(fingerprint, values)
+
+    def take(block: bool = True):
+        while router.poll(1000 if block else 0):
+            identity, payload, *frames = router.recv_multipart(copy=False)
+            receiver.receive(identity.bytes, msg.decode_at_engine(payload.bytes), frames)
+            block = False
+
+    sender_hello = threading.Thread(target=sender.connect, args=("bench-prefill", {"bench-decode": address}, 10))
+    sender_hello.start()
+    take()
+    sender_hello.join()
     handoffs = []
     for i in range(args.repeats):
         start = time.perf_counter()
         keys, values = extract_kv(src, src_blocks, args.tokens)
-        sender.send(KVTransfer(f"r{i}", prompt, SamplingParams(), (2,), None, 0.0, 0, 0, keys, values))
+        sender.send(KVTransfer(f"r{i}", prompt, SamplingParams(), (2,), None, 0.0, 0, 0, keys, values,
+                               peer="bench-decode", peer_instance="bench"))
         transfers = []
         while not transfers:
-            receiver.inbox.poll(1000)
+            take()
             transfers = receiver.poll_transfers()
         insert_kv(dst, dst_blocks, transfers[0].keys, transfers[0].values)
         handoffs.append(time.perf_counter() - start)
     sender.close()
-    receiver.close()
+    router.close(linger=0)
     assert torch.equal(dst[3][0].flatten(0, 1)[: args.tokens], src[3][0].flatten(0, 1)[: args.tokens])
     prefill, handoff = min(prefill_times), statistics.median(handoffs)
     print(json.dumps({"tokens": args.tokens, "transport": args.transport, "kv_bytes": transfers[0].num_bytes,

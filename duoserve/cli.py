@@ -13,7 +13,7 @@ import sys
 from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                              DEFAULT_MAX_NUM_SEQS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig,
-                             SchedulerConfig, parse_cpu_list)
+                             SchedulerConfig, parse_address_list, parse_cpu_list)
 from duoserve.errors import ConfigError, DuoserveError
 
 
@@ -80,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server and its engine")
     add_server_args(serve)
     add_engine_args(serve)
+    for role in ("prefill", "decode"):
+        engine = commands.add_parser(
+            role, help=f"run a {role} engine on its own, for `serve --mode disaggregated --{role}-addrs`")
+        engine.add_argument("--listen", required=True,
+                            help="address to listen on: tcp://HOST:PORT (e.g. tcp://0.0.0.0:7100), or ipc://PATH")
+        engine.add_argument("--cpus", default=None, help="pin the engine to these CPUs (0, 0-1, 0,2)")
+        if role == "prefill":
+            engine.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                                help="seconds KV waits for the decode engine's acknowledgement (default: 30)")
+        add_engine_args(engine)
     return parser
 
 
@@ -108,6 +118,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="how KV moves between the engines: shared memory or TCP (default: shm)")
     d.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="seconds a prefill engine keeps KV for an unacknowledged handoff (default: 30)")
+    d.add_argument("--num-prefill-engines", type=int, default=None,
+                   help="prefill engines to launch on this host (default: 1)")
+    d.add_argument("--num-decode-engines", type=int, default=None,
+                   help="decode engines to launch on this host (default: 1)")
+    d.add_argument("--prefill-addrs", default=None,
+                   help="use running prefill engines instead (`duoserve prefill --listen ADDR`): tcp://h1:p1,...")
+    d.add_argument("--decode-addrs", default=None,
+                   help="use running decode engines instead (`duoserve decode --listen ADDR`): tcp://h2:p2,...")
+    d.add_argument("--engine-host", default="127.0.0.1",
+                   help="where launched engines listen when they use TCP; must be reachable from remote "
+                        "engines (default: 127.0.0.1)")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="requests in flight beyond which new ones get 429 (default: no limit)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -127,13 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from duoserve.entrypoints.api_server import ServerConfig, create_app
 
-    disagg = None
-    if args.mode == "disaggregated":
-        disagg = DisaggConfig(prefill_device=args.prefill_device, max_prefill_len=args.max_prefill_len,
-                              prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
-                              prefill_cpus=parse_cpu_list(args.prefill_cpus, "prefill_cpus"),
-                              decode_cpus=parse_cpu_list(args.decode_cpus, "decode_cpus"),
-                              kv_transport=args.kv_transport, kv_lease_timeout=args.kv_lease_timeout)
+    disagg = disagg_config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
     server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
@@ -143,6 +158,52 @@ def run_serve(args: argparse.Namespace) -> int:
                             access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout))
     uvicorn.Server(config).run()
     return 0
+
+
+def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
+    placed = {"num_prefill_engines": args.num_prefill_engines, "num_decode_engines": args.num_decode_engines,
+              "prefill_addrs": args.prefill_addrs, "decode_addrs": args.decode_addrs}
+    if args.mode != "disaggregated":
+        for name, value in placed.items():
+            if value is not None:
+                raise ConfigError(name, value, "only with --mode disaggregated (colocated runs one engine)")
+        return None
+    for role in ("prefill", "decode"):
+        if placed[f"{role}_addrs"] is not None and placed[f"num_{role}_engines"] is not None:
+            raise ConfigError(f"num_{role}_engines", placed[f"num_{role}_engines"],
+                              f"unset when --{role}-addrs names the engines (their count is the list's)")
+    return DisaggConfig(prefill_device=args.prefill_device, max_prefill_len=args.max_prefill_len,
+                        prefill_threads=args.prefill_threads, decode_threads=args.decode_threads,
+                        prefill_cpus=parse_cpu_list(args.prefill_cpus, "prefill_cpus"),
+                        decode_cpus=parse_cpu_list(args.decode_cpus, "decode_cpus"),
+                        kv_transport=args.kv_transport, kv_lease_timeout=args.kv_lease_timeout,
+                        num_prefill_engines=1 if args.num_prefill_engines is None else args.num_prefill_engines,
+                        num_decode_engines=1 if args.num_decode_engines is None else args.num_decode_engines,
+                        prefill_addrs=parse_address_list(args.prefill_addrs, "prefill_addrs"),
+                        decode_addrs=parse_address_list(args.decode_addrs, "decode_addrs"),
+                        engine_host=args.engine_host)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """``duoserve prefill|decode --listen ADDR``: one engine in this process until SIGTERM/SIGINT."""
+    import dataclasses
+    import logging
+    import signal
+
+    import msgspec
+
+    from duoserve.config import check_engine_address
+    from duoserve.engine.process import engine_main
+
+    check_engine_address(args.listen, "listen")
+    config = dataclasses.replace(engine_config_from_args(args), role=args.command,
+                                 cpus=parse_cpu_list(args.cpus, "cpus"),
+                                 kv_lease_timeout=getattr(args, "kv_lease_timeout", 30.0))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like on Ctrl-C
+    try:
+        return engine_main(msgspec.msgpack.encode(config), args.listen, logging.INFO)
+    except KeyboardInterrupt:
+        return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -171,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command in ("prefill", "decode"):
+            return run_engine(args)
     except (ConfigError, DuoserveError) as exc:
         print(f"duoserve: error: {exc}", file=sys.stderr)
         return 2

@@ -150,6 +150,22 @@ def parse_cpu_list(value: str | None, field_name: str) -> tuple[int, ...] | None
     return tuple(cpus)
 
 
+def check_engine_address(address: str, field_name: str) -> str:
+    """``tcp://HOST:PORT`` (or ``ipc://PATH`` on one host)."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if not sep or scheme not in ("tcp", "ipc") or not rest or (scheme == "tcp" and not (host and port.isdigit())):
+        raise ConfigError(field_name, address, "an engine address like tcp://HOST:PORT (or ipc://PATH on one host)")
+    return address
+
+
+def parse_address_list(value: str | None, field_name: str) -> tuple[str, ...]:
+    """``tcp://h1:p1,tcp://h2:p2`` -> a tuple of checked addresses."""
+    if not value:
+        return ()
+    return tuple(check_engine_address(a.strip(), field_name) for a in value.split(",") if a.strip())
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """How a disaggregated deployment on one host is laid out (``--mode disaggregated``)."""
@@ -162,8 +178,19 @@ class DisaggConfig:
     kv_transport: str = "shm"         # shm (same host) or tcp
     kv_lease_timeout: float = 30.0
     prefill_block_size: int | None = None  # None = the decode engine's (KV is re-blocked either way)
+    num_prefill_engines: int = 1      # engines this frontend launches, when no addresses are given
+    num_decode_engines: int = 1
+    prefill_addrs: tuple[str, ...] = ()   # engines already running (duoserve prefill --listen ADDR)
+    decode_addrs: tuple[str, ...] = ()
+    engine_host: str = "127.0.0.1"    # where launched engines listen when they use TCP
 
     def __post_init__(self) -> None:
+        for name in ("num_prefill_engines", "num_decode_engines"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "a positive number of engines")
+        for name in ("prefill_addrs", "decode_addrs"):
+            for address in getattr(self, name):
+                check_engine_address(address, name)
         if self.prefill_block_size is not None:
             CacheConfig(block_size=self.prefill_block_size)  # same rule, same error
         if self.prefill_device not in PREFILL_DEVICES:

@@ -81,3 +81,11 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def disagg_reference(tiny_dir):
+    """Greedy and seeded outputs of the disaggregation tests' prompts on one colocated engine."""
+    from tests.disagg_helpers import colocated_reference
+
+    return colocated_reference(tiny_dir(kind="llama"))

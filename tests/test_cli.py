@@ -36,3 +36,23 @@ def test_help_documents_defaults():
                  "reuse the KV of shared prompt prefixes (default: on)",
                  "tokens per KV block, a power of two (default: 16)"]:
         assert text in help_text
+
+
+def test_placement_flag_errors_name_field_value_and_rule():
+    cases = [
+        (("serve", "--num-prefill-engines", "2"),
+         "num_prefill_engines=2 is not allowed: only with --mode disaggregated (colocated runs one engine)"),
+        (("serve", "--mode", "disaggregated", "--num-decode-engines", "0"),
+         "num_decode_engines=0 is not allowed: a positive number of engines"),
+        (("serve", "--mode", "disaggregated", "--decode-addrs", "tcp://h1:7100,h2:7100"),
+         "decode_addrs='h2:7100' is not allowed: an engine address like tcp://HOST:PORT (or ipc://PATH on one host)"),
+        (("serve", "--mode", "disaggregated", "--prefill-addrs", "tcp://h1:7100", "--num-prefill-engines", "2"),
+         "num_prefill_engines=2 is not allowed: unset when --prefill-addrs names the engines (their count is "
+         "the list's)"),
+        (("decode", "--listen", "tcp://0.0.0.0"),
+         "listen='tcp://0.0.0.0' is not allowed: an engine address like tcp://HOST:PORT (or ipc://PATH on one host)"),
+    ]
+    for args, message in cases:
+        result = duoserve(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.strip() == f"duoserve: error: {message}", args

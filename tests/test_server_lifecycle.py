@@ -41,7 +41,7 @@ def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
     assert not any(alive(p) for p in all_children)
 
 
-def test_dead_engine_fails_requests_and_health(tmp_path):
+def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", log=tmp_path / "log")
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
@@ -60,5 +60,12 @@ def test_dead_engine_fails_requests_and_health(tmp_path):
         assert health.status_code == 503 and "engine-0" in health.json()["reason"]
         refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        deadline = time.monotonic() + 60  # the launcher relaunches the engine; then it serves again
+        while httpx.get(f"{srv.url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (relaunched,) = engine_children(srv.proc.pid)
+        assert relaunched != engine_pid
+        again = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
     finally:
         assert srv.stop(signal.SIGINT) in (0, -signal.SIGINT)

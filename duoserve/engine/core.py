@@ -22,6 +22,7 @@ from duoserve.core.scheduler import Scheduler
 from duoserve.engine.messages import EngineStats
 from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
+from duoserve.kv.staging import to_host
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
 from duoserve.worker.kv_cache import num_kv_blocks
 from duoserve.worker.model_runner import ModelRunner
@@ -50,6 +51,8 @@ class EngineCore:
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
         # decode role: ids aborted before their KV arrived (the abort overtook the transfer)
         self.aborted_early: collections.deque[str] = collections.deque(maxlen=4096)
+        # prefill role between processes: request id -> (decode engine, its instance id) for the KV
+        self.kv_destinations: dict[str, tuple[str | None, str | None]] = {}
         self.num_kv_transfer_bytes = 0
         self.recent_transfer_seconds: list[float] = []
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
@@ -69,8 +72,10 @@ class EngineCore:
             return self.tokenizer.eos_token_ids
         return self.arch.eos_token_ids
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv_peer: str | None = None, kv_peer_instance: str | None = None) -> None:
         self.scheduler.add_request(request)
+        if kv_peer is not None:
+            self.kv_destinations[request.request_id] = (kv_peer, kv_peer_instance)
 
     def abort(self, request_id: str) -> list[EngineCoreOutput]:
         """Abort a request and all its samples."""
@@ -85,6 +90,15 @@ class EngineCore:
     def release(self, request_id: str) -> None:
         """The frontend has taken a finished request's last output: forget it."""
         self.scheduler.forget(request_id)
+        self.kv_destinations.pop(request_id, None)
+
+    def reset(self) -> int:
+        """Abort and forget every request (their frontend is gone); returns how many there were."""
+        request_ids = [rid for rid in self.scheduler.requests if "/" not in rid]
+        for request_id in request_ids:
+            self.abort(request_id)
+            self.release(request_id)
+        return len(request_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -132,11 +146,20 @@ class EngineCore:
         first_logprobs = {o.request_id: o.new_logprobs[0] for o in outputs if o.new_logprobs}
         for request, block_ids in leased:
             keys, values = extract_kv(self.runner.kv_caches, block_ids, request.num_prompt_tokens)
+            host = to_host([*keys, *values])   # from a GPU: through pinned memory, one sync
+            keys, values = host[:len(keys)], host[len(keys):]
+            peer, instance = self.kv_destinations.get(request.request_id.partition("/")[0], (None, None))
             transfer = KVTransfer(request.request_id, request.prompt_token_ids, request.params,
                                   request.eos_token_ids, request.max_total_tokens, request.arrival_time,
                                   request.output_token_ids[0], request.sample_index, keys, values,
-                                  first_logprobs.get(request.request_id))
-            self.connector.send(transfer)
+                                  first_logprobs.get(request.request_id), peer=peer, peer_instance=instance)
+            try:
+                self.connector.send(transfer)
+            except Exception as exc:  # e.g. no such decode engine: this request fails, the engine serves on
+                logger.error("cannot send the KV of request %s: %s", request.request_id, exc)
+                outputs += self.scheduler.abort(request.request_id, RequestStatus.FINISHED_ERROR,
+                                                f"the KV handoff failed: {exc}", with_samples=False)
+                continue
             self.num_kv_transfer_bytes += transfer.num_bytes
             self.recent_transfer_seconds.append(getattr(self.connector, "last_transfer", (0, 0.0))[1])
 

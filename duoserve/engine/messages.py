@@ -1,8 +1,11 @@
 """Every message that crosses a process boundary, and its encoding (msgpack via msgspec).
 
-Frontend -> engine: ``AddRequest``, ``AbortRequest``, ``FinishStopped``, ``ReleaseRequest``,
-``Shutdown``. Engine -> frontend: ``EngineReady`` once, then ``EngineOutputs`` (token
-deltas, and engine stats every ``stats_interval``), or ``EngineFailed`` if it cannot start.
+Frontend -> engine: ``Hello`` first (it makes the sender the engine's frontend), then
+``AddRequest``, ``AbortRequest``, ``FinishStopped``, ``ReleaseRequest``, ``Shutdown``.
+Engine -> frontend: ``EngineReady`` in answer to ``Hello``, then ``EngineOutputs`` (token
+deltas, and engine stats every second), or ``EngineFailed`` if it cannot serve.
+Prefill engine <-> decode engine: ``PeerHello`` / ``PeerWelcome`` or ``PeerRefused`` when
+they connect, then ``TransferMeta`` (+ the KV frames) and ``TransferAck``.
 No pickle: a message is plain data, decoded into these types or refused.
 """
 
@@ -14,6 +17,12 @@ from duoserve.core.outputs import EngineCoreOutput, TokenLogprobs
 from duoserve.sampling_params import SamplingParams
 
 
+class Hello(msgspec.Struct, tag=True):
+    """A frontend introduces itself; a prefill engine gets the decode engines to hand KV to."""
+    name: str                                  # what the frontend calls this engine (logs, errors)
+    peers: dict[str, str] = {}                 # decode engine name -> its address (prefill role)
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -21,6 +30,8 @@ class AddRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     max_total_tokens: int
     arrival_time: float
+    kv_peer: str | None = None                 # prefill role: the decode engine that gets the KV
+    kv_peer_instance: str | None = None        # ... and its incarnation (EngineReady.instance_id)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -55,6 +66,7 @@ class EngineStats(msgspec.Struct):
 
 class EngineReady(msgspec.Struct, tag=True):
     role: str
+    instance_id: str               # new for every engine process: tells a restarted engine from its predecessor
     fingerprint: dict              # the values the model fingerprint covers (compared across engines)
     max_model_len: int
     vocab_size: int
@@ -79,9 +91,25 @@ class EngineFailed(msgspec.Struct, tag=True):
 
 # ---- engine <-> engine (the KV handoff) -----------------------------------------------------
 
+class PeerHello(msgspec.Struct, tag=True):
+    """A prefill engine connects to a decode engine: the values its model fingerprint covers."""
+    name: str
+    fingerprint: dict
+
+
+class PeerWelcome(msgspec.Struct, tag=True):
+    name: str
+    instance_id: str
+
+
+class PeerRefused(msgspec.Struct, tag=True):
+    error: str
+
+
 class TransferMeta(msgspec.Struct, tag=True):
     """Precedes a transfer's wire frames; with ``shm_name`` the frames lie in that shared memory."""
     request_id: str
+    instance_id: str               # the decode engine this is for: a restarted one refuses its predecessor's
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
@@ -99,27 +127,28 @@ class TransferAck(msgspec.Struct, tag=True):
     request_id: str
 
 
-ToEngine = AddRequest | AbortRequest | FinishStopped | ReleaseRequest | Shutdown
+ToEngine = Hello | AddRequest | AbortRequest | FinishStopped | ReleaseRequest | Shutdown
 FromEngine = EngineReady | EngineOutputs | EngineFailed
-BetweenEngines = TransferMeta | TransferAck
+AtEngine = ToEngine | PeerHello | TransferMeta            # what an engine's listening socket receives
+AtPrefillPeer = PeerWelcome | PeerRefused | TransferAck   # what a prefill engine hears from a decode engine
 
 _encoder = msgspec.msgpack.Encoder()
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_at_engine = msgspec.msgpack.Decoder(AtEngine)
 _from_engine = msgspec.msgpack.Decoder(FromEngine)
-_between = msgspec.msgpack.Decoder(BetweenEngines)
+_at_prefill_peer = msgspec.msgpack.Decoder(AtPrefillPeer)
 
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_engine(data: bytes) -> ToEngine:
-    return _to_engine.decode(data)
+def decode_at_engine(data: bytes) -> AtEngine:
+    return _at_engine.decode(data)
 
 
 def decode_from_engine(data: bytes) -> FromEngine:
     return _from_engine.decode(data)
 
 
-def decode_between_engines(data: bytes) -> BetweenEngines:
-    return _between.decode(data)
+def decode_at_prefill_peer(data: bytes) -> AtPrefillPeer:
+    return _at_prefill_peer.decode(data)

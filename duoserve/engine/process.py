@@ -1,11 +1,16 @@
-"""An EngineCore in its own process, driven over ZeroMQ.
+"""An EngineCore in its own process, served over one ZeroMQ ROUTER socket.
 
-Lifecycle: the frontend binds two sockets and starts this process, which connects,
-loads the model and answers ``EngineReady`` (or ``EngineFailed``). Then it loops:
-take every waiting message (add, abort, stop, release, shutdown), run one step if any
-request is unfinished, push the outputs. It blocks on its input only while idle, and
-pushes stats every ``STATS_INTERVAL`` seconds, which doubles as a heartbeat. It exits
-on ``Shutdown`` or when its parent process is gone.
+The engine binds its address (``ipc://`` when the launcher starts it on this host,
+``tcp://`` for ``duoserve prefill|decode --listen`` on any host), loads the model and
+waits. A frontend connects and says ``Hello``; the engine answers ``EngineReady`` (a
+prefill engine first connects to the decode engines the hello names, which accept or
+refuse its model). Then it loops: take every waiting message (requests, aborts, KV
+from prefill engines), run one step if any request is unfinished, push the outputs
+to its frontend. It blocks on its socket only while idle, and pushes stats every
+``STATS_INTERVAL`` seconds, which doubles as a heartbeat.
+
+A launched engine exits on ``Shutdown`` or when its parent is gone. A standalone one
+outlives its frontends: a new frontend's hello aborts the previous one's requests.
 """
 
 from __future__ import annotations
@@ -14,47 +19,52 @@ import logging
 import os
 import time
 import traceback
+import uuid
 
 STATS_INTERVAL = 1.0
 IDLE_POLL_MS = 100
+FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tell a frontend why
 
 
-def engine_main(config_bytes: bytes, input_addr: str, output_addr: str, log_level: int = logging.INFO,
-                handoff: dict | None = None) -> None:
-    """Process entry point (kept import-light: heavy modules load after the sockets connect).
+def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO,
+                parent_pid: int | None = None) -> int:
+    """Process entry point (import-light: torch and the model load after the socket is bound).
 
-    ``handoff`` (prefill and decode roles): ``kv_addr`` where the decode engine receives KV,
-    ``ack_addr`` where the prefill engine receives acknowledgements, ``transport`` shm or tcp.
+    ``parent_pid``: the launcher's pid; the engine stops when that process is gone.
+    Returns an exit status: 0 after a shutdown, 1 when the engine could not start.
     """
     import zmq
 
     from duoserve.engine import messages as msg
+    from duoserve.engine.heartbeat import keep_alive
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    log = logging.getLogger(__name__)
     _pin(config_bytes)
-    parent = os.getppid()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
+    ctx = zmq.Context.instance()
+    sock = keep_alive(ctx.socket(zmq.ROUTER))
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting frontend or peer takes over its identity
+    sock.bind(address)
     try:
-        core = _start_core(config_bytes)
-        fingerprint = _attach_connector(core, handoff)
-    except Exception as exc:  # a bad config or model: say why, then stop
-        logging.getLogger(__name__).error("engine failed to start: %s", exc)
-        outbox.send(msg.encode(msg.EngineFailed(f"{type(exc).__name__}: {exc}")))
-        outbox.close(linger=2000)
-        return
-    outbox.send(msg.encode(_ready(core, fingerprint)))
-    try:
-        _loop(core, inbox, outbox, parent)
-    except Exception:
-        outbox.send(msg.encode(msg.EngineFailed(traceback.format_exc(limit=5))))
-        raise
+        try:
+            core = _start_core(config_bytes)
+        except Exception as exc:  # a bad config or model: say why to whoever asks, then stop
+            log.error("engine failed to start: %s", exc)
+            _refuse(sock, msg.EngineFailed(f"{type(exc).__name__}: {exc}"))
+            return 1
+        server = EngineServer(core, sock, parent_pid)
+        log.info("%s engine listening on %s", core.config.role, address)
+        try:
+            server.run()
+        except Exception:
+            server.send(msg.EngineFailed(traceback.format_exc(limit=5)))
+            raise
+        finally:
+            if core.connector is not None:
+                core.connector.close()
+        return 0
     finally:
-        outbox.close(linger=1000)
-        inbox.close(linger=0)
+        sock.close(linger=1000)
         ctx.term()
 
 
@@ -77,32 +87,175 @@ def _start_core(config_bytes: bytes):
     return EngineCore(config)
 
 
-def _attach_connector(core, handoff: dict | None) -> dict:
-    """Connect a prefill or decode engine to its peer; returns the fingerprint values."""
-    role = core.config.role
-    if role == "colocated":
-        return {}
-    from duoserve.kv.zmq_connector import DecodeEnd, PrefillEnd
-    from duoserve.model.fingerprint import describe, fingerprint
+def _refuse(sock, failure) -> None:
+    """Answer the first hello (the launcher's is usually already queued) with ``failure``."""
+    from duoserve.engine import messages as msg
 
-    values = describe(core.arch, core.tokenizer, core.loaded.path)
-    digest = fingerprint(values)
-    if handoff is None:
-        raise ValueError(f"a {role} engine needs the addresses of its peer (kv_addr, ack_addr)")
-    if role == "prefill":
-        core.attach_connector(PrefillEnd(handoff["ack_addr"], handoff["kv_addr"], digest,
-                                         handoff.get("transport", "shm")))
-    else:
-        core.attach_connector(DecodeEnd(handoff["kv_addr"], handoff["ack_addr"], digest))
-    return values
+    deadline = time.monotonic() + FAILED_START_WAIT_S
+    while time.monotonic() < deadline:
+        if not sock.poll(100):
+            continue
+        identity, payload, *_ = sock.recv_multipart()
+        try:
+            if isinstance(msg.decode_at_engine(payload), msg.Hello):
+                sock.send_multipart([identity, msg.encode(failure)])
+                return
+        except Exception:  # not a frontend's message: keep waiting
+            continue
 
 
-def _ready(core, fingerprint: dict):
+class EngineServer:
+    """One engine's message loop: a frontend, and for prefill/decode roles the KV peers."""
+
+    def __init__(self, core, sock, parent_pid: int | None) -> None:
+        self.core = core
+        self.sock = sock
+        self.parent_pid = parent_pid
+        self.frontend: bytes | None = None   # the socket identity of the frontend that said hello last
+        self.name = f"{core.config.role}-engine"
+        self.instance_id = uuid.uuid4().hex
+        self.fingerprint_values: dict = {}
+        self.kv_arrived = False   # a transfer came in this turn: step, even with nothing else to do
+        self.log = logging.getLogger(__name__)
+        role = core.config.role
+        if role != "colocated":
+            from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
+            from duoserve.model.fingerprint import describe, fingerprint
+
+            self.fingerprint_values = describe(core.arch, core.tokenizer, core.loaded.path)
+            digest = fingerprint(self.fingerprint_values)
+            core.attach_connector(PrefillConnector(digest, self.fingerprint_values) if role == "prefill" else
+                                  DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))
+
+    def send(self, message) -> None:
+        from duoserve.engine import messages as msg
+
+        if self.frontend is not None:
+            self.sock.send_multipart([self.frontend, msg.encode(message)])
+
+    def run(self) -> None:
+        import zmq
+
+        from duoserve.engine import messages as msg
+
+        last_stats = 0.0
+        poller = self._poller()
+        while True:
+            outputs, self.kv_arrived = [], False
+            busy = self.core.has_work()
+            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            while self.sock in events or self.sock.poll(0, zmq.POLLIN):
+                events.pop(self.sock, None)
+                produced = self._receive()
+                if produced is None:
+                    return
+                if produced == "rewired":
+                    poller = self._poller()
+                    continue
+                outputs += produced
+            peer_sockets = self.core.connector.sockets() if self.core.connector is not None else []
+            # when idle the poll above waited, so leased KV is checked for acks and deadlines
+            # once per IDLE_POLL_MS, not in a busy loop
+            if self.core.has_unfinished() or self.kv_arrived or any(s in events for s in peer_sockets):
+                outputs += self.core.step()
+            now = time.monotonic()
+            stats = None
+            if now - last_stats >= STATS_INTERVAL:
+                stats, last_stats = self.core.stats(), now
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self.log.warning("the process that launched this engine is gone: stopping")
+                    return
+            if outputs or stats is not None:
+                self.send(msg.EngineOutputs(outputs, stats))
+
+    def _poller(self):
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for sock in self.core.connector.sockets() if self.core.connector is not None else []:
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _receive(self):
+        """Take one message: returns its outputs, "rewired" after a hello, or None to stop."""
+        from duoserve.engine import messages as msg
+
+        identity, payload, *frames = self.sock.recv_multipart(copy=False)
+        identity = identity.bytes
+        try:
+            message = msg.decode_at_engine(payload.bytes)
+        except Exception as exc:  # a malformed message is dropped, never fatal
+            self.log.error("dropped a malformed message: %s", exc)
+            return []
+        if isinstance(message, (msg.PeerHello, msg.TransferMeta)):
+            if self.core.config.role != "decode":
+                self.log.error("a %s engine got %s: dropped", self.core.config.role, type(message).__name__)
+            else:
+                self.core.connector.receive(identity, message, frames)
+                self.kv_arrived = True
+            return []
+        if isinstance(message, msg.Hello):
+            self._hello(identity, message)
+            return "rewired"
+        if identity != self.frontend:
+            self.log.error("dropped %s from a frontend that has not said hello", type(message).__name__)
+            return []
+        if isinstance(message, msg.Shutdown):
+            if self.parent_pid is not None:
+                return None
+            self.log.info("the frontend left: aborted its %d requests", self.core.reset())
+            self.frontend = None
+            return []
+        try:
+            return self._apply(message)
+        except Exception as exc:
+            self.log.error("cannot apply %s: %s", type(message).__name__, exc)
+            return []
+
+    def _hello(self, identity: bytes, hello) -> None:
+        from duoserve.engine import messages as msg
+
+        if self.frontend is not None and identity != self.frontend and self.core.has_unfinished():
+            self.log.warning("a new frontend said hello: aborted the previous one's %d requests", self.core.reset())
+        self.frontend, self.name = identity, hello.name
+        if self.core.config.role == "decode":
+            self.core.connector.name = hello.name
+        if self.core.config.role == "prefill":
+            try:
+                self.core.connector.connect(hello.name, hello.peers)
+            except Exception as exc:
+                self.log.error("%s", exc)
+                self.send(msg.EngineFailed(str(exc)))
+                return
+        self.send(_ready(self.core, self.fingerprint_values, self.instance_id))
+
+    def _apply(self, message) -> list:
+        from duoserve.core.request import Request
+        from duoserve.engine import messages as msg
+
+        core = self.core
+        if isinstance(message, msg.AddRequest):
+            request = Request(message.request_id, message.prompt_token_ids, message.params,
+                              tuple(message.eos_token_ids), message.max_total_tokens,
+                              arrival_time=message.arrival_time)
+            core.add_request(request, message.kv_peer, message.kv_peer_instance)
+            return []
+        if isinstance(message, msg.AbortRequest):
+            return core.abort(message.request_id)
+        if isinstance(message, msg.FinishStopped):
+            core.finish_stopped(message.request_id)
+        elif isinstance(message, msg.ReleaseRequest):
+            core.release(message.request_id)
+        return []
+
+
+def _ready(core, fingerprint: dict, instance_id: str):
     from duoserve.engine.messages import EngineReady
 
     tok = core.tokenizer
     return EngineReady(
-        role=core.config.role, fingerprint=fingerprint,
+        role=core.config.role, instance_id=instance_id, fingerprint=fingerprint,
         max_model_len=core.max_model_len, vocab_size=core.vocab_size, eos_token_ids=list(core.eos_token_ids),
         num_blocks=core.num_blocks, block_size=core.config.cache.block_size, model_path=str(core.loaded.path),
         tokenizer_json=None if tok is None else tok.backend.to_str(),
@@ -110,71 +263,3 @@ def _ready(core, fingerprint: dict):
         add_bos_token=False if tok is None else tok.add_bos_token,
         chat_template=None if tok is None else tok.chat_template,
     )
-
-
-def _handle(core, message) -> list:
-    """Apply one frontend message; returns outputs it produced (aborts) or None for Shutdown."""
-    from duoserve.core.request import Request
-    from duoserve.engine import messages as msg
-
-    if isinstance(message, msg.AddRequest):
-        request = Request(message.request_id, message.prompt_token_ids, message.params,
-                          tuple(message.eos_token_ids), message.max_total_tokens,
-                          arrival_time=message.arrival_time)
-        core.add_request(request)
-        return []
-    if isinstance(message, msg.AbortRequest):
-        return core.abort(message.request_id)
-    if isinstance(message, msg.FinishStopped):
-        core.finish_stopped(message.request_id)
-        return []
-    if isinstance(message, msg.ReleaseRequest):
-        core.release(message.request_id)
-        return []
-    return None
-
-
-def _loop(core, inbox, outbox, parent: int) -> None:
-    import zmq
-
-    from duoserve.engine import messages as msg
-
-    log = logging.getLogger(__name__)
-    last_stats = 0.0
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    peer_sockets = core.connector.sockets() if core.connector is not None else []
-    for sock in peer_sockets:
-        poller.register(sock, zmq.POLLIN)
-    while True:
-        outputs = []
-        busy = core.has_work()
-        events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
-        while inbox in events or inbox.poll(0, zmq.POLLIN):
-            events.pop(inbox, None)
-            try:
-                message = msg.decode_to_engine(inbox.recv())
-            except Exception as exc:  # a malformed message is dropped, never fatal
-                log.error("dropped a malformed message: %s", exc)
-                continue
-            try:
-                produced = _handle(core, message)
-            except Exception as exc:
-                log.error("cannot apply %s: %s", type(message).__name__, exc)
-                continue
-            if produced is None:
-                return
-            outputs += produced
-        # when idle the poll above waited, so leased KV is checked for acks and deadlines
-        # once per IDLE_POLL_MS, not in a busy loop
-        if core.has_unfinished() or any(s in events for s in peer_sockets):
-            outputs += core.step()
-        now = time.monotonic()
-        stats = None
-        if now - last_stats >= STATS_INTERVAL:
-            stats, last_stats = core.stats(), now
-            if os.getppid() != parent:
-                log.warning("the frontend process is gone: stopping")
-                return
-        if outputs or stats is not None:
-            outbox.send(msg.encode(msg.EngineOutputs(outputs, stats)))

@@ -1,32 +1,31 @@
 """AsyncEngine: what the API server calls. ``generate()`` is an async stream of RequestOutputs.
 
-One task reads the engine process's outputs, turns them into text with the shared
+One task per engine reads its outputs, turns them into text with the shared
 ``Frontend`` and routes each snapshot to its request's queue. A request whose
-consumer goes away (client disconnect, cancellation) is aborted in the engine.
-If the engine dies, every waiting request gets an error instead of hanging.
+consumer goes away (client disconnect, cancellation) is aborted in the engines.
+When an engine dies, the requests it held get an error instead of hanging, and it
+is relaunched (or reconnected, if it runs elsewhere) while the others serve on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from duoserve.config import DisaggConfig, EngineConfig
 from duoserve.engine.messages import EngineStats
 from duoserve.errors import DuoserveError
-from duoserve.frontend.engine_client import EngineDeadError, EngineProcessClient
+from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.frontend import Frontend
-from duoserve.frontend.router import DisaggregatedEngines, Router, check_same_model
+from duoserve.frontend.launcher import plan_engines
+from duoserve.frontend.router import EngineGroup, Router, check_same_model
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+RESTART_ATTEMPTS = 3   # a launched engine that fails this many relaunches in a row stays down
 
 
 class EngineUnavailableError(DuoserveError):
@@ -38,21 +37,16 @@ class QueueFullError(DuoserveError):
 
 
 class AsyncEngine:
-    """One colocated engine process, or a prefill and a decode engine process (``disagg``)."""
+    """The engines of one deployment (``duoserve.frontend.launcher``) behind one ``Frontend``."""
 
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None,
                  disagg: DisaggConfig | None = None) -> None:
         self.config = config
         self.max_queue_len = max_queue_len
         self.disagg = disagg
-        if disagg is None:
-            self.clients = [EngineProcessClient(config)]
-        else:
-            prefill_config, decode_config = disagg.engine_configs(config)
-            handoff = _handoff_addresses(disagg.kv_transport)
-            self.clients = [EngineProcessClient(prefill_config, "prefill-0", handoff),
-                            EngineProcessClient(decode_config, "decode-0", handoff)]
-        self.handle = None
+        self.decode_clients, self.prefill_clients = plan_engines(config, disagg)
+        self.clients = [*self.prefill_clients, *self.decode_clients]
+        self.handle: EngineGroup | None = None
         self.frontend: Frontend | None = None
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats: dict[str, EngineStats] = {}
@@ -64,16 +58,12 @@ class AsyncEngine:
     async def start(self) -> None:
         try:
             await asyncio.gather(*(client.start() for client in self.clients))
-            if self.disagg is not None:
-                check_same_model(*self.clients)
+            check_same_model(self.clients)
         except BaseException:
             await asyncio.gather(*(client.shutdown() for client in self.clients), return_exceptions=True)
             raise
-        if self.disagg is None:
-            self.handle = self.clients[0]
-        else:
-            router = Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
-            self.handle = DisaggregatedEngines(self.clients[0], self.clients[1], router)
+        router = None if self.disagg is None else Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
+        self.handle = EngineGroup(self.decode_clients, self.prefill_clients, router)
         self.frontend = Frontend(self.handle)
         self._readers = [asyncio.create_task(self._read_outputs(c), name=f"duoserve-reader-{c.name}")
                          for c in self.clients]
@@ -85,14 +75,10 @@ class AsyncEngine:
 
     @property
     def accepting(self) -> bool:
-        """Requests can be served: the decode (or only) engine is up; a missing prefill engine
-        only moves prefills onto it."""
-        return self.frontend is not None and self.dead_reason is None and self.client.is_up()
-
-    @property
-    def client(self) -> EngineProcessClient:
-        """The engine that decodes (the only one when colocated)."""
-        return self.clients[-1]
+        """Requests can be served: a decode (or colocated) engine is up; without a prefill
+        engine the decode engines prefill themselves."""
+        return (self.frontend is not None and self.dead_reason is None
+                and any(c.is_up() for c in self.decode_clients))
 
     @property
     def tokenizer(self):
@@ -106,39 +92,45 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return 0 if self.frontend is None else len(self.frontend.states)
 
-    async def _read_outputs(self, client: EngineProcessClient) -> None:
+    async def _read_outputs(self, client: EngineClient) -> None:
+        """Read one engine's outputs for as long as it lives; when it dies, fail what it held
+        and bring it back (relaunch it, or reconnect once a remote one is running again)."""
         while True:
             try:
                 await self._read_until_dead(client)
                 return
             except EngineDeadError as exc:
-                if self.disagg is None or client is not self.clients[0]:
-                    self._fail_all(str(exc))
-                    return
-                await self._recover_prefill(client, str(exc))
-
-    async def _recover_prefill(self, client: EngineProcessClient, reason: str) -> None:
-        """A dead prefill engine fails only the requests it held; the decode engine prefills
-        new ones (the router sees it down) until the restarted one is ready."""
-        logger.error("%s died (%s): failing the requests it was prefilling, restarting it", client.name, reason)
-        for request_id, placed in list(self.handle.placements.items()):
-            if placed == client.name and request_id in self.frontend.states:
-                queue = self.queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(EngineUnavailableError(
-                        f"the prefill engine died while this request was on it ({reason}); retry it"))
-                self.frontend.abort(request_id)
-        for attempt in range(1, 4):
-            try:
-                await client.restart()
-                logger.info("%s restarted", client.name)
+                self._fail_stranded(client, str(exc))
+            if not await self._bring_back(client):
+                if not any(c.is_up() for c in self.decode_clients):
+                    self._fail_all(f"{client.name} died and could not be restarted")
                 return
-            except EngineDeadError as exc:
-                logger.error("restarting %s failed (attempt %d): %s", client.name, attempt, exc)
-                await asyncio.sleep(2.0 * attempt)
-        raise EngineDeadError(f"{client.name} could not be restarted")
 
-    async def _read_until_dead(self, client: EngineProcessClient) -> None:
+    def _fail_stranded(self, client: EngineClient, reason: str) -> None:
+        stranded = self.handle.stranded_by(client)
+        logger.error("%s is down (%s): failing the %d requests it held", client.name, reason, len(stranded))
+        for request_id in stranded:
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(EngineUnavailableError(
+                    f"engine {client.name} went down while this request was on it ({reason}); retry it"))
+            self.frontend.abort(request_id)
+
+    async def _bring_back(self, client: EngineClient) -> bool:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await client.restart(timeout=300.0 if client.launched else 30.0)
+                logger.info("%s is back (%s)", client.name, "relaunched" if client.launched else "reconnected")
+                return True
+            except EngineDeadError as exc:
+                logger.error("bringing back %s failed (attempt %d): %s", client.name, attempt, exc)
+            if client.launched and attempt >= RESTART_ATTEMPTS:
+                return False
+            await asyncio.sleep(min(2.0 * attempt, 10.0))
+
+    async def _read_until_dead(self, client: EngineClient) -> None:
         try:
             while True:
                 batch = await client.recv()
@@ -148,6 +140,7 @@ class AsyncEngine:
                         hook(client.name, batch.stats)
                 if not batch.outputs:
                     continue
+                self.handle.note_outputs(client, (o.request_id for o in batch.outputs))
                 for snapshot in self.frontend.process_outputs(batch.outputs):
                     for hook in self.on_output:
                         hook(snapshot)
@@ -201,18 +194,3 @@ class AsyncEngine:
         start = time.monotonic()
         await asyncio.gather(*(client.shutdown(timeout) for client in self.clients))
         logger.info("engine stopped in %.1fs", time.monotonic() - start)
-
-
-def _handoff_addresses(transport: str) -> dict:
-    """Where the decode engine takes KV and the prefill engine takes acks, on this host."""
-    if transport == "tcp":
-        return {"kv_addr": f"tcp://127.0.0.1:{_free_port()}", "ack_addr": f"tcp://127.0.0.1:{_free_port()}",
-                "transport": "tcp"}
-    base = os.path.join(tempfile.gettempdir(), f"duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    return {"kv_addr": f"ipc://{base}-kv", "ack_addr": f"ipc://{base}-ack", "transport": "shm"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

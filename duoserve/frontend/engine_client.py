@@ -1,9 +1,15 @@
-"""The frontend's side of an engine that runs in its own process.
+"""The frontend's side of one engine in another process, on this host or another.
 
-``EngineProcessClient`` starts the process (``duoserve.engine.process``), waits for
-``EngineReady``, and then plays the ``EngineHandle`` part for ``Frontend``: requests
-and aborts go out as messages, outputs come back through ``recv``. The tokenizer
-arrives in ``EngineReady``, so this process never loads the model.
+``EngineClient`` connects a DEALER socket to the engine's address, says ``Hello`` and
+waits for ``EngineReady``; with a ``config`` it first launches the engine process
+itself (``duoserve.engine.process``), and can relaunch it. Then it plays the
+``EngineHandle`` part: requests and aborts go out as messages, outputs come back
+through ``recv``. The tokenizer arrives in ``EngineReady``, so this process never
+loads the model.
+
+An engine is taken for dead when its process exits (launched ones), its connection
+drops (ZeroMQ heartbeats notice a vanished host within ~4 s), or it sends nothing,
+not even its once-a-second stats, for ``SILENCE_TIMEOUT`` seconds.
 """
 
 from __future__ import annotations
@@ -12,58 +18,65 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import tempfile
-import uuid
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve.engine import messages as msg
 from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
+from duoserve.engine.heartbeat import keep_alive
 from duoserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT = 30.0  # an engine that is alive but silent this long (it sends stats every second) is stuck
+SILENCE_TIMEOUT = 30.0  # an engine that is connected but silent this long (stats come every second) is stuck
+POLL_S = 0.5
 
 
 class EngineDeadError(DuoserveError):
-    """The engine process exited or could not start."""
+    """The engine exited, could not start, or cannot be reached."""
 
 
-class EngineProcessClient:
-    def __init__(self, config: EngineConfig, name: str = "engine-0", handoff: dict | None = None) -> None:
-        self.config = config
+class EngineClient:
+    def __init__(self, name: str, address: str, config: EngineConfig | None = None,
+                 peers: dict[str, str] | None = None) -> None:
         self.name = name
-        self.handoff = handoff
-        base = os.path.join(tempfile.gettempdir(), f"duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._paths = [f"{base}-in", f"{base}-out"]
+        self.address = address
+        self.config = config            # set: this frontend launches (and relaunches) the engine
+        self.peers = peers or {}        # prefill engines: decode engine name -> address
         self._ctx = zmq.asyncio.Context()
-        self._sync_ctx = zmq.Context()
-        self._to_engine = self._sync_ctx.socket(zmq.PUSH)
-        self._to_engine.bind(f"ipc://{self._paths[0]}")
-        self._from_engine = self._ctx.socket(zmq.PULL)
-        self._from_engine.bind(f"ipc://{self._paths[1]}")
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.Socket | None = None        # a synchronous view of the monitor socket
+        self._monitor_owner: zmq.asyncio.Socket | None = None
+        self._lost: str | None = None   # why the connection is gone
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready: msg.EngineReady | None = None
         self.tokenizer: Tokenizer | None = None
 
+    @property
+    def launched(self) -> bool:
+        return self.config is not None
+
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def start(self, timeout: float = 300.0) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=engine_main, name=f"duoserve-{self.name}", daemon=True,
-            args=(msgspec.msgpack.encode(self.config), f"ipc://{self._paths[0]}", f"ipc://{self._paths[1]}",
-                  logging.getLogger().getEffectiveLevel() or logging.INFO, self.handoff))
-        self.process.start()
+        """Launch the engine (if this frontend owns it), connect and wait for EngineReady."""
+        if self.launched:
+            spawn = multiprocessing.get_context("spawn")
+            self.process = spawn.Process(
+                target=engine_main, name=f"duoserve-{self.name}", daemon=True,
+                args=(msgspec.msgpack.encode(self.config), self.address,
+                      logging.getLogger().getEffectiveLevel() or logging.INFO, os.getpid()))
+            self.process.start()
+        self._connect()
+        self._send(msg.Hello(self.name, self.peers))
         message = await self._recv(timeout, waiting_for="EngineReady")
         if isinstance(message, msg.EngineFailed):
-            await self.shutdown()
             raise EngineDeadError(f"{self.name} failed to start: {message.error}")
         if not isinstance(message, msg.EngineReady):
             raise EngineDeadError(f"{self.name} sent {type(message).__name__} before EngineReady")
@@ -77,44 +90,69 @@ class EngineProcessClient:
                                        chat_template=message.chat_template, add_bos_token=message.add_bos_token)
 
     async def restart(self, timeout: float = 300.0) -> None:
-        """Start a fresh engine process on the same addresses (the old one is dead)."""
-        if self.process is not None and self.process.is_alive():
-            self.process.kill()
-        if self.process is not None:
-            self.process.join(timeout=5)
-        while await self._from_engine.poll(timeout=0):  # whatever the dead one left unread
-            await self._from_engine.recv()
+        """Relaunch a launched engine, or reconnect to a remote one (it must be running again)."""
         self.ready = None
+        self._stop_process()
         await self.start(timeout)
 
+    def _connect(self) -> None:
+        """A fresh socket: nothing queued for a dead engine reaches its successor."""
+        self._close_sockets()
+        sock = keep_alive(self._ctx.socket(zmq.DEALER))
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = zmq.Socket.shadow(monitor.underlying)   # read synchronously from is_alive()
+        self._monitor_owner = monitor
+        sock.connect(self.address)
+        self._sock, self._lost = sock, None
+
+    def _close_sockets(self) -> None:
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor_owner.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = self._monitor = None
+
+    def _stop_process(self) -> None:
+        if self.process is not None:
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(timeout=5)
+
     def is_alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        if self._monitor is not None:
+            while self._monitor.poll(0):
+                event = parse_monitor_message(self._monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._lost = f"the connection to {self.address} dropped"
+        if self._lost is not None:
+            return False
+        return not self.launched or (self.process is not None and self.process.is_alive())
 
     def is_up(self) -> bool:
         """Alive and past its EngineReady: it can take requests."""
         return self.ready is not None and self.is_alive()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to stop, then make sure it has: no child process is left behind."""
-        if self.process is not None and self.process.is_alive():
+        """Stop a launched engine (a remote one only aborts this frontend's requests)."""
+        if self._sock is not None and self.is_alive():
             try:
                 self._send(msg.Shutdown())
-            except zmq.ZMQError:
+            except EngineDeadError:
                 pass
+        if self.launched and self.process is not None and self.process.is_alive():
             deadline = asyncio.get_running_loop().time() + timeout
             while self.process.is_alive() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             if self.process.is_alive():
                 logger.warning("%s did not stop in %.0fs: killing it", self.name, timeout)
-                self.process.kill()
-            self.process.join(timeout=5)
-        self._to_engine.close(linger=0)
-        self._from_engine.close(linger=0)
+        elif self._sock is not None:
+            await asyncio.sleep(0.1)  # let the Shutdown leave before the socket closes
+        self._stop_process()
+        self._close_sockets()
         self._ctx.term()
-        self._sync_ctx.term()
-        for path in self._paths:
-            if os.path.exists(path):
-                os.unlink(path)
+        if self.launched and self.address.startswith("ipc://") and os.path.exists(self.address[6:]):
+            os.unlink(self.address[6:])
 
     # ---- EngineHandle -------------------------------------------------------------------
 
@@ -131,15 +169,17 @@ class EngineProcessClient:
         return tuple(self.ready.eos_token_ids)
 
     def _send(self, message: msgspec.Struct) -> None:
+        if self._sock is None:
+            raise EngineDeadError(f"{self.name} is not connected")
         try:
-            self._to_engine.send(msg.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:  # no engine on the other end (it died or is restarting)
+            self._sock.send(msg.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
             raise EngineDeadError(f"{self.name} is not connected") from None
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv_peer: str | None = None, kv_peer_instance: str | None = None) -> None:
         self._send(msg.AddRequest(request.request_id, request.prompt_token_ids, request.params,
                                   list(request.eos_token_ids), request.max_total_tokens or self.max_model_len,
-                                  request.arrival_time))
+                                  request.arrival_time, kv_peer, kv_peer_instance))
 
     def abort(self, request_id: str) -> None:
         self._send(msg.AbortRequest(request_id))
@@ -154,18 +194,22 @@ class EngineProcessClient:
 
     async def recv(self) -> msg.EngineOutputs:
         """The next batch of outputs; raises EngineDeadError if the engine dies or falls silent."""
-        message = await self._recv(HEARTBEAT_TIMEOUT, waiting_for="outputs")
+        message = await self._recv(SILENCE_TIMEOUT, waiting_for="outputs")
         if isinstance(message, msg.EngineFailed):
             raise EngineDeadError(f"{self.name} failed: {message.error}")
+        if isinstance(message, msg.EngineReady):  # an answer to an earlier hello: nothing new
+            return msg.EngineOutputs([])
         return message
 
     async def _recv(self, timeout: float, waiting_for: str) -> msg.FromEngine:
         waited = 0.0
         while True:
-            if await self._from_engine.poll(timeout=500):
-                return msg.decode_from_engine(await self._from_engine.recv())
-            waited += 0.5
+            if await self._sock.poll(timeout=POLL_S * 1000):
+                return msg.decode_from_engine(await self._sock.recv())
+            waited += POLL_S
             if not self.is_alive():
+                if self._lost is not None:
+                    raise EngineDeadError(f"{self.name}: {self._lost} while waiting for {waiting_for}")
                 code = None if self.process is None else self.process.exitcode
                 raise EngineDeadError(f"{self.name} exited (exit code {code}) while waiting for {waiting_for}")
             if waited >= timeout:

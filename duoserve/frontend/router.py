@@ -1,20 +1,24 @@
-"""Placement for disaggregated serving: which engine prefills a request.
+"""Placement: which engines prefill and decode a request.
 
-``--prefill-device cpu|cuda`` sends every prompt to the prefill engine; ``auto`` (the
-seed documents' mode) sends a prompt of at most ``--max-prefill-len`` tokens to the
-prefill engine and prefills a longer one on the decode engine itself, chunked. With
-no prefill engine alive, every prompt is prefilled on the decode engine.
+``--prefill-device cpu|cuda`` sends every prompt to a prefill engine; ``auto`` (the
+seed documents' mode) sends a prompt of at most ``--max-prefill-len`` tokens to a
+prefill engine and prefills a longer one on its decode engine itself, chunked. With
+no prefill engine up, every prompt is prefilled on its decode engine.
 
-The frontend does not see the engines' prefix caches, so "uncached part" is judged
-by the whole prompt's length.
+Among engines of one role the least loaded takes the request (queue depth, counted
+here exactly: a decode engine's unfinished requests, a prefill engine's requests not
+yet prefilled). The frontend does not see the engines' prefix caches, so "uncached
+part" is judged by the whole prompt's length.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from duoserve.core.request import Request
-from duoserve.frontend.engine_client import EngineDeadError, EngineProcessClient
+from duoserve.frontend.engine_client import EngineClient, EngineDeadError
+from duoserve.model.fingerprint import describe_difference
 
 logger = logging.getLogger(__name__)
 
@@ -28,45 +32,92 @@ class Router:
         return self.prefill_device != "auto" or num_prompt_tokens <= self.max_prefill_len
 
 
-class DisaggregatedEngines:
-    """The ``EngineHandle`` of a prefill engine plus a decode engine, for ``Frontend``."""
+@dataclass
+class Placement:
+    decode: str
+    prefill: str | None = None
+    prefilled: bool = False   # the prefill engine has reported (its first token)
+    decoding: bool = False    # the decode engine has reported: the request lives there now
 
-    def __init__(self, prefill: EngineProcessClient, decode: EngineProcessClient, router: Router) -> None:
-        self.prefill = prefill
+
+class EngineGroup:
+    """The ``EngineHandle`` of all the engines one frontend drives, for ``Frontend``.
+
+    ``decode`` holds the engines that decode (colocated ones too); ``prefill`` may be empty.
+    """
+
+    def __init__(self, decode: list[EngineClient], prefill: list[EngineClient] | None = None,
+                 router: Router | None = None) -> None:
         self.decode = decode
-        self.router = router
-        self.placements: dict[str, str] = {}
+        self.prefill = prefill or []
+        self.router = router or Router()
+        self.reference = decode[0].ready       # every engine was checked to serve the same model
+        self.tokenizer = decode[0].tokenizer
+        self.placements: dict[str, Placement] = {}
+        self.load: dict[str, int] = {c.name: 0 for c in (*self.decode, *self.prefill)}
+        self._by_name = {c.name: c for c in (*self.decode, *self.prefill)}
         self._warned_fallback = False
 
     @property
-    def tokenizer(self):
-        return self.decode.tokenizer
-
-    @property
     def max_model_len(self) -> int:
-        return min(self.prefill.max_model_len, self.decode.max_model_len)
+        return min(c.ready.max_model_len for c in (*self.decode, *self.prefill) if c.ready is not None)
 
     @property
     def vocab_size(self) -> int:
-        return self.decode.vocab_size
+        return self.reference.vocab_size
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return self.decode.eos_token_ids
+        return tuple(self.reference.eos_token_ids)
+
+    def _least_loaded(self, clients: list[EngineClient]) -> EngineClient | None:
+        up = [c for c in clients if c.is_up()]
+        return min(up, key=lambda c: self.load[c.name]) if up else None
 
     def add_request(self, request: Request) -> None:
-        remote = self.router.prefill_remotely(request.num_prompt_tokens)
-        if remote and not self.prefill.is_up():
-            if not self._warned_fallback:
-                logger.warning("no prefill engine is up: prefilling on the decode engine")
-                self._warned_fallback = True
-            remote = False
-        target = self.prefill if remote else self.decode
-        self.placements[request.request_id] = target.name
-        target.add_request(request)
+        decode = self._least_loaded(self.decode)
+        if decode is None:
+            raise EngineDeadError("no decode engine is up")
+        prefill = None
+        if self.prefill and self.router.prefill_remotely(request.num_prompt_tokens):
+            prefill = self._least_loaded(self.prefill)
+            if prefill is None and not self._warned_fallback:
+                logger.warning("no prefill engine is up: prefilling on the decode engines")
+            self._warned_fallback = prefill is None
+        if prefill is not None:
+            prefill.add_request(request, kv_peer=decode.name, kv_peer_instance=decode.ready.instance_id)
+        else:
+            decode.add_request(request)
+        self.placements[request.request_id] = Placement(decode.name, prefill.name if prefill else None)
+        self.load[decode.name] += 1
+        if prefill is not None:
+            self.load[prefill.name] += 1
 
-    def _both(self, method: str, request_id: str) -> None:
-        for client in (self.prefill, self.decode):
+    def note_outputs(self, client: EngineClient, request_ids) -> None:
+        """Outputs came from ``client``: a prefill engine is done with those requests."""
+        for request_id in request_ids:
+            placement = self.placements.get(request_id.partition("/")[0])
+            if placement is None:
+                continue
+            if client.name == placement.decode:
+                placement.decoding = True
+            elif client.name == placement.prefill and not placement.prefilled:
+                placement.prefilled = True
+                self.load[client.name] -= 1
+
+    def stranded_by(self, client: EngineClient) -> list[str]:
+        """The requests that die with ``client``: all it decodes, and those it prefills not yet handed over."""
+        return [rid for rid, p in self.placements.items()
+                if p.decode == client.name or (p.prefill == client.name and not p.decoding)]
+
+    def _engines_of(self, request_id: str) -> list[EngineClient]:
+        placement = self.placements.get(request_id)
+        if placement is None:
+            return [*self.prefill, *self.decode]
+        return [self._by_name[n] for n in (placement.prefill, placement.decode) if n is not None]
+
+    def _tell(self, method: str, request_id: str) -> None:
+        for client in self._engines_of(request_id):
             if client.is_up():
                 try:
                     getattr(client, method)(request_id)
@@ -74,20 +125,24 @@ class DisaggregatedEngines:
                     pass
 
     def abort(self, request_id: str) -> None:
-        self._both("abort", request_id)
+        self._tell("abort", request_id)
 
     def finish_stopped(self, request_id: str) -> None:
-        self._both("finish_stopped", request_id)
+        self._tell("finish_stopped", request_id)
 
     def release(self, request_id: str) -> None:
-        self.placements.pop(request_id, None)
-        self._both("release", request_id)
+        self._tell("release", request_id)
+        placement = self.placements.pop(request_id, None)
+        if placement is not None:
+            self.load[placement.decode] -= 1
+            if placement.prefill is not None and not placement.prefilled:
+                self.load[placement.prefill] -= 1
 
 
-def check_same_model(prefill: EngineProcessClient, decode: EngineProcessClient) -> None:
+def check_same_model(clients: list[EngineClient]) -> None:
     """Refuse engines that would exchange KV of different models, naming what differs."""
-    a, b = prefill.ready.fingerprint, decode.ready.fingerprint
-    differ = [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
-    if differ:
-        detail = "; ".join(f"{key}: {prefill.name}={a.get(key)!r}, {decode.name}={b.get(key)!r}" for key in differ)
-        raise EngineDeadError(f"prefill and decode engines serve different models ({detail})")
+    first = clients[0]
+    for other in clients[1:]:
+        difference = describe_difference(first.name, first.ready.fingerprint, other.name, other.ready.fingerprint)
+        if difference is not None:
+            raise EngineDeadError(f"{first.name} and {other.name} serve different models ({difference})")

@@ -35,6 +35,8 @@ class KVTransfer:
     sent_at: float = field(default_factory=time.monotonic)
 
     received_at: float | None = None   # set by the decode end when the transfer lands
+    peer: str | None = None            # the decode engine it goes to (between processes)
+    peer_instance: str | None = None   # ... and that engine's incarnation
 
     @property
     def num_bytes(self) -> int:

@@ -1,13 +1,14 @@
 """KV connectors between engine processes, over ZeroMQ.
 
-Each end binds one PULL socket and connects a PUSH socket to the other's: the decode
-end receives transfers on ``kv_addr``, the prefill end receives acknowledgements on
-``ack_addr``. A transfer is a ``TransferMeta`` message followed by the wire frames
-(``duoserve.kv.wire``):
+Every engine listens on one ROUTER socket (its address). A prefill engine connects a
+DEALER socket to each decode engine it is told of, says ``PeerHello`` with its model
+fingerprint values and is welcomed or refused (a different model, named value by
+value, before any request moves). Then a transfer is a ``TransferMeta`` message
+followed by the wire frames (``duoserve.kv.wire``), answered by a ``TransferAck``:
 
-- ``tcp``: the frames travel as ZeroMQ frames, sent without copying the tensors;
-- ``shm`` (same host): the frames are written once into a shared-memory segment and
-  only its name travels; the receiver reads them in place and unlinks the segment.
+- to a ``tcp://`` peer the frames travel as ZeroMQ frames, sent without copying;
+- to an ``ipc://`` peer (same host) they are written once into a shared-memory
+  segment and only its name travels; the receiver reads them and unlinks it.
 
 A transfer reports its bytes and seconds (``last_transfer``) for the metrics.
 """
@@ -18,14 +19,24 @@ import logging
 import time
 from multiprocessing import shared_memory
 
+import msgspec
 import zmq
 
 from duoserve.engine import messages as msg
+from duoserve.engine.heartbeat import keep_alive
+from duoserve.errors import DuoserveError
 from duoserve.kv import wire
 from duoserve.kv.connector import KVTransfer
+from duoserve.model.fingerprint import describe_difference
 
 logger = logging.getLogger(__name__)
-TRANSPORTS = ("shm", "tcp")
+
+class PeerRefusedError(DuoserveError):
+    """A decode engine refused (or never answered) a prefill engine's PeerHello."""
+
+
+class KVSendError(DuoserveError):
+    """A transfer could not be sent (its decode engine is not connected)."""
 
 
 def _untrack(segment: shared_memory.SharedMemory) -> None:
@@ -41,102 +52,150 @@ def _untrack(segment: shared_memory.SharedMemory) -> None:
         pass
 
 
-class _End:
-    def __init__(self, listen: str, peer: str) -> None:
+def _write_shm(frames: list, sizes: list[int]) -> str:
+    segment = shared_memory.SharedMemory(create=True, size=max(sum(sizes), 1))
+    _untrack(segment)
+    offset = 0
+    for frame, size in zip(frames, sizes):
+        segment.buf[offset:offset + size] = frame
+        offset += size
+    segment.close()  # the receiver unlinks it
+    return segment.name
+
+
+def _read_shm(name: str, sizes: list[int]) -> list[bytes]:
+    segment = shared_memory.SharedMemory(name=name)  # unlink() below also untracks it
+    try:
+        frames, offset = [], 0
+        for size in sizes:
+            frames.append(bytes(segment.buf[offset:offset + size]))
+            offset += size
+        return frames
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+class PrefillConnector:
+    """A prefill engine's end: a DEALER socket per decode engine; sends KV, takes acks."""
+
+    def __init__(self, fingerprint: bytes, values: dict) -> None:
         self.ctx = zmq.Context.instance()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(listen)
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.SNDHWM, 0)
-        self.outbox.connect(peer)
-
-    def sockets(self) -> list[zmq.Socket]:
-        return [self.inbox]
-
-    def close(self) -> None:
-        self.inbox.close(linger=0)
-        self.outbox.close(linger=1000)
-
-
-class PrefillEnd(_End):
-    """Sends transfers to the decode engine, receives its acknowledgements."""
-
-    def __init__(self, ack_addr: str, kv_addr: str, fingerprint: bytes, transport: str = "shm") -> None:
-        super().__init__(ack_addr, kv_addr)
         self.fingerprint = fingerprint
-        self.transport = transport
+        self.values = values
+        self.peers: dict[str, zmq.Socket] = {}
+        self.addresses: dict[str, str] = {}
         self.last_transfer: tuple[int, float] = (0, 0.0)   # bytes, seconds
 
+    def connect(self, name: str, peers: dict[str, str], timeout: float = 300.0) -> None:
+        """Connect to every decode engine and have each accept this engine's model."""
+        self.close()
+        for peer, address in peers.items():
+            sock = keep_alive(self.ctx.socket(zmq.DEALER))
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            sock.send(msg.encode(msg.PeerHello(name, self.values)))
+            self.peers[peer], self.addresses[peer] = sock, address
+        deadline = time.monotonic() + timeout
+        for peer, sock in self.peers.items():
+            if not sock.poll(max(deadline - time.monotonic(), 0) * 1000):
+                raise PeerRefusedError(f"decode engine {peer} at {self.addresses[peer]} did not answer "
+                                       f"{name}'s hello within {timeout:g} s")
+            reply = msg.decode_at_prefill_peer(sock.recv())
+            if isinstance(reply, msg.PeerRefused):
+                raise PeerRefusedError(reply.error)
+        logger.info("%s connected to decode engines %s", name, ", ".join(f"{p} ({a})" for p, a in self.addresses.items()))
+
+    def sockets(self) -> list[zmq.Socket]:
+        return list(self.peers.values())
+
     def send(self, transfer: KVTransfer) -> None:
+        sock = self.peers.get(transfer.peer)
+        if sock is None:
+            raise KVSendError(f"no decode engine named {transfer.peer!r} is connected "
+                              f"(connected: {', '.join(self.peers) or 'none'})")
         start = time.perf_counter()
         frames = wire.encode(transfer.keys, transfer.values, transfer.prompt_token_ids, self.fingerprint)
         sizes = [len(f) for f in frames]
-        meta = msg.TransferMeta(transfer.request_id, transfer.prompt_token_ids, transfer.params,
-                                list(transfer.eos_token_ids), transfer.max_total_tokens, transfer.arrival_time,
-                                transfer.first_token, transfer.sample_index, sizes,
+        meta = msg.TransferMeta(transfer.request_id, transfer.peer_instance or "", transfer.prompt_token_ids,
+                                transfer.params, list(transfer.eos_token_ids), transfer.max_total_tokens,
+                                transfer.arrival_time, transfer.first_token, transfer.sample_index, sizes,
                                 first_logprobs=transfer.first_logprobs, sent_at=transfer.sent_at)
-        if self.transport == "shm":
-            segment = shared_memory.SharedMemory(create=True, size=sum(sizes))
-            _untrack(segment)
-            offset = 0
-            for frame, size in zip(frames, sizes):
-                segment.buf[offset:offset + size] = frame
-                offset += size
-            meta.shm_name = segment.name
-            segment.close()  # the receiver unlinks it
-            self.outbox.send(msg.encode(meta))
+        if self.addresses[transfer.peer].startswith("ipc://"):
+            meta.shm_name = _write_shm(frames, sizes)
+            sock.send(msg.encode(meta))
         else:
-            self.outbox.send_multipart([msg.encode(meta), *frames], copy=False)
+            sock.send_multipart([msg.encode(meta), *frames], copy=False)
         self.last_transfer = (sum(sizes), time.perf_counter() - start)
 
     def poll_acks(self) -> list[str]:
         acks = []
-        while self.inbox.poll(0):
-            message = msg.decode_between_engines(self.inbox.recv())
-            if isinstance(message, msg.TransferAck):
-                acks.append(message.request_id)
+        for sock in self.peers.values():
+            while sock.poll(0):
+                message = msg.decode_at_prefill_peer(sock.recv())
+                if isinstance(message, msg.TransferAck):
+                    acks.append(message.request_id)
         return acks
 
+    def close(self) -> None:
+        for sock in self.peers.values():
+            sock.close(linger=0)
+        self.peers, self.addresses = {}, {}
 
-class DecodeEnd(_End):
-    """Receives transfers (checked against this engine's fingerprint), sends acknowledgements."""
 
-    def __init__(self, kv_addr: str, ack_addr: str, fingerprint: bytes) -> None:
-        super().__init__(kv_addr, ack_addr)
+class DecodeConnector:
+    """A decode engine's end: transfers arrive on the engine's own ROUTER socket (``receive``)."""
+
+    def __init__(self, sock: zmq.Socket, fingerprint: bytes, values: dict, instance_id: str) -> None:
+        self.sock = sock
         self.fingerprint = fingerprint
+        self.values = msgspec.msgpack.decode(msgspec.msgpack.encode(values))  # as a peer's arrive
+        self.instance_id = instance_id
+        self.name = "decode engine"     # until a frontend names it
+        self._arrived: list[KVTransfer] = []
+        self._senders: dict[str, bytes] = {}   # request id -> the prefill engine's socket identity
+
+    def sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def close(self) -> None:
+        pass  # the socket is the engine's own
+
+    def receive(self, identity: bytes, message, frames: list) -> None:
+        """A ``PeerHello`` (answered at once) or a ``TransferMeta`` and its frames (kept for the engine)."""
+        if isinstance(message, msg.PeerHello):
+            self._answer_hello(identity, message)
+            return
+        try:
+            data = (_read_shm(message.shm_name, message.frame_sizes) if message.shm_name is not None
+                    else [f.buffer for f in frames])
+            if message.instance_id != self.instance_id:
+                raise wire.KVWireError("it was sent to an earlier decode engine at this address")
+            _, keys, values = wire.decode(data, self.fingerprint, message.prompt_token_ids)
+        except (wire.KVWireError, FileNotFoundError) as exc:
+            logger.error("refused the KV of request %s: %s", message.request_id, exc)
+            return
+        self._senders[message.request_id] = identity
+        self._arrived.append(KVTransfer(
+            message.request_id, message.prompt_token_ids, message.params, tuple(message.eos_token_ids),
+            message.max_total_tokens, message.arrival_time, message.first_token, message.sample_index, keys,
+            values, message.first_logprobs, sent_at=message.sent_at, received_at=time.monotonic()))
+
+    def _answer_hello(self, identity: bytes, hello: msg.PeerHello) -> None:
+        difference = describe_difference(hello.name, hello.fingerprint, self.name, self.values)
+        if difference is None:
+            reply = msg.PeerWelcome(self.name, self.instance_id)
+        else:
+            logger.error("refused prefill engine %s: a different model (%s)", hello.name, difference)
+            reply = msg.PeerRefused(f"{hello.name} and {self.name} serve different models ({difference})")
+        self.sock.send_multipart([identity, msg.encode(reply)])
 
     def poll_transfers(self) -> list[KVTransfer]:
-        transfers = []
-        while self.inbox.poll(0):
-            parts = self.inbox.recv_multipart(copy=False)
-            meta = msg.decode_between_engines(parts[0].bytes)
-            if not isinstance(meta, msg.TransferMeta):
-                continue
-            try:
-                frames = self._frames(meta, parts[1:])
-                _, keys, values = wire.decode(frames, self.fingerprint, meta.prompt_token_ids)
-            except wire.KVWireError as exc:
-                logger.error("refused the KV of request %s: %s", meta.request_id, exc)
-                continue
-            transfers.append(KVTransfer(meta.request_id, meta.prompt_token_ids, meta.params,
-                                        tuple(meta.eos_token_ids), meta.max_total_tokens, meta.arrival_time,
-                                        meta.first_token, meta.sample_index, keys, values, meta.first_logprobs,
-                                        sent_at=meta.sent_at, received_at=time.monotonic()))
-        return transfers
-
-    def _frames(self, meta: msg.TransferMeta, parts: list) -> list[bytes]:
-        if meta.shm_name is None:
-            return [p.buffer for p in parts]
-        segment = shared_memory.SharedMemory(name=meta.shm_name)  # unlink() below also untracks it
-        try:
-            frames, offset = [], 0
-            for size in meta.frame_sizes:
-                frames.append(bytes(segment.buf[offset:offset + size]))
-                offset += size
-            return frames
-        finally:
-            segment.close()
-            segment.unlink()
+        arrived, self._arrived = self._arrived, []
+        return arrived
 
     def acknowledge(self, request_id: str) -> None:
-        self.outbox.send(msg.encode(msg.TransferAck(request_id)))
+        identity = self._senders.pop(request_id, None)
+        if identity is not None:
+            self.sock.send_multipart([identity, msg.encode(msg.TransferAck(request_id))])

@@ -59,3 +59,11 @@ def describe(arch: ModelArch, tokenizer: Tokenizer | None, path: Path) -> dict:
 
 def fingerprint(values: dict) -> bytes:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).digest()
+
+
+def describe_difference(a_name: str, a: dict, b_name: str, b: dict) -> str | None:
+    """None when two engines' fingerprint values agree, else each differing value of both sides."""
+    differ = [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+    if not differ:
+        return None
+    return "; ".join(f"{key}: {a_name}={a.get(key)!r}, {b_name}={b.get(key)!r}" for key in differ)

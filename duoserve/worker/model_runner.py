@@ -12,6 +12,7 @@ import torch
 
 from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from duoserve.kv.reblock import insert_kv
+from duoserve.kv.staging import to_device
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.cpu_linear import pack_for_cpu
 from duoserve.model.loader import LoadedModel
@@ -36,7 +37,9 @@ class ModelRunner:
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
         for _, block_ids, transfer in plan.kv_inserts:
-            insert_kv(self.kv_caches, block_ids, transfer.keys, transfer.values)
+            staged = to_device([*transfer.keys, *transfer.values], self.kv_caches[0][0].device)
+            layers = len(transfer.keys)
+            insert_kv(self.kv_caches, block_ids, staged[:layers], staged[layers:])
         items = plan.scheduled
         token_ids: list[int] = []
         positions: list[int] = []

@@ -1,0 +1,172 @@
+"""Several engines per role, engines started on their own (`duoserve prefill|decode --listen`),
+and a decode engine that dies: relaunched when this frontend launched it, reconnected when it
+runs elsewhere and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from duoserve import SamplingParams
+from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
+from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError
+from tests.disagg_helpers import GREEDY, assert_same, generate_all, prompts
+from tests.server_helpers import free_port
+
+def engine_config(path) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                        cache=CacheConfig(kv_cache_memory=0.01, block_size=32))
+
+
+async def final_stats(engine: AsyncEngine) -> dict:
+    await asyncio.sleep(1.3)  # a stats message from every engine
+    return dict(engine.stats)
+
+
+def test_two_prefill_and_two_decode_engines_balance_by_queue_depth(tiny_dir, disagg_reference):
+    disagg = DisaggConfig(num_prefill_engines=2, num_decode_engines=2, prefill_threads=1, decode_threads=1,
+                          prefill_block_size=16)
+
+    async def main():
+        engine = AsyncEngine(engine_config(tiny_dir(kind="llama")), disagg=disagg)
+        await engine.start()
+        try:
+            async def one(i, prompt):
+                final = None
+                async for out in engine.generate(prompt, GREEDY, f"r{i}", strict_length=False):
+                    final = out
+                return final.outputs[0]
+
+            tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts())]
+            for _ in range(3):
+                await asyncio.sleep(0)  # every task has placed its request
+            placed = {rid: (p.prefill, p.decode) for rid, p in engine.handle.placements.items()}
+            outs = await asyncio.gather(*tasks)
+            return placed, outs, await final_stats(engine), dict(engine.handle.load)
+        finally:
+            await engine.shutdown()
+
+    placed, outs, stats, load = asyncio.run(main())
+    # all eight placed at once: each goes to the engine with the fewest requests, ties to the first
+    assert placed == {f"r{i}": (f"prefill-{i % 2}", f"decode-{i % 2}") for i in range(8)}
+    assert_same(outs, disagg_reference[0])
+    assert set(stats) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+    assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in stats.values()), "every pool whole"
+    assert all(stats[f"prefill-{i}"].kv_transfer_bytes > 0 for i in range(2))
+    assert load == {"prefill-0": 0, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
+
+
+async def _doomed_request(engine: AsyncEngine, kill) -> tuple[str, float]:
+    """Start a long request, kill its decode engine once tokens flow; the error and how long it took."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stream = engine.generate(list(range(1, 30)), params, "doomed", strict_length=False)
+    got = 0
+    killed_at = None
+    with pytest.raises(EngineUnavailableError) as err:
+        async for out in stream:
+            got = len(out.outputs[0].token_ids)
+            if got >= 3 and killed_at is None:
+                kill()
+                killed_at = time.monotonic()
+    return str(err.value), time.monotonic() - killed_at
+
+
+async def _wait_up(engine: AsyncEngine, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.ready:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+def test_killed_decode_engine_fails_its_requests_and_is_relaunched(tiny_dir, disagg_reference):
+    disagg = DisaggConfig(prefill_threads=1, decode_threads=1, prefill_block_size=16)
+
+    async def main():
+        engine = AsyncEngine(engine_config(tiny_dir(kind="llama")), disagg=disagg)
+        await engine.start()
+        decode = engine.decode_clients[0]
+        first_pid = decode.process.pid
+        try:
+            error, noticed = await _doomed_request(engine, lambda: os.kill(first_pid, signal.SIGKILL))
+            refused_meanwhile = not engine.accepting
+            back = await _wait_up(engine)
+            after = await generate_all(engine, prompts()[:3], GREEDY)
+            return error, noticed, refused_meanwhile, back, decode.process.pid != first_pid, after, \
+                await final_stats(engine)
+        finally:
+            await engine.shutdown()
+
+    error, noticed, refused_meanwhile, back, relaunched, after, stats = asyncio.run(main())
+    assert "engine decode-0 went down while this request was on it" in error
+    assert noticed < 5.0
+    assert refused_meanwhile, "with no decode engine up, new requests are refused (503), not queued"
+    assert back and relaunched
+    assert_same(after, disagg_reference[0][:3])
+    assert stats["prefill-0"].kv_cache_usage == 0 and stats["decode-0"].kv_cache_usage == 0
+
+
+def _start_engine(role: str, path, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "duoserve.cli", role, "--listen", f"tcp://127.0.0.1:{port}", "--model", str(path),
+         "--dtype", "float32", "--kv-cache-memory", "0.01", "--num-threads", "1", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_standalone_engines_joined_by_address(tiny_dir, disagg_reference):
+    """`duoserve prefill|decode --listen` on their own; a frontend joins them by address. A dead
+    decode engine fails its requests; once it runs again the frontend reconnects. The engines
+    outlive the frontend, and a second frontend can use them."""
+    path = tiny_dir(kind="llama")
+    prefill_port, decode_port = free_port(), free_port()
+    prefill = _start_engine("prefill", path, prefill_port, "--block-size", "16")
+    decode = _start_engine("decode", path, decode_port, "--block-size", "32")
+    disagg = DisaggConfig(prefill_addrs=(f"tcp://127.0.0.1:{prefill_port}",),
+                          decode_addrs=(f"tcp://127.0.0.1:{decode_port}",))
+    restarted = []
+
+    def kill_and_restart_decode():
+        decode.kill()
+        decode.wait()
+        restarted.append(_start_engine("decode", path, decode_port, "--block-size", "32"))
+
+    async def main():
+        engine = AsyncEngine(engine_config(path), disagg=disagg)
+        await engine.start()
+        try:
+            first = await generate_all(engine, prompts(), GREEDY)
+            error, noticed = await _doomed_request(engine, kill_and_restart_decode)
+            back = await _wait_up(engine)
+            after = await generate_all(engine, prompts()[:3], GREEDY)
+        finally:
+            await engine.shutdown()
+        second = AsyncEngine(engine_config(path), disagg=disagg)
+        await second.start()
+        try:
+            again = await generate_all(second, prompts()[:2], GREEDY)
+            return first, error, noticed, back, after, again, await final_stats(second)
+        finally:
+            await second.shutdown()
+
+    try:
+        first, error, noticed, back, after, again, stats = asyncio.run(main())
+        alive_after = prefill.poll() is None and restarted[0].poll() is None
+    finally:
+        for proc in (prefill, decode, *restarted):
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=20) for proc in (prefill, *restarted)]
+    assert_same(first, disagg_reference[0])
+    assert "engine decode-0 went down while this request was on it" in error and noticed < 5.0
+    assert back
+    assert_same(after, disagg_reference[0][:3])
+    assert_same(again, disagg_reference[0][:2])
+    assert alive_after, "a frontend's shutdown leaves engines it did not launch running"
+    assert stats["prefill-0"].kv_cache_usage == 0 and stats["decode-0"].kv_cache_usage == 0
+    assert codes == [0, 0], "SIGTERM stops a standalone engine cleanly"
