@@ -173,3 +173,36 @@ def test_prefix_hit_in_the_same_step_computes_only_the_rest():
     assert b.num_cached_tokens == 8 and s.kv.num_hits == 8
     run_to_end(s)
     assert s.kv.pool.num_free_blocks == 16
+
+
+def test_prefill_role_serves_the_shortest_prompt_first():
+    kv = KVCacheManager(64, 4, True)
+    s = Scheduler(kv, 8, 8, True, "prefill")
+    add(s, "long", 30)
+    first = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in first.scheduled] == [("long", 8)]
+    s.update(first, fake_run(first))
+    add(s, "medium", 9)
+    add(s, "short", 3)
+    # the short prompt jumps the queue and fits whole; the long one keeps the rest of the budget
+    second = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in second.scheduled] == [("long", 5), ("short", 3)]
+    s.update(second, fake_run(second))
+    assert s.requests["short"].status is RequestStatus.KV_LEASED
+    # the medium prompt (9 > budget 8) cannot fit whole: it waits its turn by length, no budget held back
+    third = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in third.scheduled] == [("long", 8)]
+    s.update(third, fake_run(third))
+    fourth = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in fourth.scheduled] == [("long", 8)]
+    s.update(fourth, fake_run(fourth))
+    fifth = s.schedule()  # long has 1 left: it finishes, medium starts with the rest
+    assert [(x.request.request_id, x.num_new_tokens) for x in fifth.scheduled] == [("long", 1), ("medium", 7)]
+    for rid in ("long", "short"):
+        s.acknowledge(rid)
+    s.update(fifth, fake_run(fifth))
+    s.acknowledge("long")
+    sixth = s.schedule()
+    s.update(sixth, fake_run(sixth))
+    s.acknowledge("medium")
+    assert not s.num_unfinished and kv.pool.num_free_blocks == kv.pool.num_blocks

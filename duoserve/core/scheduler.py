@@ -82,6 +82,8 @@ class Scheduler:
         budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        reserved = self._order_shortest_first() if self.role == "prefill" else 0
+        budget -= reserved
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -99,6 +101,7 @@ class Scheduler:
                 scheduled.append(self._plan(request, num_new))
                 budget -= num_new
                 i += 1
+        budget += reserved
         inserts: list[tuple[str, list[int], object]] = []
         if not preempted:
             budget = self._admit_transferred(budget, scheduled, inserts)
@@ -106,6 +109,26 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         copies, self.pending_copies = self.pending_copies, []
         return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts)
+
+    def _order_shortest_first(self) -> int:
+        """Prefill role: shortest remaining prompt first, so a short prompt never queues behind a
+        long one's chunks (there are no decodes here to keep fluid, only first tokens to hurry).
+
+        Sorts the waiting and prefilling requests; returns the budget to hold back from the
+        prefilling ones so the shortest waiting prompt fits in this step. Long prompts wait
+        while shorter ones keep coming: at the loads a prefill engine is sized for they are a
+        small share of its time.
+        """
+        def remaining(request: Request) -> int:
+            return request.num_tokens - request.num_computed_tokens
+
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=remaining))
+        self.running.sort(key=remaining)
+        if not self.waiting or not self.running:
+            return 0
+        head = remaining(self.waiting[0])  # reserved only when it fits whole: the others always advance
+        return head if head < self.token_budget and head < remaining(self.running[-1]) else 0
 
     def _admit_transferred(self, budget: int, scheduled: list[ScheduledRequest],
                            inserts: list[tuple[str, list[int], object]]) -> int:
