@@ -1,6 +1,7 @@
 """Disaggregated vs colocated serving under a mixed workload, at equal total cores.
 
-    python benchmarks/disagg_vs_colocated.py --rate 0.4 --num-requests 40
+    python benchmarks/disagg_vs_colocated.py --search-rates 0.2,0.3,0.4,0.5 --num-requests 30
+    python benchmarks/disagg_vs_colocated.py --rate 0.3 --num-requests 30
 
 Workload: 80 % short prompts (~64 tokens), 20 % long ones (~1,500 tokens), 128 output
 tokens (``ignore_eos``), Poisson arrivals at ``--rate`` requests/s, the same seed for
@@ -8,6 +9,10 @@ every setup. Setups: colocated (one engine, 2 threads, chunked prefill, budget 5
 disaggregated with a prefill engine on core 0 and a decode engine on core 1, with
 ``--prefill-device cpu`` and with ``auto``. Reports TTFT p50/p99 for short and long
 prompts, ITL p50/p99 and output throughput, per setup, as JSON.
+
+``--search-rates`` first runs colocated at each rate and takes the highest it sustains
+(output throughput at least 90 % of the offered rate x max_tokens), then runs every setup
+at 70 % of it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ SETUPS = {
     "colocated": ["--mode", "colocated", "--num-threads", "2", "--max-num-batched-tokens", "512"],
     "disagg-cpu": ["--mode", "disaggregated", "--prefill-device", "cpu", "--prefill-threads", "1",
                    "--decode-threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1"],
+    "disagg-cpu-256": ["--mode", "disaggregated", "--prefill-device", "cpu", "--prefill-threads", "1",
+                       "--decode-threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1",
+                       "--prefill-max-num-batched-tokens", "256"],
     "disagg-auto": ["--mode", "disaggregated", "--prefill-device", "auto", "--prefill-threads", "1",
                     "--decode-threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1"],
 }
@@ -101,9 +109,28 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--search-rates", default=None,
+                        help="comma-separated rates: find colocated's highest sustained one, then run at 70%%")
     args = parser.parse_args()
+    results = {"num_requests": args.num_requests}
+    if args.search_rates:
+        sustained = None
+        for rate in sorted(float(r) for r in args.search_rates.split(",")):
+            args.rate = rate
+            report = run_setup("colocated", args, workload(args), 8690)
+            offered = rate * args.max_tokens
+            report["sustained"] = report["output_tok_s"] >= 0.9 * offered
+            results[f"search_colocated_{rate:g}"] = report
+            print(f"search rate {rate:g}", json.dumps(report), file=sys.stderr, flush=True)
+            if not report["sustained"]:
+                break
+            sustained = rate
+        if sustained is None:
+            raise SystemExit("colocated sustains none of the rates tried")
+        results["max_sustained_rate"] = sustained
+        args.rate = round(0.7 * sustained, 3)
+    results["rate"] = args.rate
     items = workload(args)
-    results = {"rate": args.rate, "num_requests": args.num_requests}
     for i, name in enumerate(args.setups.split(",")):
         results[name] = run_setup(name, args, items, 8700 + i)
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)

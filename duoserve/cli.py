@@ -118,6 +118,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="how KV moves between the engines: shared memory or TCP (default: shm)")
     d.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="seconds a prefill engine keeps KV for an unacknowledged handoff (default: 30)")
+    d.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one prefill-engine step (default: --max-num-batched-tokens); smaller "
+                        "chunks let a short prompt overtake a long one sooner")
     d.add_argument("--num-prefill-engines", type=int, default=None,
                    help="prefill engines to launch on this host (default: 1)")
     d.add_argument("--num-decode-engines", type=int, default=None,
@@ -177,6 +180,7 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
                         prefill_cpus=parse_cpu_list(args.prefill_cpus, "prefill_cpus"),
                         decode_cpus=parse_cpu_list(args.decode_cpus, "decode_cpus"),
                         kv_transport=args.kv_transport, kv_lease_timeout=args.kv_lease_timeout,
+                        prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens,
                         num_prefill_engines=1 if args.num_prefill_engines is None else args.num_prefill_engines,
                         num_decode_engines=1 if args.num_decode_engines is None else args.num_decode_engines,
                         prefill_addrs=parse_address_list(args.prefill_addrs, "prefill_addrs"),

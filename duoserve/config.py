@@ -178,6 +178,7 @@ class DisaggConfig:
     kv_transport: str = "shm"         # shm (same host) or tcp
     kv_lease_timeout: float = 30.0
     prefill_block_size: int | None = None  # None = the decode engine's (KV is re-blocked either way)
+    prefill_max_num_batched_tokens: int | None = None  # None = the decode engine's budget
     num_prefill_engines: int = 1      # engines this frontend launches, when no addresses are given
     num_decode_engines: int = 1
     prefill_addrs: tuple[str, ...] = ()   # engines already running (duoserve prefill --listen ADDR)
@@ -193,6 +194,9 @@ class DisaggConfig:
                 check_engine_address(address, name)
         if self.prefill_block_size is not None:
             CacheConfig(block_size=self.prefill_block_size)  # same rule, same error
+        if self.prefill_max_num_batched_tokens is not None and self.prefill_max_num_batched_tokens < 1:
+            raise ConfigError("prefill_max_num_batched_tokens", self.prefill_max_num_batched_tokens,
+                              "a positive number of tokens")
         if self.prefill_device not in PREFILL_DEVICES:
             raise ConfigError("prefill_device", self.prefill_device, f"one of {', '.join(PREFILL_DEVICES)}")
         if self.max_prefill_len < 1:
@@ -210,8 +214,12 @@ class DisaggConfig:
         cache = base.cache
         if self.prefill_block_size is not None:
             cache = dataclasses.replace(cache, block_size=self.prefill_block_size)
+        scheduler = base.scheduler
+        if self.prefill_max_num_batched_tokens is not None:
+            scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=self.prefill_max_num_batched_tokens)
         prefill = dataclasses.replace(base, role="prefill", num_threads=self.prefill_threads,
                                       cpus=self.prefill_cpus, kv_lease_timeout=self.kv_lease_timeout,
-                                      model=dataclasses.replace(base.model, device=device), cache=cache)
+                                      model=dataclasses.replace(base.model, device=device), cache=cache,
+                                      scheduler=scheduler)
         decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus)
         return prefill, decode

@@ -51,6 +51,9 @@ class ServerMetrics:
         self.kv_transfer_bytes = Counter("duoserve:kv_transfer_bytes", "KV bytes handed between engines",
                                          registry=r)
         self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
+        self.placements = Counter("duoserve:request_placements", "Requests by where they were prefilled and "
+                                  "decoded (prefill_engine=local: on the decode engine itself)",
+                                  ["prefill_engine", "decode_engine"], registry=r)
         self.log_interval = log_interval
         self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
         self._engines: dict[str, EngineStats] = {}
@@ -82,6 +85,9 @@ class ServerMetrics:
                 self.tpot.observe((now - first) / (num_tokens - len(out.outputs)))
             for o in out.outputs:
                 self.success.labels(o.finish_reason or "unknown").inc()
+
+    def observe_placement(self, request_id: str, prefill_engine: str | None, decode_engine: str) -> None:
+        self.placements.labels(prefill_engine or "local", decode_engine).inc()
 
     def observe_stats(self, engine: str, stats: EngineStats) -> None:
         self._engines[engine] = stats

@@ -177,10 +177,13 @@ def _metric(server, name: str, labels: dict | None = None) -> float:
 def test_metrics_parse_and_move(server, client):
     before = _metric(server, "duoserve:generation_tokens_total")
     ttft_before = _metric(server, "duoserve:time_to_first_token_seconds_count")
+    placed = {"prefill_engine": "local", "decode_engine": "engine-0"}
+    placed_before = _metric(server, "duoserve:request_placements_total", placed)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     time.sleep(1.5)  # engine stats arrive every second
     assert _metric(server, "duoserve:generation_tokens_total") - before == 5
     assert _metric(server, "duoserve:time_to_first_token_seconds_count") == ttft_before + 1
+    assert _metric(server, "duoserve:request_placements_total", placed) == placed_before + 1
     assert _metric(server, "duoserve:request_success_total", {"finish_reason": "length"}) >= 1
     assert _metric(server, "duoserve:prefix_cache_queries_total") > 0
     assert _metric(server, "duoserve:ttft_stage_seconds_count", {"stage": "queue"}) >= 1

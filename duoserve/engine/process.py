@@ -10,7 +10,8 @@ to its frontend. It blocks on its socket only while idle, and pushes stats every
 ``STATS_INTERVAL`` seconds, which doubles as a heartbeat.
 
 A launched engine exits on ``Shutdown`` or when its parent is gone. A standalone one
-outlives its frontends: a new frontend's hello aborts the previous one's requests.
+outlives its frontends and serves one at a time: a new frontend's hello takes it over
+and aborts the previous one's requests.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
     try:
         try:
             core = _start_core(config_bytes)
-        except Exception as exc:  # a bad config or model: say why to whoever asks, then stop
+        except Exception as exc:  # a bad config or model: say why (to the launcher), then stop
             log.error("engine failed to start: %s", exc)
-            _refuse(sock, msg.EngineFailed(f"{type(exc).__name__}: {exc}"))
+            if parent_pid is not None:
+                _refuse(sock, msg.EngineFailed(f"{type(exc).__name__}: {exc}"))
             return 1
         server = EngineServer(core, sock, parent_pid)
         log.info("%s engine listening on %s", core.config.role, address)

@@ -85,6 +85,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     metrics = ServerMetrics()
     engine.on_output.append(metrics.observe_output)
     engine.on_stats.append(metrics.observe_stats)
+    engine.on_place.append(metrics.observe_placement)
     openai = OpenAIServing(engine, server.served_model_name)
     chat = ChatServing(openai)
 

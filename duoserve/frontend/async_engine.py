@@ -53,6 +53,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.on_output: list[Callable[[RequestOutput], None]] = []   # metrics hooks
         self.on_stats: list[Callable[[str, EngineStats], None]] = []
+        self.on_place: list[Callable[[str, str | None, str], None]] = []
         self._readers: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -64,6 +65,7 @@ class AsyncEngine:
             raise
         router = None if self.disagg is None else Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
         self.handle = EngineGroup(self.decode_clients, self.prefill_clients, router)
+        self.handle.on_place = self.on_place
         self.frontend = Frontend(self.handle)
         self._readers = [asyncio.create_task(self._read_outputs(c), name=f"duoserve-reader-{c.name}")
                          for c in self.clients]

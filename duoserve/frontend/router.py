@@ -57,6 +57,7 @@ class EngineGroup:
         self.load: dict[str, int] = {c.name: 0 for c in (*self.decode, *self.prefill)}
         self._by_name = {c.name: c for c in (*self.decode, *self.prefill)}
         self._warned_fallback = False
+        self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
 
     @property
     def max_model_len(self) -> int:
@@ -92,6 +93,10 @@ class EngineGroup:
         self.load[decode.name] += 1
         if prefill is not None:
             self.load[prefill.name] += 1
+        logger.debug("request %s: prefill on %s, decode on %s", request.request_id,
+                     prefill.name if prefill else decode.name, decode.name)
+        for hook in self.on_place:
+            hook(request.request_id, prefill.name if prefill else None, decode.name)
 
     def note_outputs(self, client: EngineClient, request_ids) -> None:
         """Outputs came from ``client``: a prefill engine is done with those requests."""
