@@ -175,7 +175,7 @@ def test_prefix_hit_in_the_same_step_computes_only_the_rest():
     assert s.kv.pool.num_free_blocks == 16
 
 
-def test_prefill_role_serves_the_shortest_prompt_first():
+def test_prefill_role_serves_the_shortest_prompts_first():
     kv = KVCacheManager(64, 4, True)
     s = Scheduler(kv, 8, 8, True, "prefill")
     add(s, "long", 30)
@@ -184,25 +184,32 @@ def test_prefill_role_serves_the_shortest_prompt_first():
     s.update(first, fake_run(first))
     add(s, "medium", 9)
     add(s, "short", 3)
-    # the short prompt jumps the queue and fits whole; the long one keeps the rest of the budget
+    add(s, "tiny", 2)
+    # the short prompts jump the queue, shortest first, and fit whole; the long one keeps the rest
     second = s.schedule()
-    assert [(x.request.request_id, x.num_new_tokens) for x in second.scheduled] == [("long", 5), ("short", 3)]
+    assert [(x.request.request_id, x.num_new_tokens) for x in second.scheduled] == \
+        [("long", 3), ("tiny", 2), ("short", 3)]
     s.update(second, fake_run(second))
-    assert s.requests["short"].status is RequestStatus.KV_LEASED
+    assert s.requests["short"].status is s.requests["tiny"].status is RequestStatus.KV_LEASED
     # the medium prompt (9 > budget 8) cannot fit whole: it waits its turn by length, no budget held back
-    third = s.schedule()
-    assert [(x.request.request_id, x.num_new_tokens) for x in third.scheduled] == [("long", 8)]
-    s.update(third, fake_run(third))
-    fourth = s.schedule()
-    assert [(x.request.request_id, x.num_new_tokens) for x in fourth.scheduled] == [("long", 8)]
-    s.update(fourth, fake_run(fourth))
-    fifth = s.schedule()  # long has 1 left: it finishes, medium starts with the rest
-    assert [(x.request.request_id, x.num_new_tokens) for x in fifth.scheduled] == [("long", 1), ("medium", 7)]
-    for rid in ("long", "short"):
+    plans = []
+    for _ in range(4):
+        plans.append(s.schedule())
+        s.update(plans[-1], fake_run(plans[-1]))
+    assert [[(x.request.request_id, x.num_new_tokens) for x in p.scheduled] for p in plans] == \
+        [[("long", 8)], [("long", 8)], [("long", 3), ("medium", 5)], [("medium", 4)]]
+    for rid in ("long", "short", "tiny", "medium"):
         s.acknowledge(rid)
-    s.update(fifth, fake_run(fifth))
-    s.acknowledge("long")
-    sixth = s.schedule()
-    s.update(sixth, fake_run(sixth))
-    s.acknowledge("medium")
     assert not s.num_unfinished and kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+def test_prefill_role_reserves_budget_only_below_a_whole_step():
+    """Waiting prompts that would take the whole budget get none held back: the long one advances."""
+    kv = KVCacheManager(64, 4, True)
+    s = Scheduler(kv, 8, 8, True, "prefill")
+    add(s, "long", 30)
+    s.update(plan := s.schedule(), fake_run(plan))
+    add(s, "a", 4)
+    add(s, "b", 4)  # a + b = 8 = the budget: only a is held back for
+    second = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in second.scheduled] == [("long", 4), ("a", 4)]

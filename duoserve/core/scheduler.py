@@ -115,9 +115,10 @@ class Scheduler:
         long one's chunks (there are no decodes here to keep fluid, only first tokens to hurry).
 
         Sorts the waiting and prefilling requests; returns the budget to hold back from the
-        prefilling ones so the shortest waiting prompt fits in this step. Long prompts wait
-        while shorter ones keep coming: at the loads a prefill engine is sized for they are a
-        small share of its time.
+        prefilling ones for the waiting prompts shorter than the longest of them, as many as
+        fit whole (the prefilling ones always keep at least one token: nothing stalls). Long
+        prompts wait while shorter ones keep coming: at the loads a prefill engine is sized
+        for they are a small share of its time.
         """
         def remaining(request: Request) -> int:
             return request.num_tokens - request.num_computed_tokens
@@ -127,8 +128,13 @@ class Scheduler:
         self.running.sort(key=remaining)
         if not self.waiting or not self.running:
             return 0
-        head = remaining(self.waiting[0])  # reserved only when it fits whole: the others always advance
-        return head if head < self.token_budget and head < remaining(self.running[-1]) else 0
+        longest, reserved = remaining(self.running[-1]), 0
+        for request in self.waiting:
+            need = remaining(request)
+            if need >= longest or reserved + need >= self.token_budget:
+                break
+            reserved += need
+        return reserved
 
     def _admit_transferred(self, budget: int, scheduled: list[ScheduledRequest],
                            inserts: list[tuple[str, list[int], object]]) -> int:
