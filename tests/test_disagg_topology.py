@@ -86,7 +86,9 @@ async def _wait_up(engine: AsyncEngine, timeout: float = 60.0) -> bool:
     return False
 
 
-def test_killed_decode_engine_fails_its_requests_and_is_relaunched(tiny_dir, disagg_reference):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_dead_decode_engine_fails_its_requests_and_is_relaunched(tiny_dir, disagg_reference, how):
+    """Killed: its process exits. Frozen (SIGSTOP, like a hung host): ZeroMQ heartbeats go unanswered."""
     disagg = DisaggConfig(prefill_threads=1, decode_threads=1, prefill_block_size=16)
 
     async def main():
@@ -95,7 +97,7 @@ def test_killed_decode_engine_fails_its_requests_and_is_relaunched(tiny_dir, dis
         decode = engine.decode_clients[0]
         first_pid = decode.process.pid
         try:
-            error, noticed = await _doomed_request(engine, lambda: os.kill(first_pid, signal.SIGKILL))
+            error, noticed = await _doomed_request(engine, lambda: os.kill(first_pid, how))
             refused_meanwhile = not engine.accepting
             back = await _wait_up(engine)
             after = await generate_all(engine, prompts()[:3], GREEDY)
@@ -170,3 +172,32 @@ def test_standalone_engines_joined_by_address(tiny_dir, disagg_reference):
     assert alive_after, "a frontend's shutdown leaves engines it did not launch running"
     assert stats["prefill-0"].kv_cache_usage == 0 and stats["decode-0"].kv_cache_usage == 0
     assert codes == [0, 0], "SIGTERM stops a standalone engine cleanly"
+
+
+def test_remote_prefill_engine_with_a_launched_decode_engine(tiny_dir, disagg_reference):
+    """A launched engine listens on TCP (``engine_host``) when any engine is remote, so a
+    prefill engine started elsewhere can hand its KV to it."""
+    path = tiny_dir(kind="llama")
+    port = free_port()
+    prefill = _start_engine("prefill", path, port, "--block-size", "16")
+    disagg = DisaggConfig(prefill_addrs=(f"tcp://127.0.0.1:{port}",), decode_threads=1)
+
+    async def main():
+        engine = AsyncEngine(engine_config(path), disagg=disagg)
+        await engine.start()
+        try:
+            decode_address = engine.decode_clients[0].address
+            outs = await generate_all(engine, prompts(), GREEDY)
+            return decode_address, outs, await final_stats(engine)
+        finally:
+            await engine.shutdown()
+
+    try:
+        decode_address, outs, stats = asyncio.run(main())
+    finally:
+        prefill.send_signal(signal.SIGTERM)
+        prefill.wait(timeout=20)
+    assert decode_address.startswith("tcp://127.0.0.1:")
+    assert_same(outs, disagg_reference[0])
+    assert stats["prefill-0"].kv_transfer_bytes > 0, "the remote engine prefilled and handed the KV over"
+    assert stats["prefill-0"].kv_cache_usage == 0 and stats["decode-0"].kv_cache_usage == 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import zmq
 
-HEARTBEAT_MS = 1000          # ping a silent connection this often...
-HEARTBEAT_TIMEOUT_MS = 4000  # ...and drop it when no pong comes back in time
+HEARTBEAT_MS = 500           # ping a silent connection this often...
+HEARTBEAT_TIMEOUT_MS = 3000  # ...and drop it when no pong comes back in time
 
 
 def keep_alive(sock: zmq.Socket) -> zmq.Socket:

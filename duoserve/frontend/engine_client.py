@@ -8,7 +8,7 @@ through ``recv``. The tokenizer arrives in ``EngineReady``, so this process neve
 loads the model.
 
 An engine is taken for dead when its process exits (launched ones), its connection
-drops (ZeroMQ heartbeats notice a vanished host within ~4 s), or it sends nothing,
+drops (ZeroMQ heartbeats notice a vanished or frozen host within ~4 s), or it sends nothing,
 not even its once-a-second stats, for ``SILENCE_TIMEOUT`` seconds.
 """
 
