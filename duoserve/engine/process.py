@@ -45,6 +45,7 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
     ctx = zmq.Context.instance()
     sock = keep_alive(ctx.socket(zmq.ROUTER))
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting frontend or peer takes over its identity
+    sock.setsockopt(zmq.SNDHWM, 0)            # a ROUTER drops what exceeds its limit: never drop outputs
     sock.bind(address)
     try:
         try:
