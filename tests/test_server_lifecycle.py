@@ -60,6 +60,8 @@ def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
         assert health.status_code == 503 and "engine-0" in health.json()["reason"]
         refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        models = httpx.get(f"{srv.url}/v1/models", timeout=10)  # what the frontend knows stays served
+        assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] == 4096
         deadline = time.monotonic() + 60  # the launcher relaunches the engine; then it serves again
         while httpx.get(f"{srv.url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -53,15 +53,13 @@ class EngineGroup:
         self.router = router or Router()
         self.reference = decode[0].ready       # every engine was checked to serve the same model
         self.tokenizer = decode[0].tokenizer
+        # read once: while an engine is being relaunched its EngineReady is gone
+        self.max_model_len = min(c.ready.max_model_len for c in (*self.decode, *self.prefill))
         self.placements: dict[str, Placement] = {}
         self.load: dict[str, int] = {c.name: 0 for c in (*self.decode, *self.prefill)}
         self._by_name = {c.name: c for c in (*self.decode, *self.prefill)}
         self._warned_fallback = False
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
-
-    @property
-    def max_model_len(self) -> int:
-        return min(c.ready.max_model_len for c in (*self.decode, *self.prefill) if c.ready is not None)
 
     @property
     def vocab_size(self) -> int:
