@@ -56,7 +56,6 @@ class EngineGroup:
         # read once: while an engine is being relaunched its EngineReady is gone
         self.max_model_len = min(c.ready.max_model_len for c in (*self.decode, *self.prefill))
         self.placements: dict[str, Placement] = {}
-        self.load: dict[str, int] = {c.name: 0 for c in (*self.decode, *self.prefill)}
         self._by_name = {c.name: c for c in (*self.decode, *self.prefill)}
         self._warned_fallback = False
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
@@ -69,9 +68,22 @@ class EngineGroup:
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(self.reference.eos_token_ids)
 
+    @property
+    def load(self) -> dict[str, int]:
+        """Queue depth per engine, derived from the placements."""
+        load = {name: 0 for name in self._by_name}
+        for p in self.placements.values():
+            load[p.decode] += 1
+            if p.prefill is not None and not p.prefilled:
+                load[p.prefill] += 1
+        return load
+
     def _least_loaded(self, clients: list[EngineClient]) -> EngineClient | None:
         up = [c for c in clients if c.is_up()]
-        return min(up, key=lambda c: self.load[c.name]) if up else None
+        if not up:
+            return None
+        load = self.load
+        return min(up, key=lambda c: load[c.name])
 
     def add_request(self, request: Request) -> None:
         decode = self._least_loaded(self.decode)
@@ -88,9 +100,6 @@ class EngineGroup:
         else:
             decode.add_request(request)
         self.placements[request.request_id] = Placement(decode.name, prefill.name if prefill else None)
-        self.load[decode.name] += 1
-        if prefill is not None:
-            self.load[prefill.name] += 1
         logger.debug("request %s: prefill on %s, decode on %s", request.request_id,
                      prefill.name if prefill else decode.name, decode.name)
         for hook in self.on_place:
@@ -104,9 +113,8 @@ class EngineGroup:
                 continue
             if client.name == placement.decode:
                 placement.decoding = True
-            elif client.name == placement.prefill and not placement.prefilled:
+            elif client.name == placement.prefill:
                 placement.prefilled = True
-                self.load[client.name] -= 1
 
     def stranded_by(self, client: EngineClient) -> list[str]:
         """The requests that die with ``client``: all it decodes, and those it prefills not yet handed over."""
@@ -135,11 +143,7 @@ class EngineGroup:
 
     def release(self, request_id: str) -> None:
         self._tell("release", request_id)
-        placement = self.placements.pop(request_id, None)
-        if placement is not None:
-            self.load[placement.decode] -= 1
-            if placement.prefill is not None and not placement.prefilled:
-                self.load[placement.prefill] -= 1
+        self.placements.pop(request_id, None)
 
 
 def check_same_model(clients: list[EngineClient]) -> None:
