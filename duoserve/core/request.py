@@ -66,7 +66,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "sample_index",
                  "status", "num_computed_tokens", "num_cached_tokens", "arrival_time", "eos_token_ids",
-                 "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time")
+                 "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_total_tokens: int | None = None,
@@ -86,6 +87,9 @@ class Request:
         self.block_hashes: list[bytes] = []      # digests of this request's full blocks, in order
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        # log-probabilities of the prompt tokens scored so far, while this request still owes them
+        # to its caller (None once delivered, or when nobody asked: other samples, handed-over KV)
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None and sample_index == 0 else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +111,11 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The complete prompt log-probabilities, handed over once (None afterwards)."""
+        entries, self.prompt_logprobs = self.prompt_logprobs, None
+        return entries
 
     @property
     def is_finished(self) -> bool:

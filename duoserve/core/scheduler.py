@@ -183,7 +183,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             has_blocks = request.request_id in self.kv.req_blocks  # a forked sample
-            cached = [] if has_blocks else self.kv.find_cached_prefix(request)
+            # prompt log-probabilities need every prompt position run through the model:
+            # such a request takes no prefix hits (its blocks are still cached for others)
+            skip_cache = has_blocks or request.prompt_logprobs is not None
+            cached = [] if skip_cache else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             remaining = request.num_tokens - request.num_computed_tokens - num_cached
             if remaining > budget and not self.enable_chunked_prefill:
@@ -208,7 +211,7 @@ class Scheduler:
         first_token = sample and request.num_output_tokens == 0
         num_samples = request.params.n if first_token and request.sample_index == 0 and \
             request.request_id not in self.children else 1
-        wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < request.num_prompt_tokens
+        wants_prompt_logprobs = request.prompt_logprobs is not None and start < request.num_prompt_tokens
         return ScheduledRequest(request, start, num_new, self.kv.block_ids(request.request_id), sample,
                                 num_samples, wants_prompt_logprobs)
 
@@ -216,6 +219,8 @@ class Scheduler:
         """Recompute preemption: drop the request's KV and send it to the front of the queue."""
         self.kv.free(request)
         request.num_computed_tokens = 0
+        if request.prompt_logprobs is not None:  # not delivered yet: scored again from the start
+            request.prompt_logprobs = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.move_to(S.WAITING)
@@ -230,11 +235,11 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += item.num_new_tokens
-            prompt_lp = result.prompt_logprobs.get(request.request_id)
+            if item.prompt_logprobs:  # gathered over the chunks, delivered whole with the first token
+                request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, ()))
             if not item.sample:
-                if prompt_lp:
-                    outputs.append(EngineCoreOutput(request.request_id, [], prompt_logprobs=prompt_lp))
                 continue
+            prompt_lp = request.take_prompt_logprobs() if item.prompt_logprobs else None
             if request.params.max_tokens == 0:  # prompt only (e.g. for its log-probabilities)
                 self._finish(request, S.FINISHED_LENGTH)
                 outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length",
@@ -247,7 +252,7 @@ class Scheduler:
                 if sibling is None:
                     continue
                 out = self._append_token(sibling, tokens[k], logprobs[k] if logprobs else None)
-                out.prompt_logprobs = prompt_lp
+                out.prompt_logprobs = prompt_lp if k == 0 else None
                 outputs.append(out)
         return outputs
 

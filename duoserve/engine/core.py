@@ -129,6 +129,7 @@ class EngineCore:
                                   transfer.eos_token_ids, transfer.max_total_tokens, transfer.sample_index,
                                   transfer.arrival_time)
                 request.output_token_ids.append(transfer.first_token)
+                request.prompt_logprobs = None   # the prefill engine delivered them
                 try:
                     self.scheduler.add_transferred(request, transfer)
                 except ValueError as exc:  # e.g. a duplicate id: refuse this one, keep serving
@@ -144,6 +145,7 @@ class EngineCore:
         if self.scheduler.pending_copies:  # a forked sample's tail block must be in place first
             self.runner.copy_blocks(self.scheduler.pending_copies)
         first_logprobs = {o.request_id: o.new_logprobs[0] for o in outputs if o.new_logprobs}
+        prompt_logprobs = {o.request_id: o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None}
         for request, block_ids in leased:
             keys, values = extract_kv(self.runner.kv_caches, block_ids, request.num_prompt_tokens)
             host = to_host([*keys, *values])   # from a GPU: through pinned memory, one sync
@@ -152,7 +154,8 @@ class EngineCore:
             transfer = KVTransfer(request.request_id, request.prompt_token_ids, request.params,
                                   request.eos_token_ids, request.max_total_tokens, request.arrival_time,
                                   request.output_token_ids[0], request.sample_index, keys, values,
-                                  first_logprobs.get(request.request_id), peer=peer, peer_instance=instance)
+                                  first_logprobs.get(request.request_id), prompt_logprobs.get(request.request_id),
+                                  peer=peer, peer_instance=instance)
             try:
                 self.connector.send(transfer)
             except Exception as exc:  # e.g. no such decode engine: this request fails, the engine serves on
@@ -207,6 +210,7 @@ class EngineCore:
             out.position = 0
             if out.new_logprobs is not None and transfer.first_logprobs is not None:
                 out.new_logprobs = [transfer.first_logprobs, *out.new_logprobs]
+            out.prompt_logprobs = transfer.prompt_logprobs
             received = transfer.received_at or request.first_scheduled_time
             out.stages = {"transfer": max(received - transfer.sent_at, 0.0),
                           "admit": max(request.first_scheduled_time - received, 0.0)}

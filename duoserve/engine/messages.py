@@ -120,6 +120,7 @@ class TransferMeta(msgspec.Struct, tag=True):
     frame_sizes: list[int]
     shm_name: str | None = None
     first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     sent_at: float = 0.0           # the sender's monotonic clock: only comparable on one host
 
 

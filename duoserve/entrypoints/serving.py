@@ -121,9 +121,12 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache (a request
+    that asks for prompt log-probabilities computes every prompt token, so it reports 0)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class OpenAIServing:
@@ -170,7 +173,8 @@ class OpenAIServing:
                 choices.append({"index": i * body.n + comp.index, "text": text, "logprobs": lp,
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": usage(num_prompt, num_completion)})
+                             "choices": choices,
+                             "usage": usage(num_prompt, num_completion, sum(o.num_cached_tokens for o in finals))})
 
     async def _collect(self, streams: Streams, count: int) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * count
@@ -209,11 +213,13 @@ class OpenAIServing:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         completion_tokens: dict[tuple[int, int], int] = {}
         offsets: dict[tuple[int, int], int] = {}
         try:
             async for index, out in streams.merged():
                 prompt_tokens[index] = len(out.prompt_token_ids)
+                cached_tokens[index] = out.num_cached_tokens
                 for comp in out.outputs:
                     key = (index, comp.index)
                     text = comp.delta_text
@@ -236,12 +242,14 @@ class OpenAIServing:
                              "choices": [{"index": index * body.n + comp.index, "text": text, "logprobs": lp,
                                           "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}]}
                     if continuous:
-                        chunk["usage"] = usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
+                        chunk["usage"] = usage(sum(prompt_tokens.values()), sum(completion_tokens.values()),
+                                               sum(cached_tokens.values()))
                     yield sse(chunk)
             if include_usage:
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                            "choices": [], "usage": usage(sum(prompt_tokens.values()),
-                                                         sum(completion_tokens.values()))})
+                                                         sum(completion_tokens.values()),
+                                                         sum(cached_tokens.values()))})
         except APIError as exc:
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": "503"}})
         yield sse("[DONE]")

@@ -60,18 +60,18 @@ class ChatServing:
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.base.model_name, "choices": choices,
-                             "usage": usage(len(final.prompt_token_ids), num_completion)})
+                             "usage": usage(len(final.prompt_token_ids), num_completion, final.num_cached_tokens)})
 
     async def _stream(self, streams: Streams, body: ChatCompletionRequest, rid: str,
                       created: int) -> AsyncIterator[str]:
         opts = body.stream_options
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.base.model_name}
         started: set[int] = set()
-        num_prompt = 0
+        num_prompt = num_cached = 0
         counts: dict[int, int] = {}
         try:
             async for _, out in streams.merged():
-                num_prompt = len(out.prompt_token_ids)
+                num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     if c.index not in started:
                         started.add(c.index)
@@ -86,10 +86,10 @@ class ChatServing:
                     chunk = {**head, "choices": [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text
                                                   else {}, "logprobs": lp, "finish_reason": c.finish_reason}]}
                     if opts is not None and opts.continuous_usage_stats:
-                        chunk["usage"] = usage(num_prompt, sum(counts.values()))
+                        chunk["usage"] = usage(num_prompt, sum(counts.values()), num_cached)
                     yield sse(chunk)
             if opts is not None and opts.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(num_prompt, sum(counts.values()))})
+                yield sse({**head, "choices": [], "usage": usage(num_prompt, sum(counts.values()), num_cached)})
         except APIError as exc:
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": "503"}})
         yield sse("[DONE]")
@@ -107,7 +107,7 @@ class ChatServing:
         (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
         c = final.outputs[0]
         result = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                  "usage": usage(len(final.prompt_token_ids), len(c.token_ids))}
+                  "usage": usage(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens)}
         if params.n > 1:
             result["choices"] = [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
                                   "finish_reason": o.finish_reason} for o in final.outputs]
@@ -121,7 +121,7 @@ class ChatServing:
                         event = {"index": c.index, "text": c.delta_text, "token_ids": c.delta_token_ids,
                                  "finish_reason": c.finish_reason}
                         if c.finished:
-                            event["usage"] = usage(len(out.prompt_token_ids), len(c.token_ids))
+                            event["usage"] = usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
                         yield sse(event)
         except APIError as exc:
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": "503"}})

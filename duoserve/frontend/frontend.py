@@ -48,6 +48,7 @@ class RequestState:
     outputs: list[CompletionOutput]
     detokenizers: list[IncrementalDetokenizer | None]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_done: bool = False  # they come whole, once; after a handoff both engines send them
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -170,9 +171,9 @@ class Frontend:
 
     def _apply(self, state: RequestState, index: int, out: EngineCoreOutput) -> None:
         completion = state.outputs[index]
-        if out.prompt_logprobs and state.prompt_logprobs is not None:
+        if out.prompt_logprobs is not None and state.prompt_logprobs is not None and not state.prompt_logprobs_done:
             state.prompt_logprobs.extend(out.prompt_logprobs)
-            out.prompt_logprobs = None  # one sample carries them, once
+            state.prompt_logprobs_done = True
         if completion.finished:
             return
         already = len(completion.token_ids) - out.position  # tokens of this output seen before

@@ -32,6 +32,9 @@ class KVTransfer:
     keys: list[Any]       # per layer [num_prompt_tokens, num_kv_heads, head_dim] tensors
     values: list[Any]
     first_logprobs: TokenLogprobs | None = None
+    # the prompt's log-probabilities when they were asked for: the decode engine restates them
+    # with the first token, so the frontend has them whichever engine's output comes first
+    prompt_logprobs: list[TokenLogprobs] | None = None
     sent_at: float = field(default_factory=time.monotonic)
 
     received_at: float | None = None   # set by the decode end when the transfer lands

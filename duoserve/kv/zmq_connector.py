@@ -121,7 +121,8 @@ class PrefillConnector:
         meta = msg.TransferMeta(transfer.request_id, transfer.peer_instance or "", transfer.prompt_token_ids,
                                 transfer.params, list(transfer.eos_token_ids), transfer.max_total_tokens,
                                 transfer.arrival_time, transfer.first_token, transfer.sample_index, sizes,
-                                first_logprobs=transfer.first_logprobs, sent_at=transfer.sent_at)
+                                first_logprobs=transfer.first_logprobs, prompt_logprobs=transfer.prompt_logprobs,
+                                sent_at=transfer.sent_at)
         if self.addresses[transfer.peer].startswith("ipc://"):
             meta.shm_name = _write_shm(frames, sizes)
             sock.send(msg.encode(meta))
@@ -180,7 +181,8 @@ class DecodeConnector:
         self._arrived.append(KVTransfer(
             message.request_id, message.prompt_token_ids, message.params, tuple(message.eos_token_ids),
             message.max_total_tokens, message.arrival_time, message.first_token, message.sample_index, keys,
-            values, message.first_logprobs, sent_at=message.sent_at, received_at=time.monotonic()))
+            values, message.first_logprobs, message.prompt_logprobs, sent_at=message.sent_at,
+            received_at=time.monotonic()))
 
     def _answer_hello(self, identity: bytes, hello: msg.PeerHello) -> None:
         difference = describe_difference(hello.name, hello.fingerprint, self.name, self.values)
