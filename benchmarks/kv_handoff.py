@@ -34,7 +34,7 @@ def main() -> None:
     from duoserve.config import ModelConfig
     from duoserve.kv.connector import KVTransfer
     from duoserve.kv.reblock import extract_kv, insert_kv
-    from duoserve.engine import messages as msg
+    from duoserve import messages as msg
     from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
     from duoserve.model.attention import AttentionMetadata
     from duoserve.model.cpu_linear import pack_for_cpu

@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens (default: the model's max_position_embeddings)")
     g.add_argument("--hf-overrides", type=json.loads, default={},
-                   help='JSON object of config values to mend, e.g. \'{"max_position_embeddings": 32768}\'')
+                   help='JSON object of config values to mend, e.g. \'{"eos_token_id": [2, 32000]}\'')
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"tokens per KV block, a power of two (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--kv-cache-memory", type=float, default=None,
@@ -104,16 +104,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "(default: $DUOSERVE_API_KEY, or none)")
     g.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"],
                    help="one engine doing prefill and decode, or separate engines (default: colocated)")
-    d = parser.add_argument_group("disaggregated serving (--mode disaggregated)")
+    d = parser.add_argument_group(
+        "disaggregated serving (--mode disaggregated)",
+        "Engines launched on this host share its cores: unless one of --prefill-threads, --decode-threads, "
+        "--prefill-cpus or --decode-cpus is given, decode engines are pinned to the first half of the cores "
+        "and prefill engines to the rest, one thread per core (2 cores: prefill on CPU 1, decode on CPU 0). "
+        "With --prefill-device cuda the CPU engines are not pinned.")
     d.add_argument("--prefill-device", default="cpu", choices=["cpu", "cuda", "gpu", "auto"],
                    help="where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or "
                         "auto: prompts of at most --max-prefill-len tokens on a CPU prefill engine, longer "
                         "ones on the decode engine itself (default: cpu)")
     d.add_argument("--max-prefill-len", type=int, default=512, help="the auto placement threshold (default: 512)")
-    d.add_argument("--prefill-threads", type=int, default=None, help="torch threads of the prefill engine")
-    d.add_argument("--decode-threads", type=int, default=None, help="torch threads of the decode engine")
-    d.add_argument("--prefill-cpus", default=None, help="pin the prefill engine to these CPUs (0, 0-1, 0,2)")
-    d.add_argument("--decode-cpus", default=None, help="pin the decode engine to these CPUs")
+    d.add_argument("--prefill-threads", type=int, default=None,
+                   help="torch threads of each prefill engine (default: its share of the cores, see above)")
+    d.add_argument("--decode-threads", type=int, default=None,
+                   help="torch threads of each decode engine (default: its share of the cores)")
+    d.add_argument("--prefill-cpus", default=None,
+                   help="pin the prefill engines to these CPUs: 0, 0-1, 0,2 (default: see above)")
+    d.add_argument("--decode-cpus", default=None, help="pin the decode engines to these CPUs (default: see above)")
     d.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"],
                    help="how KV moves between the engines: shared memory or TCP (default: shm)")
     d.add_argument("--kv-lease-timeout", type=float, default=30.0,
@@ -139,27 +147,64 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP server's own messages (default: info)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log every HTTP request (default: on)")
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse a port out of range or taken before anything loads."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise ConfigError("port", port, "a TCP port from 1 to 65535")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError("port", port, f"a free port: {host}:{port} cannot be bound ({exc.strerror})") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
 
     import uvicorn
 
-    from duoserve.entrypoints.api_server import ServerConfig, create_app
+    from duoserve.entrypoints.api_server import DrainingServer, ServerConfig, create_app
+    from duoserve.frontend.engine_client import EngineStartError
+    from duoserve.model.paths import resolve_model_path
 
     disagg = disagg_config_from_args(args)
+    engine_config = engine_config_from_args(args)
+    check_port(args.host, args.port)
+    if not (disagg and disagg.decode_addrs and disagg.prefill_addrs):
+        resolve_model_path(args.model)   # a launched engine loads it: refuse a wrong path now
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
     server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                           max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
-    app = create_app(engine_config_from_args(args), server, disagg)
+    app = create_app(engine_config, server, disagg)
+    engine = app.state.engine
+    # uvicorn cancels what still runs a little after the engine ended it with a final event
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout))
-    uvicorn.Server(config).run()
+                            access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
+
+    async def main() -> None:
+        try:
+            await engine.start(wait=False)   # launched engines first: the port opens once they serve
+        except EngineStartError as exc:
+            if exc.config_error:
+                raise DuoserveError(str(exc)) from None
+            raise
+        await DrainingServer(config, engine, args.shutdown_timeout).serve()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it drained on: a clean stop
+        pass
     return 0
 
 
@@ -206,7 +251,8 @@ def run_engine(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like on Ctrl-C
     try:
         return engine_main(msgspec.msgpack.encode(config), args.listen, logging.INFO)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the engine was up (engine_main logs a stop once it serves)
+        logging.getLogger("duoserve").info("%s engine stopped while starting", args.command)
         return 0
 
 

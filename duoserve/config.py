@@ -41,7 +41,7 @@ class ModelConfig:
         parse_device(self.device)
         if not isinstance(self.hf_overrides, dict):
             raise ConfigError("hf_overrides", self.hf_overrides,
-                              'a JSON object of config.json keys, e.g. {"max_position_embeddings": 32768}')
+                              'a JSON object of config.json keys, e.g. {"eos_token_id": [2, 32000]}')
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len", self.max_model_len, "a positive number of tokens")
 
@@ -52,12 +52,21 @@ class ModelConfig:
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
 
     def resolved_device(self) -> str:
-        """The device to run on; ``auto`` asks torch whether a GPU is visible."""
-        if self.device != "auto":
-            return self.device
+        """The device to run on; ``auto`` asks torch whether a GPU is visible, ``cuda`` that one is."""
+        if self.device == "cpu":
+            return "cpu"
         import torch  # only here: the frontend process never needs torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise ConfigError("device", self.device, f"cpu or auto: no CUDA device is visible (torch "
+                                                     f"{torch.__version__}, {build})")
+        index = int(self.device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError("device", self.device, f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        return self.device
 
 
 DEFAULT_BLOCK_SIZE = 16
@@ -69,7 +78,7 @@ DEFAULT_MAX_NUM_SEQS = 128
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_memory: float | None = None      # GiB; None = 4 GiB on CPU, a fraction of free memory on GPU
+    kv_cache_memory: float | None = None      # GiB; None = 1 GiB on CPU, a fraction of free memory on GPU
     gpu_memory_utilization: float = 0.9       # fraction of free GPU memory for KV when kv_cache_memory is None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"              # auto = the model dtype
@@ -205,6 +214,13 @@ class DisaggConfig:
             raise ConfigError("kv_transport", self.kv_transport, f"one of {', '.join(KV_TRANSPORTS)}")
         if self.kv_lease_timeout <= 0:
             raise ConfigError("kv_lease_timeout", self.kv_lease_timeout, "a positive number of seconds")
+
+    @property
+    def splits_cores_by_default(self) -> bool:
+        """No threads or CPUs given for either role, and prefills run on the CPU: the launcher
+        splits this host's cores between the engines it launches."""
+        given = (self.prefill_threads, self.decode_threads, self.prefill_cpus, self.decode_cpus)
+        return all(v is None for v in given) and self.prefill_device in ("cpu", "auto")
 
     def engine_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """(prefill, decode) engine configs derived from the decode engine's ``base``."""

@@ -3,7 +3,9 @@
 Latencies are measured in the frontend from each request's snapshots (arrival, first
 token, every later token); engine-side figures (running, waiting, KV usage, prefix
 cache) come from the engine's stats messages. Counters that the engine keeps
-cumulatively are advanced by the difference since the last stats message.
+cumulatively are advanced by the difference since the last stats message of the same
+engine process: a relaunched or reconnected engine (a new instance id under the same name)
+starts counting from zero again. A gauge of an engine that went down is cleared.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from duoserve.engine.messages import EngineStats
+from duoserve.messages import EngineStats
 from duoserve.outputs import RequestOutput
 
 logger = logging.getLogger("duoserve.stats")
@@ -40,6 +42,8 @@ class ServerMetrics:
                                      buckets=b)
         self.running = Gauge("duoserve:num_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("duoserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.leased = Gauge("duoserve:num_requests_kv_leased", "Prefilled requests whose KV a prefill engine "
+                            "holds until the decode engine acknowledges it", registry=r)
         self.kv_usage = Gauge("duoserve:kv_cache_usage_ratio", "Fraction of KV blocks in use", ["engine"],
                               registry=r)
         self.prompt_tokens = Counter("duoserve:prompt_tokens", "Prompt tokens received", registry=r)
@@ -56,8 +60,8 @@ class ServerMetrics:
                                   ["prefill_engine", "decode_engine"], registry=r)
         self.log_interval = log_interval
         self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
-        self._engines: dict[str, EngineStats] = {}
-        self._previous: dict[str, EngineStats] = {}
+        self._engines: dict[str, EngineStats] = {}      # engine name -> its latest stats
+        self._previous: dict[tuple[str, str], EngineStats] = {}  # (name, instance id) -> latest stats
         self._log_marks: dict[str, tuple[float, int]] = {}  # engine -> (time, generated tokens) at its last line
 
     def observe_output(self, out: RequestOutput) -> None:
@@ -89,18 +93,36 @@ class ServerMetrics:
     def observe_placement(self, request_id: str, prefill_engine: str | None, decode_engine: str) -> None:
         self.placements.labels(prefill_engine or "local", decode_engine).inc()
 
-    def observe_stats(self, engine: str, stats: EngineStats) -> None:
+    def observe_stats(self, engine: str, instance_id: str, stats: EngineStats) -> None:
         self._engines[engine] = stats
-        self.running.set(sum(s.num_running for s in self._engines.values()))
-        self.waiting.set(sum(s.num_waiting for s in self._engines.values()))
+        self._set_gauges()
         self.kv_usage.labels(engine).set(stats.kv_cache_usage)
-        last = self._previous.get(engine)
+        key = (engine, instance_id)
+        last = self._previous.get(key)
+        if last is None:  # a new process under this name: forget its predecessor's totals
+            self._previous = {k: v for k, v in self._previous.items() if k[0] != engine}
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - (last.kv_transfer_bytes if last else 0))
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer.observe(seconds)
-        self._previous[engine] = stats
+        self._previous[key] = stats
+        self._log_line(engine, stats)
+
+    def engine_down(self, engine: str) -> None:
+        """An engine died: what it reported is gone with it."""
+        self._engines.pop(engine, None)
+        self._set_gauges()
+        self.kv_usage.labels(engine).set(0.0)
+        self._log_marks.pop(engine, None)
+
+    def _set_gauges(self) -> None:
+        engines = self._engines.values()
+        self.running.set(sum(s.num_running for s in engines))
+        self.waiting.set(sum(s.num_waiting for s in engines))
+        self.leased.set(sum(s.num_kv_leased for s in engines))
+
+    def _log_line(self, engine: str, stats: EngineStats) -> None:
         now = time.monotonic()
         last_time, last_tokens = self._log_marks.setdefault(engine, (now, stats.num_generated_tokens))
         if now - last_time >= self.log_interval:

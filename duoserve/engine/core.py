@@ -19,7 +19,7 @@ from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
-from duoserve.engine.messages import EngineStats
+from duoserve.messages import EngineStats
 from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
@@ -49,8 +49,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
                                    config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout)
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
-        # decode role: ids aborted before their KV arrived (the abort overtook the transfer)
+        # decode role: requests ended before their KV arrived (the frontend's message overtook the
+        # transfer): whole requests (aborted or released), and single samples stopped by a stop string
         self.aborted_early: collections.deque[str] = collections.deque(maxlen=4096)
+        self.stopped_early: collections.deque[str] = collections.deque(maxlen=4096)
         # prefill role between processes: request id -> (decode engine, its instance id) for the KV
         self.kv_destinations: dict[str, tuple[str | None, str | None]] = {}
         self.num_kv_transfer_bytes = 0
@@ -85,10 +87,14 @@ class EngineCore:
 
     def finish_stopped(self, request_id: str) -> None:
         """One sample ended on a stop string (found by the frontend's detokenizer)."""
+        if request_id not in self.scheduler.requests:
+            self.stopped_early.append(request_id)
         self.scheduler.abort(request_id, RequestStatus.FINISHED_STOPPED, with_samples=False)
 
     def release(self, request_id: str) -> None:
         """The frontend has taken a finished request's last output: forget it."""
+        if request_id not in self.scheduler.requests:
+            self.aborted_early.append(request_id)
         self.scheduler.forget(request_id)
         self.kv_destinations.pop(request_id, None)
 
@@ -122,7 +128,9 @@ class EngineCore:
             outputs += self.scheduler.expire_leases(time.monotonic())
         elif self.config.role == "decode":
             for transfer in self.connector.poll_transfers():
-                if transfer.request_id in self.aborted_early:  # free the sender's lease, compute nothing
+                ended = (transfer.request_id.partition("/")[0] in self.aborted_early
+                         or transfer.request_id in self.stopped_early)
+                if ended:  # free the sender's lease, compute nothing
                     self.connector.acknowledge(transfer.request_id)
                     continue
                 request = Request(transfer.request_id, transfer.prompt_token_ids, transfer.params,
@@ -218,12 +226,18 @@ class EngineCore:
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.waiting_for_kv),
             kv_cache_usage=pool.usage, num_blocks=pool.num_blocks,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.num_kv_transfer_bytes,
-            kv_transfer_seconds=self._drain_transfer_seconds())
+            kv_transfer_seconds=self._drain_transfer_seconds(), num_kv_leased=len(self.scheduler.leases))
+
+    def load_signature(self) -> tuple[int, ...]:
+        """What the gauges show (request counts, free blocks): stats go out as soon as it changes."""
+        s = self.scheduler
+        return len(s.running), len(s.waiting), len(s.waiting_for_kv), len(s.leases), self.kv.pool.num_free_blocks
 
     def _drain_transfer_seconds(self) -> list[float]:
         seconds, self.recent_transfer_seconds = self.recent_transfer_seconds, []

@@ -6,8 +6,9 @@ waits. A frontend connects and says ``Hello``; the engine answers ``EngineReady`
 prefill engine first connects to the decode engines the hello names, which accept or
 refuse its model). Then it loops: take every waiting message (requests, aborts, KV
 from prefill engines), run one step if any request is unfinished, push the outputs
-to its frontend. It blocks on its socket only while idle, and pushes stats every
-``STATS_INTERVAL`` seconds, which doubles as a heartbeat.
+to its frontend. It blocks on its socket only while idle. It pushes stats every
+``STATS_INTERVAL`` seconds (a heartbeat), and sooner when its counts change (at once when it
+goes idle), so the frontend's gauges fall back to idle values as soon as the work is done.
 
 A launched engine exits on ``Shutdown`` or when its parent is gone. A standalone one
 outlives its frontends and serves one at a time: a new frontend's hello takes it over
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 import uuid
 
-STATS_INTERVAL = 1.0
+STATS_INTERVAL = 1.0        # stats go out at least this often (a heartbeat of the application)...
+STATS_ON_CHANGE_S = 0.25    # ...and within this long of a change in the counts, at once when idle
 IDLE_POLL_MS = 100
 FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tell a frontend why
 
@@ -36,11 +39,16 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
     """
     import zmq
 
-    from duoserve.engine import messages as msg
+    from duoserve import messages as msg
     from duoserve.engine.heartbeat import keep_alive
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
     log = logging.getLogger(__name__)
+    if parent_pid is not None:
+        # Ctrl-C (or kill -TERM -PGID) reaches the whole process group: a launched engine
+        # leaves its stopping to the frontend, which drains first and then says Shutdown
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _pin(config_bytes)
     ctx = zmq.Context.instance()
     sock = keep_alive(ctx.socket(zmq.ROUTER))
@@ -51,14 +59,20 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
         try:
             core = _start_core(config_bytes)
         except Exception as exc:  # a bad config or model: say why (to the launcher), then stop
+            from duoserve.errors import ConfigError, ModelLoadError
+
+            config_error = isinstance(exc, (ConfigError, ModelLoadError))
             log.error("engine failed to start: %s", exc)
             if parent_pid is not None:
-                _refuse(sock, msg.EngineFailed(f"{type(exc).__name__}: {exc}"))
+                _refuse(sock, msg.EngineFailed(str(exc) if config_error else f"{type(exc).__name__}: {exc}",
+                                               config_error))
             return 1
         server = EngineServer(core, sock, parent_pid)
         log.info("%s engine listening on %s", core.config.role, address)
         try:
             server.run()
+        except KeyboardInterrupt:  # a standalone engine: SIGINT or SIGTERM (see duoserve.cli)
+            log.info("%s engine on %s stopping: aborted its %d requests", core.config.role, address, core.reset())
         except Exception:
             server.send(msg.EngineFailed(traceback.format_exc(limit=5)))
             raise
@@ -92,7 +106,7 @@ def _start_core(config_bytes: bytes):
 
 def _refuse(sock, failure) -> None:
     """Answer the first hello (the launcher's is usually already queued) with ``failure``."""
-    from duoserve.engine import messages as msg
+    from duoserve import messages as msg
 
     deadline = time.monotonic() + FAILED_START_WAIT_S
     while time.monotonic() < deadline:
@@ -131,7 +145,7 @@ class EngineServer:
                                   DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))
 
     def send(self, message) -> None:
-        from duoserve.engine import messages as msg
+        from duoserve import messages as msg
 
         if self.frontend is not None:
             self.sock.send_multipart([self.frontend, msg.encode(message)])
@@ -139,9 +153,9 @@ class EngineServer:
     def run(self) -> None:
         import zmq
 
-        from duoserve.engine import messages as msg
+        from duoserve import messages as msg
 
-        last_stats = 0.0
+        last_stats, last_signature = 0.0, None
         poller = self._poller()
         while True:
             outputs, self.kv_arrived = [], False
@@ -163,8 +177,11 @@ class EngineServer:
                 outputs += self.core.step()
             now = time.monotonic()
             stats = None
-            if now - last_stats >= STATS_INTERVAL:
-                stats, last_stats = self.core.stats(), now
+            signature = self.core.load_signature()
+            changed = signature != last_signature and (not self.core.has_work() or
+                                                       now - last_stats >= STATS_ON_CHANGE_S)
+            if changed or now - last_stats >= STATS_INTERVAL:
+                stats, last_stats, last_signature = self.core.stats(), now, signature
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.log.warning("the process that launched this engine is gone: stopping")
                     return
@@ -182,7 +199,7 @@ class EngineServer:
 
     def _receive(self):
         """Take one message: returns its outputs, "rewired" after a hello, or None to stop."""
-        from duoserve.engine import messages as msg
+        from duoserve import messages as msg
 
         identity, payload, *frames = self.sock.recv_multipart(copy=False)
         identity = identity.bytes
@@ -217,7 +234,7 @@ class EngineServer:
             return []
 
     def _hello(self, identity: bytes, hello) -> None:
-        from duoserve.engine import messages as msg
+        from duoserve import messages as msg
 
         if self.frontend is not None and identity != self.frontend and self.core.has_unfinished():
             self.log.warning("a new frontend said hello: aborted the previous one's %d requests", self.core.reset())
@@ -235,7 +252,7 @@ class EngineServer:
 
     def _apply(self, message) -> list:
         from duoserve.core.request import Request
-        from duoserve.engine import messages as msg
+        from duoserve import messages as msg
 
         core = self.core
         if isinstance(message, msg.AddRequest):
@@ -254,7 +271,7 @@ class EngineServer:
 
 
 def _ready(core, fingerprint: dict, instance_id: str):
-    from duoserve.engine.messages import EngineReady
+    from duoserve.messages import EngineReady
 
     tok = core.tokenizer
     return EngineReady(

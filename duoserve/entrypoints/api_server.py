@@ -1,21 +1,28 @@
 """The HTTP server: FastAPI app, its guards (API key, body size, queue length) and lifecycle.
 
-Startup launches the engine process and waits until it is ready; shutdown (after
-uvicorn has drained or timed out in-flight requests) aborts what is left and stops
-the engine, so no child process outlives the server.
+``duoserve serve`` starts the engines before the port opens (a launched engine that cannot
+start is a one-line error), or, for engines that run elsewhere, opens the port at once and
+answers /health 503 until they come. On SIGTERM or Ctrl-C, ``DrainingServer`` stops taking
+requests and gives those in flight ``--shutdown-timeout`` seconds; any still running then
+end with an error (a stream gets a final error event and ``[DONE]``). Then the engines stop,
+so no child process outlives the server. The guards are plain ASGI middleware: FastAPI's
+``@app.middleware("http")`` would hide client disconnects from the routes.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duoserve.config import DisaggConfig, EngineConfig
 from duoserve.entrypoints.errors import APIError, error_response
@@ -73,11 +80,48 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def _validation_param(exc: RequestValidationError) -> tuple[str, str]:
+class APIKeyGuard:
+    """ASGI middleware: every route but /health needs ``Authorization: Bearer <key>`` (compared in
+    constant time)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.expected is None or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a parameter
+        position = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        where = f" at character {position}" if position is not None else ""
+        return None, f"the request body is not valid JSON{where}: {first.get('ctx', {}).get('error', 'invalid')}"
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     return param, f"invalid value for {param or 'the request body'}: {first.get('msg', 'invalid')}"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the engine when shutdown begins so that it can end the
+    requests still running at the deadline cleanly, before uvicorn would cancel them."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.begin_drain(self.drain_timeout)
+        await super().shutdown(sockets)
 
 
 def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None) -> FastAPI:
@@ -86,14 +130,16 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     engine.on_output.append(metrics.observe_output)
     engine.on_stats.append(metrics.observe_stats)
     engine.on_place.append(metrics.observe_placement)
+    engine.on_engine_down.append(metrics.engine_down)
     openai = OpenAIServing(engine, server.served_model_name)
     chat = ChatServing(openai)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         start = time.monotonic()
-        await engine.start()
-        logger.info("serving %s: ready in %.1fs", server.served_model_name, time.monotonic() - start)
+        await engine.start(wait=False)   # already done by `duoserve serve`; remote engines come later
+        logger.info("serving %s: %s in %.1fs", server.served_model_name,
+                    "ready" if engine.ready else engine.not_ready_reason(), time.monotonic() - start)
         try:
             yield
         finally:
@@ -102,14 +148,13 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     app = FastAPI(title="duoserve", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
+    app.add_middleware(APIKeyGuard, api_key=server.api_key)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if server.api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -151,9 +196,14 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
                                             "created": int(time.time()), "owned_by": "duoserve",
                                             "max_model_len": engine.max_model_len}]}
 
+    def require_engine() -> None:
+        if engine.tokenizer is None:
+            raise APIError(503, f"the engine is unavailable: {engine.not_ready_reason()}")
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         openai.check_model(body.model)
+        require_engine()
         if body.messages is not None:
             ids = chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
                                                          add_generation_prompt=body.add_generation_prompt))
@@ -166,6 +216,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         openai.check_model(body.model)
+        require_engine()
         bad = [t for t in body.tokens if not 0 <= t < engine.handle.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.handle.vocab_size})",
@@ -176,9 +227,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     async def health():
         if engine.ready:
             return {"status": "ok"}
-        down = [c.name for c in engine.clients if not c.is_up()]
-        reason = engine.dead_reason or f"not ready: {', '.join(down) or 'starting'}"
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "unavailable", "reason": engine.not_ready_reason()}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():

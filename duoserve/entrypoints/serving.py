@@ -34,12 +34,13 @@ def _params(build) -> SamplingParams:
         raise APIError(400, str(exc), param=exc.field) from exc
 
 
-async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """Start a stream, mapping input errors found at its start to HTTP errors."""
+async def _first(stream: AsyncIterator[RequestOutput], prompt_param: str = "prompt") -> RequestOutput:
+    """Start a stream, mapping input errors found at its start to HTTP errors (a prompt problem
+    names ``prompt_param``: the chat route's prompt comes from ``messages``)."""
     try:
         return await stream.__anext__()
     except InvalidInputError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
+        raise APIError(400, str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
     except QueueFullError as exc:
         raise APIError(429, str(exc), headers={"Retry-After": "1"}) from exc
     except (EngineUnavailableError, EngineDeadError, ModelLoadError) as exc:
@@ -49,15 +50,17 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 class Streams:
     """Several engine streams (one per prompt) merged into one, for a single HTTP request."""
 
-    def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, base_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, base_id: str,
+                 prompt_param: str = "prompt") -> None:
         self.engine = engine
         self.streams = [engine.generate(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
         self.firsts: list[RequestOutput] = []
+        self.prompt_param = prompt_param
 
     async def start(self) -> None:
         try:
             for stream in self.streams:
-                self.firsts.append(await _first(stream))
+                self.firsts.append(await _first(stream, self.prompt_param))
         except BaseException:
             await self.close()
             raise

@@ -29,6 +29,8 @@ class ChatServing:
         self.engine = base.engine
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if self.engine.handle is None:
+            raise APIError(503, f"the engine is unavailable: {self.engine.not_ready_reason()}")
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
@@ -48,13 +50,13 @@ class ChatServing:
         params = _params(lambda: body.sampling_params(max_tokens, logprobs))
         prompt = self.chat_prompt(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = Streams(self.engine, [prompt], params, rid)
+        streams = Streams(self.engine, [prompt], params, rid, prompt_param="messages")
         await streams.start()
         created = int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(streams, body, rid, created), media_type="text/event-stream")
         (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
                     "logprobs": _chat_logprobs(self.engine.tokenizer, c.logprobs) if body.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         num_completion = sum(len(c.token_ids) for c in final.outputs)

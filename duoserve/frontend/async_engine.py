@@ -1,10 +1,14 @@
 """AsyncEngine: what the API server calls. ``generate()`` is an async stream of RequestOutputs.
 
-One task per engine reads its outputs, turns them into text with the shared
-``Frontend`` and routes each snapshot to its request's queue. A request whose
-consumer goes away (client disconnect, cancellation) is aborted in the engines.
-When an engine dies, the requests it held get an error instead of hanging, and it
-is relaunched (or reconnected, if it runs elsewhere) while the others serve on.
+One task per engine connects to it (engines this frontend launches are started first and
+must come up; engines that run elsewhere are waited for in the background, logged, and
+retried for as long as it takes), reads its outputs, turns them into text with the shared
+``Frontend`` and routes each snapshot to its request's queue. A request whose consumer
+goes away (client disconnect, cancellation) is aborted in the engines. When an engine
+dies, the requests it held get an error instead of hanging, and it is relaunched (or
+reconnected, if it runs elsewhere) while the others serve on. Once shutdown has begun
+nothing is relaunched; requests still running when the drain deadline passes end with
+an error saying the server is shutting down.
 """
 
 from __future__ import annotations
@@ -15,25 +19,39 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from duoserve.config import DisaggConfig, EngineConfig
-from duoserve.engine.messages import EngineStats
 from duoserve.errors import DuoserveError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.frontend import Frontend
 from duoserve.frontend.launcher import plan_engines
-from duoserve.frontend.router import EngineGroup, Router, check_same_model
+from duoserve.frontend.router import EngineGroup, Router, model_difference
+from duoserve.messages import EngineStats
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-RESTART_ATTEMPTS = 3   # a launched engine that fails this many relaunches in a row stays down
+RESTART_ATTEMPTS = 3       # a launched engine that fails this many relaunches in a row stays down
+REMOTE_WAIT_S = 10.0       # a remote engine is asked again (and logged) this often until it answers
 
 
 class EngineUnavailableError(DuoserveError):
     """The engine is not running (dead, or not started)."""
 
 
+class ServerShuttingDownError(EngineUnavailableError):
+    """The drain deadline passed while the request was still running."""
+
+
 class QueueFullError(DuoserveError):
     """``max_queue_len`` requests are already in flight."""
+
+
+def _call_hooks(hooks: list[Callable], *args) -> None:
+    """Metrics and logging hooks: an error in one is logged, never passed on to the serving path."""
+    for hook in hooks:
+        try:
+            hook(*args)
+        except Exception:
+            logger.exception("a metrics hook failed (ignored)")
 
 
 class AsyncEngine:
@@ -51,24 +69,57 @@ class AsyncEngine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats: dict[str, EngineStats] = {}
         self.dead_reason: str | None = None
+        self.refused: dict[str, str] = {}     # engine name -> why it was refused (another model)
+        self.stopping = False                 # shutdown began: nothing is relaunched any more
         self.on_output: list[Callable[[RequestOutput], None]] = []   # metrics hooks
-        self.on_stats: list[Callable[[str, EngineStats], None]] = []
+        self.on_stats: list[Callable[[str, str, EngineStats], None]] = []   # (name, instance id, stats)
         self.on_place: list[Callable[[str, str | None, str], None]] = []
-        self._readers: list[asyncio.Task] = []
+        self.on_engine_down: list[Callable[[str], None]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
 
-    async def start(self) -> None:
+    # ---- start --------------------------------------------------------------------------
+
+    async def start(self, wait: bool = True) -> None:
+        """Start the engines this frontend launches (a failure is raised) and connect to the
+        others; with ``wait``, return once every engine is up, else at once."""
+        if self._started:
+            return
+        self._started = True
+        launched = [c for c in self.clients if c.launched]
         try:
-            await asyncio.gather(*(client.start() for client in self.clients))
-            check_same_model(self.clients)
+            await asyncio.gather(*(client.start() for client in launched))
+            for client in launched:
+                self._check_model(client)
+                self._engine_up(client)
         except BaseException:
             await asyncio.gather(*(client.shutdown() for client in self.clients), return_exceptions=True)
             raise
-        router = None if self.disagg is None else Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
-        self.handle = EngineGroup(self.decode_clients, self.prefill_clients, router)
-        self.handle.on_place = self.on_place
-        self.frontend = Frontend(self.handle)
-        self._readers = [asyncio.create_task(self._read_outputs(c), name=f"duoserve-reader-{c.name}")
-                         for c in self.clients]
+        self._tasks = [asyncio.create_task(self._serve_engine(c), name=f"duoserve-engine-{c.name}")
+                       for c in self.clients]
+        while wait and not self.ready:
+            if self.refused:
+                raise EngineDeadError("; ".join(self.refused.values()))
+            await asyncio.sleep(0.05)
+
+    def _check_model(self, client: EngineClient) -> None:
+        """Every engine must serve the model the first one serves (they exchange KV)."""
+        for other in self.clients:
+            if other is not client and other.ready is not None:
+                difference = model_difference(other, client)
+                if difference is not None:
+                    raise EngineDeadError(f"{other.name} and {client.name} serve different models ({difference})")
+
+    def _engine_up(self, client: EngineClient) -> None:
+        if self.handle is None and client in self.decode_clients:
+            router = None if self.disagg is None else Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
+            self.handle = EngineGroup(self.decode_clients, self.prefill_clients, router)
+            self.handle.on_place = self.on_place
+            self.frontend = Frontend(self.handle)
+        elif self.handle is not None:
+            self.handle.engine_up(client)
+
+    # ---- state --------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
@@ -79,37 +130,63 @@ class AsyncEngine:
     def accepting(self) -> bool:
         """Requests can be served: a decode (or colocated) engine is up; without a prefill
         engine the decode engines prefill themselves."""
-        return (self.frontend is not None and self.dead_reason is None
+        return (self.frontend is not None and self.dead_reason is None and not self.stopping
                 and any(c.is_up() for c in self.decode_clients))
+
+    def not_ready_reason(self) -> str:
+        if self.dead_reason:
+            return self.dead_reason
+        if self.stopping:
+            return "the server is shutting down"
+        waiting = [f"{c.name} at {c.address}" + (f" (refused: {self.refused[c.name]})" if c.name in self.refused else "")
+                   for c in self.clients if not c.is_up()]
+        return "waiting for " + ", ".join(waiting) if waiting else "starting"
 
     @property
     def tokenizer(self):
-        return self.handle.tokenizer
+        return None if self.handle is None else self.handle.tokenizer
 
     @property
-    def max_model_len(self) -> int:
-        return self.handle.max_model_len
+    def max_model_len(self) -> int | None:
+        return None if self.handle is None else self.handle.max_model_len
 
     @property
     def num_unfinished(self) -> int:
         return 0 if self.frontend is None else len(self.frontend.states)
 
-    async def _read_outputs(self, client: EngineClient) -> None:
-        """Read one engine's outputs for as long as it lives; when it dies, fail what it held
-        and bring it back (relaunch it, or reconnect once a remote one is running again)."""
-        while True:
+    # ---- one task per engine ------------------------------------------------------------
+
+    async def _serve_engine(self, client: EngineClient) -> None:
+        """Connect (engines that run elsewhere), read outputs until the engine dies, fail what
+        it held and bring it back; until shutdown."""
+        if not client.is_up() and not await self._bring_back(client):
+            return
+        while not self.stopping:
+            try:
+                self._check_model(client)
+            except EngineDeadError as exc:
+                logger.error("refusing %s: %s", client.name, exc)
+                self.refused[client.name] = str(exc)
+                await client.shutdown()
+                return
+            self.refused.pop(client.name, None)
+            self._engine_up(client)
             try:
                 await self._read_until_dead(client)
                 return
             except EngineDeadError as exc:
-                self._fail_stranded(client, str(exc))
+                if self.stopping:
+                    return
+                self._engine_down(client, str(exc))
             if not await self._bring_back(client):
                 if not any(c.is_up() for c in self.decode_clients):
                     self._fail_all(f"{client.name} died and could not be restarted")
                 return
 
-    def _fail_stranded(self, client: EngineClient, reason: str) -> None:
-        stranded = self.handle.stranded_by(client)
+    def _engine_down(self, client: EngineClient, reason: str) -> None:
+        self.stats.pop(client.name, None)
+        _call_hooks(self.on_engine_down, client.name)
+        stranded = self.handle.stranded_by(client) if self.handle is not None else []
         logger.error("%s is down (%s): failing the %d requests it held", client.name, reason, len(stranded))
         for request_id in stranded:
             queue = self.queues.get(request_id)
@@ -119,41 +196,57 @@ class AsyncEngine:
             self.frontend.abort(request_id)
 
     async def _bring_back(self, client: EngineClient) -> bool:
+        """Relaunch a launched engine (a few tries), or wait for a remote one for as long as it takes."""
         attempt = 0
-        while True:
+        while not self.stopping:
             attempt += 1
+            if not client.launched:
+                logger.info("waiting for %s at %s", client.name, client.address)
             try:
-                await client.restart(timeout=300.0 if client.launched else 30.0)
-                logger.info("%s is back (%s)", client.name, "relaunched" if client.launched else "reconnected")
-                return True
+                await client.restart(timeout=300.0 if client.launched else REMOTE_WAIT_S)
             except EngineDeadError as exc:
-                logger.error("bringing back %s failed (attempt %d): %s", client.name, attempt, exc)
+                if client.launched:
+                    logger.error("bringing back %s failed (attempt %d): %s", client.name, attempt, exc)
+                else:
+                    logger.info("%s does not answer yet: %s", client.name, exc)
+            else:
+                logger.info("%s is up (%s)", client.name, "relaunched" if client.launched else "connected")
+                return not self.stopping
             if client.launched and attempt >= RESTART_ATTEMPTS:
                 return False
-            await asyncio.sleep(min(2.0 * attempt, 10.0))
+            await asyncio.sleep(min(2.0 * attempt, 10.0) if client.launched else 1.0)
+        return False
 
     async def _read_until_dead(self, client: EngineClient) -> None:
-        try:
-            while True:
-                batch = await client.recv()
-                if batch.stats is not None:
-                    self.stats[client.name] = batch.stats
-                    for hook in self.on_stats:
-                        hook(client.name, batch.stats)
-                if not batch.outputs:
-                    continue
+        instance_id = client.ready.instance_id
+        while True:
+            batch = await client.recv()
+            if batch.stats is not None:
+                self.stats[client.name] = batch.stats
+                _call_hooks(self.on_stats, client.name, instance_id, batch.stats)
+            if not batch.outputs:
+                continue
+            try:
                 self.handle.note_outputs(client, (o.request_id for o in batch.outputs))
-                for snapshot in self.frontend.process_outputs(batch.outputs):
-                    for hook in self.on_output:
-                        hook(snapshot)
-                    queue = self.queues.get(snapshot.request_id)
-                    if queue is not None:
-                        queue.put_nowait(snapshot)
-        except (EngineDeadError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # a bug here must not leave requests hanging
-            logger.exception("output reader failed")
-            self._fail_all(f"internal error in the output reader: {exc}")
+                snapshots = self.frontend.process_outputs(batch.outputs)
+            except Exception as exc:  # a bug here fails this batch's requests, never the reader
+                logger.exception("cannot process the outputs of %s", client.name)
+                self._fail_requests({o.request_id.partition("/")[0] for o in batch.outputs},
+                                    EngineUnavailableError(f"internal error while processing outputs: {exc}"))
+                continue
+            for snapshot in snapshots:
+                _call_hooks(self.on_output, snapshot)
+                queue = self.queues.get(snapshot.request_id)
+                if queue is not None:
+                    queue.put_nowait(snapshot)
+
+    def _fail_requests(self, request_ids, error: Exception) -> None:
+        for request_id in request_ids:
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+            if self.frontend is not None:
+                self.frontend.abort(request_id)
 
     def _fail_all(self, reason: str) -> None:
         logger.error("engine unavailable: %s", reason)
@@ -161,11 +254,13 @@ class AsyncEngine:
         for queue in self.queues.values():
             queue.put_nowait(EngineUnavailableError(reason))
 
+    # ---- requests -----------------------------------------------------------------------
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        strict_length: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream snapshots of one request until it finishes; aborts it if the caller stops listening."""
         if not self.accepting:
-            raise EngineUnavailableError(self.dead_reason or "the engine is not ready")
+            raise EngineUnavailableError(self.not_ready_reason())
         if self.max_queue_len is not None and self.num_unfinished >= self.max_queue_len:
             raise QueueFullError(f"the server is full ({self.num_unfinished} requests in flight, "
                                  f"--max-queue-len {self.max_queue_len}); retry shortly")
@@ -187,12 +282,32 @@ class AsyncEngine:
             if not finished and self.frontend is not None and request_id in self.frontend.states:
                 self.frontend.abort(request_id)
 
+    # ---- shutdown -----------------------------------------------------------------------
+
+    def begin_drain(self, timeout: float) -> None:
+        """Shutdown began: take no new requests, relaunch nothing, and end the requests still
+        running after ``timeout`` seconds with an error (streams get a final event)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        logger.info("draining: %d requests in flight get %.0fs to finish", self.num_unfinished, timeout)
+
+        async def deadline() -> None:
+            await asyncio.sleep(timeout)
+            if self.queues:
+                logger.warning("ending %d requests still running at the drain deadline", len(self.queues))
+            self._fail_requests(list(self.queues), ServerShuttingDownError(
+                "the server is shutting down and this request did not finish within --shutdown-timeout"))
+
+        self._tasks.append(asyncio.create_task(deadline(), name="duoserve-drain-deadline"))
+
     async def shutdown(self, timeout: float = 10.0) -> None:
+        self.stopping = True
         if self.frontend is not None:
             for request_id in list(self.frontend.states):
                 self.frontend.abort(request_id)
-        for reader in self._readers:
-            reader.cancel()
+        for task in self._tasks:
+            task.cancel()
         start = time.monotonic()
         await asyncio.gather(*(client.shutdown(timeout) for client in self.clients))
         logger.info("engine stopped in %.1fs", time.monotonic() - start)

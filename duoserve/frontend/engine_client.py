@@ -18,6 +18,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import time
 
 import msgspec
 import zmq
@@ -26,7 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from duoserve.config import EngineConfig
 from duoserve.core.request import Request
-from duoserve.engine import messages as msg
+from duoserve import messages as msg
 from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
 from duoserve.engine.heartbeat import keep_alive
@@ -40,6 +41,15 @@ POLL_S = 0.5
 
 class EngineDeadError(DuoserveError):
     """The engine exited, could not start, or cannot be reached."""
+
+
+class EngineStartError(EngineDeadError):
+    """The engine refused to start; ``config_error``: because of a configuration value (the
+    message then names it), not a fault."""
+
+    def __init__(self, message: str, config_error: bool = False) -> None:
+        super().__init__(message)
+        self.config_error = config_error
 
 
 class EngineClient:
@@ -77,7 +87,9 @@ class EngineClient:
         self._send(msg.Hello(self.name, self.peers))
         message = await self._recv(timeout, waiting_for="EngineReady")
         if isinstance(message, msg.EngineFailed):
-            raise EngineDeadError(f"{self.name} failed to start: {message.error}")
+            if message.config_error:
+                raise EngineStartError(message.error, config_error=True)
+            raise EngineStartError(f"{self.name} failed to start: {message.error}")
         if not isinstance(message, msg.EngineReady):
             raise EngineDeadError(f"{self.name} sent {type(message).__name__} before EngineReady")
         self.ready = message
@@ -202,15 +214,15 @@ class EngineClient:
         return message
 
     async def _recv(self, timeout: float, waiting_for: str) -> msg.FromEngine:
-        waited = 0.0
+        deadline = time.monotonic() + timeout
         while True:
             if await self._sock.poll(timeout=POLL_S * 1000):
                 return msg.decode_from_engine(await self._sock.recv())
-            waited += POLL_S
             if not self.is_alive():
                 if self._lost is not None:
                     raise EngineDeadError(f"{self.name}: {self._lost} while waiting for {waiting_for}")
                 code = None if self.process is None else self.process.exitcode
                 raise EngineDeadError(f"{self.name} exited (exit code {code}) while waiting for {waiting_for}")
-            if waited >= timeout:
-                raise EngineDeadError(f"{self.name} sent nothing for {timeout:.0f}s while waiting for {waiting_for}")
+            if time.monotonic() >= deadline:
+                raise EngineDeadError(f"{self.name} at {self.address} sent nothing for {timeout:.0f}s "
+                                      f"while waiting for {waiting_for}")

@@ -76,7 +76,6 @@ class Frontend:
     def __init__(self, engine: EngineHandle) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
         self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
 
@@ -106,6 +105,10 @@ class Frontend:
                 "max_tokens", f"this model's context length is {self.max_model_len} tokens, but the request "
                               f"asks for {num + params.max_tokens} ({num} in the prompt + {params.max_tokens} "
                               "max_tokens); lower max_tokens or shorten the prompt")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len  # an engine group lowers it when a smaller engine joins
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     strict_length: bool = False) -> str:

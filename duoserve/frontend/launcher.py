@@ -6,10 +6,16 @@ decode|prefill --listen``), or else ``--num-decode-engines`` / ``--num-prefill-e
 launched here. Launched engines listen on ``ipc://`` paths (KV then moves through
 shared memory), or on TCP ports of ``engine_host`` with ``--kv-transport tcp`` or when
 any engine is remote (a remote engine cannot reach an ``ipc://`` path).
+
+Engines launched on one host share its cores. Unless a ``--prefill-*``/``--decode-*``
+threads or CPUs flag says otherwise, the cores this process may use are split between
+the roles (see ``split_cores``): two engines spinning OpenMP threads on the same cores
+stall each other at every barrier.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import tempfile
@@ -29,12 +35,45 @@ def _tcp_address(host: str) -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+def split_cores(cpus: list[int], num_prefill: int, num_decode: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Disjoint CPU sets for each launched engine: decode engines share the first half of the
+    cores (at least one each), prefill engines the rest, each engine a contiguous run. With
+    fewer cores than engines, every engine gets all of them (the caller then gives each one
+    thread). 2 cores, one engine per role: prefill on CPU 0, decode on CPU 1."""
+    num_engines = num_prefill + num_decode
+    if len(cpus) < num_engines or num_prefill == 0 or num_decode == 0:
+        every = tuple(cpus)
+        return [every] * num_prefill, [every] * num_decode
+    num_for_decode = max(num_decode, len(cpus) // 2)
+    num_for_decode = min(num_for_decode, len(cpus) - num_prefill)
+
+    def share(pool: list[int], count: int) -> list[tuple[int, ...]]:
+        return [tuple(pool[len(pool) * i // count: len(pool) * (i + 1) // count]) for i in range(count)]
+
+    return share(cpus[num_for_decode:], num_prefill), share(cpus[:num_for_decode], num_decode)
+
+
+def _pinned(config: EngineConfig, cpus: tuple[int, ...], oversubscribed: bool) -> EngineConfig:
+    if oversubscribed:
+        return dataclasses.replace(config, num_threads=1)
+    return dataclasses.replace(config, num_threads=len(cpus), cpus=cpus)
+
+
 def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[list[EngineClient], list[EngineClient]]:
     """(decode engines, prefill engines) as clients, not yet started."""
     if disagg is None:
         return [EngineClient("engine-0", _ipc_address("engine-0"), config)], []
     prefill_config, decode_config = disagg.engine_configs(config)
     tcp = disagg.kv_transport == "tcp" or bool(disagg.prefill_addrs or disagg.decode_addrs)
+    num_prefill = 0 if disagg.prefill_addrs else disagg.num_prefill_engines
+    num_decode = 0 if disagg.decode_addrs else disagg.num_decode_engines
+    prefill_configs, decode_configs = [prefill_config] * num_prefill, [decode_config] * num_decode
+    if disagg.splits_cores_by_default and num_prefill and num_decode:
+        cpus = sorted(os.sched_getaffinity(0))
+        oversubscribed = len(cpus) < num_prefill + num_decode
+        prefill_cpus, decode_cpus = split_cores(cpus, num_prefill, num_decode)
+        prefill_configs = [_pinned(prefill_config, c, oversubscribed) for c in prefill_cpus]
+        decode_configs = [_pinned(decode_config, c, oversubscribed) for c in decode_cpus]
 
     def address(name: str) -> str:
         return _tcp_address(disagg.engine_host) if tcp else _ipc_address(name)
@@ -42,12 +81,11 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[lis
     if disagg.decode_addrs:
         decode = [EngineClient(f"decode-{i}", a) for i, a in enumerate(disagg.decode_addrs)]
     else:
-        decode = [EngineClient(f"decode-{i}", address(f"decode-{i}"), decode_config)
-                  for i in range(disagg.num_decode_engines)]
+        decode = [EngineClient(f"decode-{i}", address(f"decode-{i}"), c) for i, c in enumerate(decode_configs)]
     peers = {c.name: c.address for c in decode}
     if disagg.prefill_addrs:
         prefill = [EngineClient(f"prefill-{i}", a, peers=peers) for i, a in enumerate(disagg.prefill_addrs)]
     else:
-        prefill = [EngineClient(f"prefill-{i}", address(f"prefill-{i}"), prefill_config, peers=peers)
-                   for i in range(disagg.num_prefill_engines)]
+        prefill = [EngineClient(f"prefill-{i}", address(f"prefill-{i}"), c, peers=peers)
+                   for i, c in enumerate(prefill_configs)]
     return decode, prefill

@@ -44,6 +44,8 @@ class EngineGroup:
     """The ``EngineHandle`` of all the engines one frontend drives, for ``Frontend``.
 
     ``decode`` holds the engines that decode (colocated ones too); ``prefill`` may be empty.
+    It is built once the first decode engine is up; engines that come up later are checked
+    to serve the same model (``model_difference``) and announced with ``engine_up``.
     """
 
     def __init__(self, decode: list[EngineClient], prefill: list[EngineClient] | None = None,
@@ -51,14 +53,19 @@ class EngineGroup:
         self.decode = decode
         self.prefill = prefill or []
         self.router = router or Router()
-        self.reference = decode[0].ready       # every engine was checked to serve the same model
-        self.tokenizer = decode[0].tokenizer
-        # read once: while an engine is being relaunched its EngineReady is gone
-        self.max_model_len = min(c.ready.max_model_len for c in (*self.decode, *self.prefill))
+        first = next(c for c in decode if c.ready is not None)
+        self.reference = first.ready           # every engine serves the same model
+        self.tokenizer = first.tokenizer
+        # kept here: while an engine is being relaunched its EngineReady is gone
+        self.max_model_len = min(c.ready.max_model_len for c in (*self.decode, *self.prefill) if c.ready is not None)
         self.placements: dict[str, Placement] = {}
         self._by_name = {c.name: c for c in (*self.decode, *self.prefill)}
         self._warned_fallback = False
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
+
+    def engine_up(self, client: EngineClient) -> None:
+        """An engine came up (late, or again): the context is what every engine can hold."""
+        self.max_model_len = min(self.max_model_len, client.ready.max_model_len)
 
     @property
     def vocab_size(self) -> int:
@@ -146,10 +153,6 @@ class EngineGroup:
         self.placements.pop(request_id, None)
 
 
-def check_same_model(clients: list[EngineClient]) -> None:
-    """Refuse engines that would exchange KV of different models, naming what differs."""
-    first = clients[0]
-    for other in clients[1:]:
-        difference = describe_difference(first.name, first.ready.fingerprint, other.name, other.ready.fingerprint)
-        if difference is not None:
-            raise EngineDeadError(f"{first.name} and {other.name} serve different models ({difference})")
+def model_difference(a: EngineClient, b: EngineClient) -> str | None:
+    """What differs between two engines' models (they would exchange KV), or None."""
+    return describe_difference(a.name, a.ready.fingerprint, b.name, b.ready.fingerprint)

@@ -22,7 +22,7 @@ from multiprocessing import shared_memory
 import msgspec
 import zmq
 
-from duoserve.engine import messages as msg
+from duoserve import messages as msg
 from duoserve.engine.heartbeat import keep_alive
 from duoserve.errors import DuoserveError
 from duoserve.kv import wire

@@ -51,8 +51,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class EngineStats(msgspec.Struct):
-    num_running: int
-    num_waiting: int
+    num_running: int               # being computed (prefilling or decoding)
+    num_waiting: int               # waiting for a step (prompts, and KV that arrived but has no blocks yet)
     kv_cache_usage: float
     num_blocks: int
     prefix_cache_queries: int      # cumulative prompt tokens looked up
@@ -62,6 +62,7 @@ class EngineStats(msgspec.Struct):
     num_prompt_tokens: int         # cumulative prompt tokens computed
     kv_transfer_bytes: int = 0     # cumulative bytes of KV sent (prefill role)
     kv_transfer_seconds: list[float] = []  # durations of the transfers since the last stats message
+    num_kv_leased: int = 0         # prefill role: first token sent, KV held until the decode side acks
 
 
 class EngineReady(msgspec.Struct, tag=True):
@@ -87,6 +88,7 @@ class EngineOutputs(msgspec.Struct, tag=True):
 
 class EngineFailed(msgspec.Struct, tag=True):
     error: str
+    config_error: bool = False     # refused a configuration value (the error names it): not a fault
 
 
 # ---- engine <-> engine (the KV handoff) -----------------------------------------------------
