@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -34,7 +35,11 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None) -> None:
+    """``new_session``: the server leads its own process group, so a test can signal the group
+    as a terminal's Ctrl-C would."""
+
+    def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None,
+                 new_session: bool = False, wait_healthy: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -42,13 +47,14 @@ class Server:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(log, "w") if log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                status = httpx.get(f"{self.url}/health", timeout=1).status_code
+                if status == 200 or not wait_healthy:
                     return
             except httpx.HTTPError:
                 pass
@@ -74,3 +80,29 @@ class Server:
 def engine_children(pid: int) -> list[int]:
     """The server's engine processes (multiprocessing may add a resource tracker beside them)."""
     return [c for c in children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def metric(url: str, name: str, labels: dict | None = None, headers: dict | None = None) -> float:
+    """The sum of a /metrics series' samples that carry ``labels``."""
+    text = httpx.get(f"{url}/metrics", headers=headers or {}, timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
+
+
+IDLE_GAUGES = ("duoserve:num_requests_running", "duoserve:num_requests_waiting", "duoserve:num_requests_kv_leased",
+               "duoserve:kv_cache_usage_ratio")
+
+
+def wait_gauges_idle(url: str, within: float, headers: dict | None = None) -> float:
+    """Seconds until every load gauge reads 0 (fails after ``within``)."""
+    start = time.monotonic()
+    while True:
+        values = {name: metric(url, name, headers=headers) for name in IDLE_GAUGES}
+        if not any(values.values()):
+            return time.monotonic() - start
+        assert time.monotonic() - start < within, f"gauges not idle after {within:g}s: {values}"
+        time.sleep(0.05)

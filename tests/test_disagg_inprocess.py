@@ -129,3 +129,24 @@ def test_abort_that_overtakes_the_transfer_drops_it_and_frees_the_lease(tiny_dir
     prefill.abort("late")
     prefill.step()
     assert pool_whole(prefill)
+
+
+def test_stop_and_release_that_overtake_the_transfer_drop_it(tiny_dir):
+    """The frontend found a stop string in the first token: its FinishStopped and ReleaseRequest
+    reach the decode engine before the KV. The transfer is dropped, never decoded."""
+    prefill, decode = engines(tiny_dir(kind="llama"))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, n=2)
+    prefill.add_request(Request("s", list(range(20)), params, (), 512))
+    decode.finish_stopped("s/1")   # one sample stopped by a stop string
+    prefill.step()                 # first tokens sampled, both samples' KV sent
+    decode.step()
+    assert set(decode.scheduler.requests) == {"s"}, "the stopped sample is dropped, the other decodes"
+    decode.abort("s")
+    decode.release("s")
+    prefill.add_request(Request("t", list(range(30)), params, (), 512))
+    decode.release("t")            # stopped and released before anything arrived
+    for _ in range(3):
+        prefill.step()
+        decode.step()
+    assert not decode.scheduler.requests and pool_whole(decode)
+    assert pool_whole(prefill), "every dropped transfer was acknowledged: the leases are freed"

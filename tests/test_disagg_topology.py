@@ -201,3 +201,43 @@ def test_remote_prefill_engine_with_a_launched_decode_engine(tiny_dir, disagg_re
     assert_same(outs, disagg_reference[0])
     assert stats["prefill-0"].kv_transfer_bytes > 0, "the remote engine prefilled and handed the KV over"
     assert stats["prefill-0"].kv_cache_usage == 0 and stats["decode-0"].kv_cache_usage == 0
+
+
+def test_serve_started_before_its_engines_waits_for_them(tiny_dir, tmp_path):
+    """`serve --prefill-addrs/--decode-addrs` with nothing listening yet: the port opens at once,
+    /health answers 503 naming what it waits for (and the log says where), and once the
+    engines run the server serves."""
+    import httpx
+
+    from tests.server_helpers import Server
+
+    path = tiny_dir(kind="llama")
+    prefill_port, decode_port = free_port(), free_port()
+    log = tmp_path / "log"
+    started = time.monotonic()
+    srv = Server("--mode", "disaggregated", "--prefill-addrs", f"tcp://127.0.0.1:{prefill_port}",
+                 "--decode-addrs", f"tcp://127.0.0.1:{decode_port}", log=log, wait_healthy=False)
+    engines = []
+    try:
+        assert time.monotonic() - started < 15, "the port opens without waiting for the engines"
+        health = httpx.get(f"{srv.url}/health", timeout=5)
+        assert health.status_code == 503
+        assert f"decode-0 at tcp://127.0.0.1:{decode_port}" in health.json()["reason"]
+        refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=5)
+        assert refused.status_code == 503 and "waiting for" in refused.json()["error"]["message"]
+        time.sleep(1)
+        assert f"waiting for decode-0 at tcp://127.0.0.1:{decode_port}" in log.read_text()
+        engines = [_start_engine("decode", path, decode_port), _start_engine("prefill", path, prefill_port)]
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{srv.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the engines were never picked up"
+            time.sleep(0.2)
+        out = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prompts()[3], "max_tokens": 5,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=30)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 5
+        assert "decode-0 is up (connected)" in log.read_text()
+    finally:
+        srv.stop()
+        for proc in engines:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)

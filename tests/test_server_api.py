@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import API_KEY
+from tests.server_helpers import metric, wait_gauges_idle
 
 MODEL = "smollm2-135m"
 PROMPT = "The three primary colors are"
@@ -165,13 +165,7 @@ def test_generate_route(server):
 
 
 def _metric(server, name: str, labels: dict | None = None) -> float:
-    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                total += sample.value
-    return total
+    return metric(server.url, name, labels, server.headers)
 
 
 def test_metrics_parse_and_move(server, client):
@@ -254,3 +248,40 @@ def test_full_queue_gets_429_with_retry_after(server):
     _assert_error(refused[0], 429)
     assert all(r.status_code in (200, 429) for r in responses)
     _wait_idle(server)
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+    ("/generate", {"prompt": PROMPT}),
+])
+def test_non_streamed_request_is_aborted_when_its_client_leaves(server, route, body):
+    """A client that gives up on a long non-streamed answer (curl -m 2) frees the engine at once."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}{route}", json={**body, "max_tokens": 3000, "ignore_eos": True},
+                   headers=server.headers, timeout=2)
+    assert wait_gauges_idle(server.url, within=2.0, headers=server.headers) < 2.0
+    generated = _metric(server, "duoserve:generation_tokens_total")
+    time.sleep(0.5)
+    assert _metric(server, "duoserve:generation_tokens_total") == generated, "nothing generates for nobody"
+
+
+def test_first_contact_api_errors(server):
+    """Bad JSON, unknown routes and methods, and an over-long chat, in OpenAI's error shape."""
+    bad = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "x", "max_tokens": }',
+                     headers={**server.headers, "content-type": "application/json"})
+    error = _assert_error(bad, 400, param=None)
+    assert error["param"] is None and error["message"].startswith("the request body is not valid JSON at character")
+    error = _assert_error(httpx.get(f"{server.url}/v1/nothing", headers=server.headers), 404)
+    assert error["message"] == "no route GET /v1/nothing"
+    error = _assert_error(httpx.get(f"{server.url}/v1/completions", headers=server.headers), 405)
+    assert error["message"] == "GET is not allowed on /v1/completions"
+    long_chat = {"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 1}
+    error = _assert_error(_post(server, "/v1/chat/completions", long_chat), 400, "messages")
+    assert "context length (max_model_len) is 8192" in error["message"]
+
+
+def test_chat_message_has_refusal_field(server):
+    out = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    message = out.json()["choices"][0]["message"]
+    assert message["refusal"] is None and message["role"] == "assistant"

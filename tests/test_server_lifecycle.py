@@ -10,7 +10,9 @@ import time
 
 import httpx
 
-from tests.server_helpers import Server, alive, children, engine_children
+from tests.server_helpers import Server, alive, children, engine_children, metric, wait_gauges_idle
+
+BAD_LOG_LINES = ("Traceback", "CancelledError", "KeyboardInterrupt", "relaunched", "a metrics hook failed")
 
 
 def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
@@ -41,10 +43,62 @@ def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
     assert not any(alive(p) for p in all_children)
 
 
+def _stream(url: str, body: dict, lines: list, timeout: float = 120) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=timeout) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+
+
+def _wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_to_the_process_group_drains_then_ends_late_streams_cleanly(tmp_path):
+    """A terminal's Ctrl-C reaches the engine too; it leaves stopping to the server, which drains:
+    a short stream completes, a stream that outlasts --shutdown-timeout gets a final error
+    event and [DONE]; no traceback, nothing relaunched, exit 0, no child left."""
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "4", log=log,
+                 new_session=True)
+    all_children = children(srv.proc.pid)
+    short, long = [], []
+    threads = [threading.Thread(target=_stream, args=(srv.url, {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True}, short)),
+               threading.Thread(target=_stream, args=(srv.url, {"prompt": "Go", "max_tokens": 3000, "ignore_eos": True}, long))]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: len(short) >= 2 and len(long) >= 2, 30)
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    for t in threads:
+        t.join(60)
+    assert srv.proc.wait(60) == 0
+    text = log.read_text()
+    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
+    assert short[-1] == "data: [DONE]" and len(short) == 40 + 1, "the in-flight request finished"
+    assert long[-1] == "data: [DONE]"
+    error = json.loads(long[-2][6:])["error"]
+    assert "the server is shutting down" in error["message"] and error["code"] == "503"
+    _wait_for(lambda: not any(alive(p) for p in all_children), 10)
+
+
 def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", log=tmp_path / "log")
+    """After traffic, kill -9 the engine: its request fails, the gauges clear, the engine is
+    relaunched and serves again, and every counter keeps counting up from where it was."""
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
+        for i in range(3):  # traffic the old engine counts (prefix-cache lookups, tokens)
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": f"Count to {i} " * 20, "max_tokens": 4})
+            assert r.status_code == 200
+        time.sleep(1.2)
+        counters = ["duoserve:prefix_cache_queries_total", "duoserve:generation_tokens_total",
+                    "duoserve:prompt_tokens_total"]
+        before = {name: metric(srv.url, name) for name in counters}
+        assert before["duoserve:prefix_cache_queries_total"] > 100
         lines: list[str] = []
         body = {"prompt": "Tell me a long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
@@ -55,7 +109,8 @@ def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
                     os.kill(engine_pid, signal.SIGKILL)
         assert lines[-1] == "data: [DONE]"
         error = json.loads([ln for ln in lines if ln.startswith("data: {\"error\"")][0][6:])["error"]
-        assert "engine" in error["message"]
+        assert "engine engine-0 went down" in error["message"]
+        wait_gauges_idle(srv.url, within=1.0)   # the dead engine's gauges are cleared
         health = httpx.get(f"{srv.url}/health", timeout=10)
         assert health.status_code == 503 and "engine-0" in health.json()["reason"]
         refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
@@ -67,7 +122,67 @@ def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
             time.sleep(0.2)
         (relaunched,) = engine_children(srv.proc.pid)
         assert relaunched != engine_pid
-        again = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
-        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+        for _ in range(2):
+            again = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x y", "max_tokens": 3}, timeout=30)
+            assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+        time.sleep(1.2)
+        after = {name: metric(srv.url, name) for name in counters}
+        assert after["duoserve:prefix_cache_queries_total"] > before["duoserve:prefix_cache_queries_total"]
+        assert after["duoserve:generation_tokens_total"] >= before["duoserve:generation_tokens_total"] + 6
+        assert after["duoserve:prompt_tokens_total"] > before["duoserve:prompt_tokens_total"]
+        wait_gauges_idle(srv.url, within=1.0)
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200, "still serving"
     finally:
-        assert srv.stop(signal.SIGINT) in (0, -signal.SIGINT)
+        assert srv.stop(signal.SIGINT) == 0
+    assert "Counters can only be incremented" not in log.read_text()
+    assert "a metrics hook failed" not in log.read_text()
+
+
+def _cpus_allowed(pid: int) -> str:
+    status = open(f"/proc/{pid}/status").read()
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+def test_disaggregated_gauges_fall_back_to_idle(tmp_path):
+    """Normal finishes, stop strings hit on the very first token (the stop overtakes the KV
+    handoff), a client that leaves mid-stream: within a second of the last request, every
+    gauge is back at 0. By default the two engines each get their own core."""
+    srv = Server("--mode", "disaggregated", "--kv-cache-memory", "0.3", "--max-model-len", "2048",
+                 log=tmp_path / "log")
+    try:
+        engines = engine_children(srv.proc.pid)
+        if len(os.sched_getaffinity(0)) == 2:
+            assert sorted(_cpus_allowed(p) for p in engines) == ["0", "1"]
+        prompts = ["Hello", "What is 2+2?", "Name a color.", "Tell me a joke", "The capital of France is",
+                   "Write a haiku", "Why is the sky blue?"]
+
+        def chat(prompt: str, **extra) -> int:
+            body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 64, **extra}
+            return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120).status_code
+
+        results: list[int] = []
+        threads = [threading.Thread(target=lambda p=p: results.append(chat(p))) for p in prompts]
+        # stop strings that the first token already contains: the frontend stops the request
+        # while its KV is on the way to the decode engine
+        # (were it left running there, it would decode on to the end of the context)
+        threads += [threading.Thread(target=lambda p=p: results.append(chat(p, stop=list("aeiouTIH "), max_tokens=None,
+                                                                            ignore_eos=True)))
+                    for p in prompts]
+        for t in threads:
+            t.start()
+        leaver: list[str] = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
+                          json={"prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                leaver.append(line)
+                if len(leaver) > 5:
+                    break
+        for t in threads:
+            t.join(120)
+        assert results == [200] * len(threads)
+        assert wait_gauges_idle(srv.url, within=1.0) < 1.0
+        time.sleep(1.5)   # and they stay there: nothing runs on for a request that ended
+        wait_gauges_idle(srv.url, within=0.1)
+        assert metric(srv.url, "duoserve:num_requests_kv_leased") == 0
+    finally:
+        assert srv.stop() in (0, -signal.SIGTERM)

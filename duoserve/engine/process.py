@@ -62,7 +62,9 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
             from duoserve.errors import ConfigError, ModelLoadError
 
             config_error = isinstance(exc, (ConfigError, ModelLoadError))
-            log.error("engine failed to start: %s", exc)
+            # a frontend that launched it prints the reason as its own one-line error
+            log.log(logging.DEBUG if parent_pid is not None and config_error else logging.ERROR,
+                    "engine failed to start: %s", exc)
             if parent_pid is not None:
                 _refuse(sock, msg.EngineFailed(str(exc) if config_error else f"{type(exc).__name__}: {exc}",
                                                config_error))

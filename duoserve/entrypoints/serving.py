@@ -89,7 +89,7 @@ class Streams:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, Exception):
-                    raise APIError(503, f"the engine failed during the request: {item}")
+                    raise APIError(503, str(item))
                 else:
                     yield index, item
             while not queue.empty():
