@@ -44,8 +44,10 @@ def test_torch_decode_path_matches_reference(dtype):
 
 @pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_decode_kernel_matches_reference(dtype):
-    q, k_cache, v_cache, meta, lens, tables = _setup(dtype)
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])  # work split by (sequence, KV head) and by sequence
+def test_c_decode_kernel_matches_reference(dtype, num_seqs):
+    torch.set_num_threads(2)
+    q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_seqs=num_seqs)
     got = c_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.2)
     assert got is not None
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5

@@ -1,10 +1,12 @@
 /* Paged-attention decode for the CPU: one query token per sequence.
  *
- * Reads each sequence's K and V straight from their blocks, once (the torch path
- * gathers them into a contiguous copy first, which triples the memory traffic).
- * Work is split over (sequence, KV head) pairs; the query heads of one KV head share
- * each K and V row while it is in cache. Two passes per pair: scores and their
- * softmax, then the weighted sum of values.
+ * Reads each sequence's K and V straight from their blocks, once, in address order: a
+ * cache row holds every KV head of one token side by side, so a work item takes a
+ * sequence's whole row (all its KV heads) and streams through its blocks; the hardware
+ * prefetchers then see one sequential run per block instead of one strided run per KV
+ * head. Work items are sequences when there are enough of them to keep every thread
+ * busy, else (sequence, KV head) pairs (a single stream still uses every thread).
+ * Two passes per item: scores and their softmax, then the weighted sum of values.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
  */
@@ -20,53 +22,55 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-static void load_row(const void *cache, int is_bf16, int64_t index, int head_dim, float *dst) {
-    if (is_bf16) {
-        const uint16_t *src = (const uint16_t *)cache + index;
-        for (int d = 0; d < head_dim; d++) dst[d] = bf16_to_f32(src[d]);
-    } else {
-        memcpy(dst, (const float *)cache + index, sizeof(float) * head_dim);
-    }
-}
-
-/* Row t of one KV head in a cache: a pointer into it, or (bf16) into ``row`` after conversion. */
-static inline const float *cache_row(const void *cache, int is_bf16, const int64_t *table, int t, int kv_head,
-                                     int num_kv_heads, int head_dim, int block_size, float *row) {
+/* Heads [kv_begin, kv_end) of token t's row, as float32: a pointer into the cache, or (bf16)
+ * into ``row`` after conversion. The returned pointer addresses KV head kv_begin. */
+static inline const float *cache_row(const void *cache, int is_bf16, const int64_t *table, int t, int kv_begin,
+                                     int kv_end, int num_kv_heads, int head_dim, int block_size, float *row) {
     int64_t slot = table[t / block_size] * block_size + t % block_size;
-    int64_t index = (slot * num_kv_heads + kv_head) * head_dim;
+    int64_t index = (slot * num_kv_heads + kv_begin) * head_dim;
     if (!is_bf16) return (const float *)cache + index;
-    load_row(cache, 1, index, head_dim, row);
+    const uint16_t *src = (const uint16_t *)cache + index;
+    int width = (kv_end - kv_begin) * head_dim;
+    for (int d = 0; d < width; d++) row[d] = bf16_to_f32(src[d]);
     return row;
 }
 
-static void attend_one(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                       const int64_t *table, int seq_len, int kv_head, int group, int num_kv_heads,
-                       int head_dim, int block_size, float scale, float *scores, float *row, float *out) {
-    /* q: [group, head_dim] (this KV head's query heads); out: [group, head_dim]; scores: [group, seq_len] */
+/* KV heads [kv_begin, kv_end) of one sequence. q, out: this sequence's [num_heads, head_dim];
+ * scores: [heads in range, seq_len]; row: [num_kv_heads * head_dim] scratch. */
+static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16, const int64_t *table,
+                   int seq_len, int kv_begin, int kv_end, int group, int num_kv_heads, int head_dim,
+                   int block_size, float scale, float *scores, float *row, float *out) {
+    int num_heads = (kv_end - kv_begin) * group;
+    const float *qs = q + (int64_t)kv_begin * group * head_dim;
+    float *os = out + (int64_t)kv_begin * group * head_dim;
     for (int t = 0; t < seq_len; t++) {
-        const float *k = cache_row(k_cache, is_bf16, table, t, kv_head, num_kv_heads, head_dim, block_size, row);
-        for (int g = 0; g < group; g++) {
-            const float *qg = q + g * head_dim;
+        const float *k = cache_row(k_cache, is_bf16, table, t, kv_begin, kv_end, num_kv_heads, head_dim,
+                                   block_size, row);
+        for (int h = 0; h < num_heads; h++) {
+            const float *qh = qs + (int64_t)h * head_dim;
+            const float *kh = k + (int64_t)(h / group) * head_dim;
             float dot = 0.0f;
-            for (int d = 0; d < head_dim; d++) dot += qg[d] * k[d];
-            scores[g * seq_len + t] = dot * scale;
+            for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
+            scores[(int64_t)h * seq_len + t] = dot * scale;
         }
     }
-    for (int g = 0; g < group; g++) {
-        float *s = scores + g * seq_len;
+    for (int h = 0; h < num_heads; h++) {
+        float *s = scores + (int64_t)h * seq_len;
         float max = -INFINITY, sum = 0.0f;
-        for (int t = 0; t < seq_len; t++) if (s[t] > max) max = s[t];
+        for (int t = 0; t < seq_len; t++) max = s[t] > max ? s[t] : max;
         for (int t = 0; t < seq_len; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
         float inv = 1.0f / sum;
         for (int t = 0; t < seq_len; t++) s[t] *= inv;
-        memset(out + g * head_dim, 0, sizeof(float) * head_dim);
     }
+    memset(os, 0, sizeof(float) * (size_t)num_heads * head_dim);
     for (int t = 0; t < seq_len; t++) {
-        const float *v = cache_row(v_cache, is_bf16, table, t, kv_head, num_kv_heads, head_dim, block_size, row);
-        for (int g = 0; g < group; g++) {
-            float p = scores[g * seq_len + t];
-            float *o = out + g * head_dim;
-            for (int d = 0; d < head_dim; d++) o[d] += p * v[d];
+        const float *v = cache_row(v_cache, is_bf16, table, t, kv_begin, kv_end, num_kv_heads, head_dim,
+                                   block_size, row);
+        for (int h = 0; h < num_heads; h++) {
+            float p = scores[(int64_t)h * seq_len + t];
+            const float *vh = v + (int64_t)(h / group) * head_dim;
+            float *o = os + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] += p * vh[d];
         }
     }
 }
@@ -79,25 +83,29 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            int max_blocks, float scale, int num_threads) {
     int group = num_heads / num_kv_heads;
     int max_len = max_blocks * block_size;
+    /* enough sequences: one item each, whole rows; else one item per (sequence, KV head) */
+    int heads_per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
+    int items_per_seq = num_kv_heads / heads_per_item;
+    int num_items = num_seqs * items_per_seq;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)group * max_len);
-        float *row = malloc(sizeof(float) * head_dim);
+        float *scores = malloc(sizeof(float) * (size_t)heads_per_item * group * max_len);
+        float *row = malloc(sizeof(float) * (size_t)num_kv_heads * head_dim);
         /* every thread must reach the worksharing loop, so a failed allocation only skips work */
-        #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int b = 0; b < num_seqs; b++) {
-            for (int h = 0; h < num_kv_heads; h++) {
-                if (!scores || !row) {
-                    #pragma omp atomic write
-                    failed = 1;
-                    continue;
-                }
-                int64_t base = ((int64_t)b * num_heads + (int64_t)h * group) * head_dim;
-                attend_one(q + base, k_cache, v_cache, is_bf16, block_tables + (int64_t)b * max_blocks,
-                           (int)seq_lens[b], h, group, num_kv_heads, head_dim, block_size, scale,
-                           scores, row, out + base);
+        #pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_items; item++) {
+            if (!scores || !row) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
             }
+            int b = item / items_per_seq;
+            int kv_begin = (item % items_per_seq) * heads_per_item;
+            int64_t base = (int64_t)b * num_heads * head_dim;
+            attend(q + base, k_cache, v_cache, is_bf16, block_tables + (int64_t)b * max_blocks, (int)seq_lens[b],
+                   kv_begin, kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale,
+                   scores, row, out + base);
         }
         free(scores);
         free(row);
