@@ -37,13 +37,13 @@ def main() -> None:
     from duoserve import messages as msg
     from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
     from duoserve.model.attention import AttentionMetadata
-    from duoserve.model.cpu_linear import pack_for_cpu
+    from duoserve.model.cpu_linear import use_cpu_linears
     from duoserve.model.loader import load_model
     from duoserve.sampling_params import SamplingParams
 
     loaded = load_model(ModelConfig(dtype="float32"))
     model, arch = loaded.model, loaded.arch
-    pack_for_cpu(model)
+    use_cpu_linears(model)
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.tokens)]
 

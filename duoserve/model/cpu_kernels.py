@@ -1,9 +1,11 @@
 """Optional C kernels for the CPU, compiled on first use with the system C compiler.
 
-The paged decode attention in ``csrc/paged_decode.c`` reads K and V straight from
-their blocks; it is built once per source version into ``~/.cache/duoserve`` and
-loaded with ctypes (no torch headers, so it compiles in about a second). Without a
-compiler, or with ``DUOSERVE_C_KERNELS=0``, the torch reference path is used.
+``csrc/paged_decode.c`` (decode attention that reads K and V straight from their blocks)
+and ``csrc/small_m_linear.c`` (linear layers over the few rows of a decode step, at the
+memory bandwidth) are each built once per source version and machine into
+``~/.cache/duoserve/kernels`` and loaded with ctypes (no torch headers, so each compiles
+in about a second). Without a compiler, or with ``DUOSERVE_C_KERNELS=0``, the torch
+paths run instead; a failed build says so once in the log.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_CSRC = Path(__file__).parent / "csrc"
 
 
 def _cache_dir() -> Path:
@@ -33,7 +35,7 @@ def _cache_dir() -> Path:
 def _build(source: Path) -> Path | None:
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if compiler is None:
-        logger.info("no C compiler found: decode attention uses the torch path")
+        logger.info("no C compiler found: %s runs on the torch path", source.stem)
         return None
     text = source.read_bytes()
     tag = hashlib.sha256(text + compiler.encode()).hexdigest()[:16]
@@ -53,24 +55,49 @@ def _build(source: Path) -> Path | None:
     return target
 
 
-@lru_cache(maxsize=1)
-def paged_decode_kernel():
-    """The ctypes function, or None when C kernels are off or cannot be built."""
+@lru_cache(maxsize=None)
+def _load(name: str, symbol: str, argtypes: tuple):
+    """The ctypes function ``symbol`` of ``csrc/<name>.c``, or None when C kernels are off or
+    cannot be built."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":
         return None
     try:
-        path = _build(_SOURCE)
+        path = _build(_CSRC / f"{name}.c")
         if path is None:
             return None
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        logger.warning("cannot load the C decode kernel, using the torch path: %s", exc)
+        fn = getattr(ctypes.CDLL(str(path)), symbol)
+    except (OSError, AttributeError) as exc:
+        logger.warning("cannot load the C kernel %s, using the torch path: %s", name, exc)
         return None
-    fn = lib.paged_decode_attention
-    p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [p, p, p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+def paged_decode_kernel():
+    return _load("paged_decode", "paged_decode_attention",
+                 (_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I))
+
+
+def small_m_linear_kernel():
+    return _load("small_m_linear", "small_m_linear", (_P, _P, _P, _P, _I, _I, _I, _I, _I))
+
+
+def c_small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [m, k] @ weight [n, k]^T (+ bias) in the weight's dtype (float32 or bfloat16), or None."""
+    fn = small_m_linear_kernel()
+    if fn is None:
+        return None
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x.contiguous()
+    out = torch.empty(m, n, dtype=weight.dtype)
+    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+       int(weight.dtype == torch.bfloat16), m, n, k, torch.get_num_threads())
+    return out
 
 
 def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,8 +1,11 @@
-"""CPU matmuls through oneDNN with pre-packed weights.
+"""CPU linear layers: the fastest kernel for each batch size, over one copy of the weights.
 
-On this kind of CPU a ``Linear`` whose weight is reordered once into oneDNN's
-blocked layout runs about twice as fast as ``F.linear`` over the plain weight, at
-the small batch sizes of decoding (measured in BENCHMARKS.md). The model code keeps
+Measured on the project's machine (BENCHMARKS.md): for a decode step of one to a few
+sequences a linear layer is bound by the bytes of its weights, and ``csrc/small_m_linear.c``
+streams them at close to the memory bandwidth (oneDNN reached 60-85 % of it); from about
+eight rows on, oneDNN's GEMM (``mkldnn._linear_pointwise`` over the plain weight, as fast
+here as over a pre-packed copy) wins by far. Both read the same dense weight, so nothing is
+copied: a tied output projection is the embedding table itself. The model code keeps
 plain ``nn.Linear``; the runner swaps them here, at the edge, after loading.
 """
 
@@ -14,58 +17,64 @@ import logging
 import torch
 from torch import nn
 
+from duoserve.model.cpu_kernels import c_small_m_linear
+
 logger = logging.getLogger(__name__)
+
+# the most rows the bandwidth-bound kernel takes, by weight dtype (measured crossovers)
+SMALL_M = {torch.float32: 4, torch.bfloat16: 2}
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """Reorder a dense [out, in] weight into oneDNN's layout (an opaque mkldnn tensor)."""
-    return weight.detach().to_mkldnn()
-
-
-class PackedLinear(nn.Module):
-    """y = x @ W^T (+ b) with W held in oneDNN's layout; input and output are dense tensors."""
+class CPULinear(nn.Module):
+    """y = x @ W^T (+ b): the small-row C kernel for a few rows, oneDNN's GEMM for more."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = _pack(weight)
-        self.bias = None if bias is None else bias.detach().clone()
+        self.weight = weight.detach()      # shared with the module it replaces, never copied
+        self.bias = None if bias is None else bias.detach()
+        self.small_m = SMALL_M.get(weight.dtype, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)  # [m, in]
+        if rows.shape[0] <= self.small_m and x.dtype == self.weight.dtype:
+            out = c_small_m_linear(rows, self.weight, self.bias)
+            if out is not None:
+                return out.view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def pack_for_cpu(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a ``PackedLinear`` (and pack a tied output
-    projection beside the embedding table); returns how many matmuls were packed."""
+def use_cpu_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a ``CPULinear`` over the same weight (and give a
+    tied output projection one over the embedding table); returns how many were replaced."""
     if not onednn_available():
         logger.info("oneDNN is not available: CPU matmuls use plain F.linear")
         return 0
     count = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and _packable(child.weight):
-                setattr(module, child_name, PackedLinear(child.weight, child.bias))
+            if isinstance(child, nn.Linear) and _supported(child.weight):
+                setattr(module, child_name, CPULinear(child.weight, child.bias))
                 count += 1
     embed = getattr(model, "embed", None)
-    if getattr(model, "tied_head", False) is None and embed is not None and _packable(embed.weight):
-        model.tied_head = PackedLinear(embed.weight, None)
+    if getattr(model, "tied_head", False) is None and embed is not None and _supported(embed.weight):
+        model.tied_head = CPULinear(embed.weight, None)
         count += 1
     release_free_memory()
     return count
 
 
 def release_free_memory() -> None:
-    """Hand memory freed by the swap back to the OS (glibc keeps freed heap pages otherwise)."""
+    """Hand freed memory back to the OS (glibc keeps freed heap pages otherwise)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
 
 
-def _packable(weight: torch.Tensor) -> bool:
+def _supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)

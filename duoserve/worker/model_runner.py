@@ -14,7 +14,7 @@ from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutpu
 from duoserve.kv.reblock import insert_kv
 from duoserve.kv.staging import to_device
 from duoserve.model.attention import AttentionMetadata
-from duoserve.model.cpu_linear import pack_for_cpu
+from duoserve.model.cpu_linear import use_cpu_linears
 from duoserve.model.loader import LoadedModel
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, sample, top_logprobs
@@ -25,7 +25,7 @@ class ModelRunner:
                  device: str, seed: int = 0) -> None:
         self.model = loaded.model
         if self.model.embed.weight.device.type == "cpu":
-            pack_for_cpu(self.model)
+            use_cpu_linears(self.model)
         self.arch = loaded.arch
         self.device = torch.device(device)
         self.block_size = block_size
