@@ -12,7 +12,7 @@ import sys
 
 from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                             DEFAULT_MAX_NUM_SEQS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig,
+                             DEFAULT_MAX_NUM_SEQS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig, eager_by_default,
                              SchedulerConfig, parse_address_list, parse_cpu_list)
 from duoserve.errors import ConfigError, DuoserveError
 
@@ -23,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a Hugging Face checkpoint directory, a .gguf file, or 'smollm2-135m' "
                         "(default: the packaged SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations; auto = float32 on CPU, bfloat16 on GPU (default: auto)")
+                   help="weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
+                        "(AVX512-BF16, AMX), else float32 (default: auto). float32 matches transformers exactly")
     g.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N (default: auto = cuda if a GPU is visible, else cpu)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -51,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"most sequences in one step (default: {DEFAULT_MAX_NUM_SEQS})")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=eager_by_default(),
+                   help="run the plain eager model instead of compiling the model step with torch.compile "
+                        "(CPU; the first start compiles for ~40 s, later ones load the cache in "
+                        "~/.cache/duoserve/inductor) (default: off)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -64,6 +69,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,10 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_checkpoint
+
+# Most tests run the eager model: compiling every tiny test model would take minutes.
+# The compiled path has its own tests (test_compiled.py), which ask for it explicitly.
+os.environ.setdefault("DUOSERVE_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +39,7 @@ def default_model():
     from duoserve.config import ModelConfig
     from duoserve.model.loader import load_model
 
-    return load_model(ModelConfig())
+    return load_model(ModelConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +62,7 @@ def smol_llm(default_model):
     from duoserve.config import CacheConfig, EngineConfig, ModelConfig
     from duoserve.engine.core import EngineCore
 
-    config = EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_cache_memory=0.5))
+    config = EngineConfig(model=ModelConfig(dtype="float32"), cache=CacheConfig(kv_cache_memory=0.5))
     return LLM.from_engine(EngineCore(config, loaded=default_model))
 
 
@@ -70,7 +75,7 @@ def server(tmp_path_factory):
     from tests.server_helpers import Server
 
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = Server("--kv-cache-memory", "0.5", "--max-queue-len", "40", "--num-threads", "2",
+    srv = Server("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-queue-len", "40", "--num-threads", "2",
                  api_key=API_KEY, log=log)
     yield srv
     srv.stop()

@@ -106,7 +106,7 @@ def test_frontend_keeps_one_copy_of_the_first_token_whichever_engine_reports_fir
     from duoserve.core.outputs import EngineCoreOutput
     from duoserve.frontend.frontend import Frontend
 
-    engine = EngineCore(EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama"))),
+    engine = EngineCore(EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama")), dtype="float32"),
                                      cache=CacheConfig(kv_cache_memory=0.01)))
     frontend = Frontend(engine)
     frontend.add_request([1, 2, 3], SamplingParams(max_tokens=4), request_id="x")

@@ -60,7 +60,8 @@ def test_auto_placement_prefills_long_prompts_on_the_decode_engine(tiny_dir, dis
 def test_engines_of_different_models_are_refused_at_connect(tiny_dir):
     """The prefill engine's hello to the decode engine is refused, naming both sides' values."""
     def config(kind, role):
-        return EngineConfig(model=ModelConfig(model=str(tiny_dir(kind=kind))), cache=CacheConfig(kv_cache_memory=0.01),
+        return EngineConfig(model=ModelConfig(model=str(tiny_dir(kind=kind)), dtype="float32"),
+                            cache=CacheConfig(kv_cache_memory=0.01),
                             num_threads=1, role=role)
 
     async def main():

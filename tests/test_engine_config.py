@@ -28,7 +28,7 @@ def test_budget_below_context_without_chunking():
 
 def test_kv_budget_too_small(tiny_dir):
     with pytest.raises(ConfigError) as err:
-        LLM(str(tiny_dir()), kv_cache_memory=0.0001)
+        LLM(str(tiny_dir()), dtype="float32", kv_cache_memory=0.0001)
     # tiny llama: 512 bytes a token, 512 tokens -> 32 blocks of 16 tokens = 262144 bytes
     assert str(err.value) == (
         "kv_cache_memory=0.0001 is not allowed: at least 0.0002 GiB to hold one sequence of max_model_len=512 "

@@ -58,7 +58,8 @@ class EngineCore:
         self.num_kv_transfer_bytes = 0
         self.recent_transfer_seconds: list[float] = []
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
-                                  self.device, config.model.seed)
+                                  self.device, config.model.seed,
+                                  compile_model=not config.enforce_eager and self.device == "cpu")
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",

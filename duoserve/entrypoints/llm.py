@@ -25,7 +25,7 @@ class LLM:
                  block_size: int = 16, kv_cache_memory: float | None = None,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
-                 num_threads: int | None = None, seed: int = 0) -> None:
+                 num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed),
@@ -34,6 +34,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
             num_threads=num_threads,
+            **({} if enforce_eager is None else {"enforce_eager": enforce_eager}),
         )
         self._attach(EngineCore(config))
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from duoserve.model.cpu_kernels import c_decode_attention
 
@@ -180,3 +181,19 @@ def kv_head_slots(num_heads: int, num_kv_heads: int) -> torch.Tensor:
     slots = torch.zeros(num_heads, num_kv_heads, dtype=torch.bool, device="cpu")
     slots[heads, heads // group] = True
     return slots
+
+
+class PagedAttention(nn.Module):
+    """The attention of one layer over its paged KV cache (``paged_attention``). A module, so
+    that the runner can swap it at the edge (``duoserve.worker.compiled``) like the linears."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.scale = head_dim ** -0.5
+        self.register_buffer("head_slot", kv_head_slots(num_heads, num_kv_heads), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] ->
+        [num_tokens, num_heads * head_dim]."""
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.head_slot)

@@ -29,23 +29,30 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def linear_any_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias), with the kernel that suits the number of rows."""
+    rows = x.reshape(-1, weight.shape[1])  # [m, in]
+    if rows.shape[0] <= SMALL_M.get(weight.dtype, 0) and x.dtype == weight.dtype:
+        out = c_small_m_linear(rows, weight, bias)
+        if out is not None:
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class CPULinear(nn.Module):
-    """y = x @ W^T (+ b): the small-row C kernel for a few rows, oneDNN's GEMM for more."""
+    """y = x @ W^T (+ b): the small-row C kernel for a few rows, oneDNN's GEMM for more; inside a
+    compiled graph, the opaque op ``duoserve::linear`` (``duoserve.model.custom_ops``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach()      # shared with the module it replaces, never copied
         self.bias = None if bias is None else bias.detach()
-        self.small_m = SMALL_M.get(weight.dtype, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [m, in]
-        if rows.shape[0] <= self.small_m and x.dtype == self.weight.dtype:
-            out = c_small_m_linear(rows, self.weight, self.bias)
-            if out is not None:
-                return out.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.duoserve.linear(x, self.weight, self.bias)
+        return linear_any_m(x, self.weight, self.bias)
 
 
 def use_cpu_linears(model: nn.Module) -> int:

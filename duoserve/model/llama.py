@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duoserve.model.arch import ModelArch
-from duoserve.model.attention import AttentionMetadata, kv_head_slots, paged_attention
+from duoserve.model.attention import AttentionMetadata, PagedAttention
 from duoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -33,8 +33,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-        self.scale = arch.head_dim ** -0.5
-        self.register_buffer("head_slot", kv_head_slots(arch.num_heads, arch.num_kv_heads), persistent=False)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -48,8 +47,7 @@ class DecoderLayer(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, : arch.num_heads]), self.k_norm(qk[:, arch.num_heads:])], dim=1)
         qk = apply_rotary(qk, cos, sin)  # [num_tokens, num_heads + num_kv_heads, head_dim]: Q and K at once
         q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads:]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              self.head_slot)  # [num_tokens, q_size]
+        out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
         return self.o_proj(out)  # [num_tokens, hidden]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

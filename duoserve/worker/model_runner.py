@@ -8,6 +8,9 @@ tokens whose log-probabilities were asked for) and samples.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -19,10 +22,12 @@ from duoserve.model.loader import LoadedModel
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, sample, top_logprobs
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: str, seed: int = 0) -> None:
+                 device: str, seed: int = 0, compile_model: bool = False) -> None:
         self.model = loaded.model
         if self.model.embed.weight.device.type == "cpu":
             use_cpu_linears(self.model)
@@ -31,6 +36,24 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, kv_dtype, device)
         self.generator = torch.Generator().manual_seed(seed)
+        self.forward = self.model
+        if compile_model:
+            self._compile(block_size)
+
+    def _compile(self, block_size: int) -> None:
+        """Compile the model step; on any failure (no C++ compiler, say) say why once and stay eager."""
+        from duoserve.worker.compiled import CompiledModel
+
+        try:
+            compiled = CompiledModel(self.model, self.kv_caches)
+            seconds = compiled.warm_up(block_size)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager model, which works
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logger.warning("cannot compile the model step, running it eagerly (--enforce-eager): %s", reason)
+            return
+        self.forward = compiled
+        logger.info("compiled the model step in %.1fs (%d graphs; cache in %s)", seconds, compiled.num_compiles,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -49,8 +72,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [i.num_new_tokens for i in items], [i.start + i.num_new_tokens for i in items],
             [i.block_ids for i in items], self.block_size, self.device, self.model.embed.weight.dtype)
-        hidden = self.model(torch.tensor(token_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), self.kv_caches, meta)
+        hidden = self.forward(torch.tensor(token_ids, device=self.device),
+                              torch.tensor(positions, device=self.device), self.kv_caches, meta)
         output = RunnerOutput(sampled={})
         self._sample(items, hidden, output)
         self._prompt_logprobs(items, hidden, output)

@@ -1,0 +1,76 @@
+"""The model's opaque ops for ``torch.compile``: ``duoserve::linear`` and ``duoserve::paged_attention``.
+
+Inside a compiled graph, a linear layer and a layer's attention are each one call that the
+compiler does not trace into: their kernels (the small-row C kernel or oneDNN's GEMM, the C
+decode attention or the prefill path) are chosen at run time by the batch's shape, never
+guarded on, and the graph never breaks on ctypes. Defined once, on first use.
+
+The attention op's KV caches and the step's ``AttentionMetadata`` are not graph inputs
+(their shapes vary every step and would recompile the graph): they sit in a
+``StepContext``, reached by an integer handle baked into the graph. The registry of
+contexts is the one module-level mutable object here, append-only, because an op argument
+can only be a tensor or a plain value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from duoserve.model.attention import AttentionMetadata, PagedAttention, paged_attention
+
+
+@dataclass
+class StepContext:
+    """What the attention op reads during one forward."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[PagedAttention]                 # the eager modules: scale and head slots
+    meta: AttentionMetadata | None = None        # set for the duration of one forward
+
+
+_CONTEXTS: list[StepContext] = []
+
+
+def register_context(context: StepContext) -> int:
+    define_ops()
+    _CONTEXTS.append(context)
+    return len(_CONTEXTS) - 1
+
+
+@lru_cache(maxsize=1)
+def define_ops() -> torch.library.Library:
+    from duoserve.model.cpu_linear import linear_any_m
+
+    lib = torch.library.Library("duoserve", "DEF")
+    lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
+
+    def attention(q, k, v, context, layer):
+        ctx = _CONTEXTS[context]
+        module = ctx.layers[layer]
+        k_cache, v_cache = ctx.kv_caches[layer]
+        return paged_attention(q, k, v, k_cache, v_cache, ctx.meta, module.scale, module.head_slot)
+
+    lib.impl("linear", linear_any_m, "CPU")
+    lib.impl("linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])), "Meta")
+    lib.impl("paged_attention", attention, "CPU")
+    lib.impl("paged_attention", lambda q, k, v, context, layer: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
+             "Meta")
+    return lib
+
+
+class OpAttention(nn.Module):
+    """A layer's attention as one opaque op while compiling (its cache and metadata come from the
+    context); run eagerly, the module it wraps."""
+
+    def __init__(self, eager: PagedAttention, context: int, layer: int) -> None:
+        super().__init__()
+        self.eager, self.context, self.layer = eager, context, layer
+
+    def forward(self, q, k, v, kv_cache, meta) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.duoserve.paged_attention(q, k, v, self.context, self.layer)
+        return self.eager(q, k, v, kv_cache, meta)

@@ -1,0 +1,79 @@
+"""The compiled model step: the decoder run through ``torch.compile`` (Inductor's CPU backend).
+
+In eager mode every norm, rotary, residual add and activation of every layer is its own
+torch call with its own Python and dispatch overhead: about 25 calls a layer, which at one
+or a few sequences costs as much as streaming the weights. Compiled, Inductor fuses that
+glue into generated C++ loops and the decoder is one call per step.
+
+The model code is not touched: at the edge each layer's attention module is swapped for
+``OpAttention`` and the linears call ``duoserve::linear`` while compiling
+(``duoserve.model.custom_ops``), so the graph is whole and its only inputs are the token ids
+and positions, whose length is dynamic (one graph for a single token, one for any other
+count; ``num_compiles`` counts them). Compiled code is cached on disk under
+``~/.cache/duoserve/inductor`` (Inductor's FX graph cache), so a later start only traces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from duoserve.model.attention import AttentionMetadata
+from duoserve.model.custom_ops import OpAttention, StepContext, register_context
+
+logger = logging.getLogger(__name__)
+
+
+def inductor_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "duoserve" / "inductor"
+
+
+class CompiledModel:
+    """``model(input_ids, positions, kv_caches, meta)`` with the decoder compiled; counts compilations."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())  # unless the user chose one
+        self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
+        handle = register_context(self.context)
+        for i, layer in enumerate(model.layers):
+            layer.attn = OpAttention(layer.attn, handle, i)
+        self.model = model
+        self.num_compiles = 0
+        placeholders = [None] * len(kv_caches)
+
+        def backend(graph, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            self.num_compiles += 1
+            return compile_fx(graph, example_inputs)
+
+        self._forward = torch.compile(lambda ids, pos: model(ids, pos, placeholders, None), backend=backend,
+                                      fullgraph=True)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        self.context.meta = meta
+        try:
+            return self._forward(input_ids, positions)
+        finally:
+            self.context.meta = None
+
+    @torch.inference_mode()
+    def warm_up(self, block_size: int) -> float:
+        """Compile for a single token and for several, before the first request; returns seconds."""
+        start = time.monotonic()
+        dtype = self.model.embed.weight.dtype
+        for num_tokens in (1, 2):
+            meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], block_size, dtype=dtype)
+            self(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), None, meta)
+        return time.monotonic() - start

@@ -1,0 +1,95 @@
+"""The compiled model step (torch.compile) computes what the eager model computes.
+
+One compiled engine per module (compiling takes seconds even for a tiny model; the rest of
+the suite runs eager). Compiled == eager token for token under chunked prefill, prefix
+hits, heavy preemption and seeded sampling; every batch size and chunk size runs on at
+most two graphs; without a compiler, everything still serves on the eager path.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from duoserve import LLM, SamplingParams
+from tests.helpers import assert_pool_whole
+from tests.test_engine_equivalence import PARAMS, assert_same_outputs, prompts_with_shared_prefixes
+
+# 40 blocks of 4 tokens: one full-length sequence fits, the batch does not (heavy preemption)
+SETTINGS = dict(dtype="float32", kv_cache_memory=40 * 4 * 512 / 2**30, max_model_len=128, block_size=4,
+                max_num_batched_tokens=16, num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(tiny_dir):
+    llm = LLM(str(tiny_dir(kind="llama")), enforce_eager=False, **SETTINGS)
+    assert type(llm.engine.runner.forward).__name__ == "CompiledModel", "the step must be compiled here"
+    return llm
+
+
+@pytest.fixture(scope="module")
+def eager_llm(tiny_dir):
+    return LLM(str(tiny_dir(kind="llama")), enforce_eager=True, **SETTINGS)
+
+
+def test_compiled_equals_eager_greedy_with_chunks_prefix_hits_and_preemption(compiled_llm, eager_llm):
+    prompts = prompts_with_shared_prefixes()
+    want = eager_llm.generate(prompts, PARAMS, use_tqdm=False)
+    got = compiled_llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert_same_outputs(got, want, "compiled vs eager")
+    assert compiled_llm.engine.scheduler.num_preemptions > 0, "the tiny KV budget forces preemption"
+    assert compiled_llm.engine.kv.num_hits > 0, "the shared prefixes hit the prefix cache"
+    assert_pool_whole(compiled_llm)
+
+
+def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
+    prompts = prompts_with_shared_prefixes()[:5]
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=16, ignore_eos=True, n=2)
+    want = eager_llm.generate(prompts, params, use_tqdm=False)
+    got = compiled_llm.generate(prompts, params, use_tqdm=False)
+    assert [[o.token_ids for o in r.outputs] for r in got] == [[o.token_ids for o in r.outputs] for r in want]
+    assert_pool_whole(compiled_llm)
+
+
+def test_every_batch_and_chunk_size_runs_on_two_graphs(tiny_dir):
+    """64 prompts of 1..64 tokens, whole prompts in one step (budget 64): steps carry from 1 to
+    64 sequences and prefill chunks of every length; still a graph for one token and one for
+    any other count, never a recompile."""
+    llm = LLM(str(tiny_dir(kind="llama")), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64,
+              enforce_eager=False)
+    runner = llm.engine.runner
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in range(1, 65)]
+    params = [SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True) for i in range(64)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert runner.forward.num_compiles == 2
+    assert_pool_whole(llm)
+
+
+def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir):
+    """No C or C++ compiler on PATH, an empty cache: the C kernels and the compiled step fall back
+    to torch, each saying so once, and generation works."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(sys.executable, bin_dir / "python")
+    code = ("import logging; logging.basicConfig(level=logging.INFO);"
+            "from duoserve import LLM, SamplingParams;"
+            f"llm = LLM({str(tiny_dir(kind='llama'))!r}, dtype='float32', kv_cache_memory=0.01, enforce_eager=False);"
+            "out = llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False);"
+            "print('TOKENS', [len(o.outputs[0].token_ids) for o in out])")
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
+    env.update(PATH=str(bin_dir), XDG_CACHE_HOME=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR="")
+    env.pop("TORCHINDUCTOR_CACHE_DIR")
+    result = subprocess.run([str(bin_dir / "python"), "-c", code], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TOKENS [4, 4]" in result.stdout
+    log = result.stderr
+    assert log.count("cannot compile the model step, running it eagerly") == 1, log[-3000:]
+    assert "no C compiler found: paged_decode runs on the torch path" in log
+    assert "no C compiler found: small_m_linear runs on the torch path" in log
