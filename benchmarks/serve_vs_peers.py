@@ -116,12 +116,14 @@ def main() -> None:
     parser.add_argument("--only", default="duoserve,vllm,llamacpp")
     parser.add_argument("--suite", default="c1,c32,poisson")
     parser.add_argument("--duoserve-args", default="", help="extra flags for duoserve serve")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations of both duoserve and vLLM")
     args = parser.parse_args()
     results = {}
     only = args.only.split(",")
     if "duoserve" in only:
         server = Running(["duoserve", "serve", "--model", args.hf_dir, "--served-model-name", NAME,
-                          "--dtype", "float32", "--port", "8301", "--max-model-len", "2048", "--no-access-log",
+                          "--dtype", args.dtype, "--port", "8301", "--max-model-len", "2048", "--no-access-log",
                           *args.duoserve_args.split()], 8301)
         try:
             results["duoserve"] = run_suite(args, server)
@@ -129,7 +131,7 @@ def main() -> None:
             server.stop()
     if "vllm" in only:
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu"}
-        server = Running([args.vllm, "serve", args.hf_dir, "--served-model-name", NAME, "--dtype", "float32",
+        server = Running([args.vllm, "serve", args.hf_dir, "--served-model-name", NAME, "--dtype", args.dtype,
                           "--port", "8302", "--max-model-len", "2048"], 8302, env)
         try:
             results["vllm"] = run_suite(args, server)
@@ -142,14 +144,18 @@ def main() -> None:
             results["llamacpp"] = run_suite(args, server)
         finally:
             server.stop()
-    if "duoserve" in results and "vllm" in results:
-        d, v = results["duoserve"], results["vllm"]
-        results["ratios"] = {
-            "c32_throughput_vs_vllm": d["c32"]["output_throughput"] / v["c32"]["output_throughput"],
-            "poisson_p99_ttft_vs_vllm": d["poisson"]["p99_ttft_ms"] / v["poisson"]["p99_ttft_ms"],
-            "c1_tpot_vs_vllm": d["c1"]["median_tpot_ms"] / v["c1"]["median_tpot_ms"],
-        }
+    for peer in ("vllm", "llamacpp"):
+        if "duoserve" in results and peer in results:
+            results[f"ratios_vs_{peer}"] = ratios(results["duoserve"], results[peer])
     print(json.dumps(results, indent=2))
+
+
+def ratios(ours: dict, peer: dict) -> dict:
+    """duoserve's figure over the peer's, for every run both made."""
+    pairs = {"c32_throughput": ("c32", "output_throughput"), "c32_p99_ttft": ("c32", "p99_ttft_ms"),
+             "c1_median_tpot": ("c1", "median_tpot_ms"), "poisson_p99_ttft": ("poisson", "p99_ttft_ms")}
+    return {name: ours[run][key] / peer[run][key] for name, (run, key) in pairs.items()
+            if run in ours and run in peer and peer[run][key]}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Turn logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
-Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` per
-vocabulary entry draws exactly from ``probs``. With a seed, ``E`` comes from a
-generator seeded by (seed, output position, sample index) alone, on the CPU, so a
-draw is the same whatever the batch and whichever device or process makes it.
+A draw inverts the cumulative distribution: one uniform ``u`` per row picks the first
+token whose running probability sum exceeds ``u`` times the total (float64 sums; a token
+of zero probability can never be picked). One random number a row, not one per
+vocabulary entry: at 32 rows of a 49k vocabulary this is ~1 ms instead of ~24 ms for
+exponential noise. With a seed, ``u`` comes from a generator seeded by (seed, output
+position, sample index) alone, on the CPU, so a draw is the same whatever the batch and
+whichever device or process makes it.
 """
 
 from __future__ import annotations
@@ -88,17 +91,25 @@ def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def _noise(rows: list[SamplingRow], vocab: int, generator: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) noise [R, vocab] on the CPU: per-row seeded generators for seeded requests."""
-    noise = torch.empty(len(rows), vocab)
+def _uniforms(rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, on the CPU: per-row seeded generators for seeded requests."""
+    draws = torch.empty(len(rows), dtype=torch.float64)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=generator)
+        draws[unseeded] = torch.rand(len(unseeded), generator=generator, dtype=torch.float64)
     for i, row in enumerate(rows):
         if row.params.seed is not None:
             g = torch.Generator().manual_seed(draw_seed(row.params.seed, row.position, row.sample_index))
-            noise[i].exponential_(generator=g)
-    return noise
+            draws[i] = torch.rand(1, generator=g, dtype=torch.float64)[0]
+    return draws
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [S, vocab] (rows need not be normalized), uniforms [S] in [0, 1) -> token ids [S]."""
+    cdf = probs.double().cumsum(dim=-1)  # [S, vocab]
+    targets = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]  # [S, 1]
+    tokens = torch.searchsorted(cdf, targets, right=True)[:, 0]  # first index whose sum exceeds the target
+    return tokens.clamp_(max=probs.shape[1] - 1)
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
@@ -131,8 +142,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         probs = _truncate(logits[sampled], sub_rows).softmax(-1)  # [S, vocab]
-        noise = _noise(sub_rows, logits.shape[1], generator).to(probs.device)
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
+        tokens[sampled] = draw_from(probs, _uniforms(sub_rows, generator))
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if want_logprobs:
         lp = torch.log_softmax(raw[want_logprobs], dim=-1)
