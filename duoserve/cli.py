@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=eager_by_default(),
                    help="run the plain eager model instead of compiling the model step with torch.compile "
                         "(CPU; the first start compiles for ~40 s, later ones load the cache in "
-                        "~/.cache/duoserve/inductor) (default: off)")
+                        "~/.cache/duoserve/inductor) (default: off; on for generate, which runs one prompt)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
+    gen.set_defaults(enforce_eager=True)   # one prompt: compiling would cost more than it saves
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server and its engine")
     add_server_args(serve)
     add_engine_args(serve)

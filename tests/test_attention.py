@@ -51,3 +51,38 @@ def test_c_decode_kernel_matches_reference(dtype, num_seqs):
     got = c_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.2)
     assert got is not None
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [0, 13])  # a chunk that is the whole context, and one after a cached prefix
+def test_prefill_grouped_matmuls_and_sdpa_agree_with_reference(monkeypatch, dtype, cached):
+    """The two prefill paths (grouped matmuls for short chunks, SDPA for long ones) against plain
+    causal softmax attention, GQA by repetition."""
+    import duoserve.model.attention as attention
+
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size, chunk = 8, 2, 32, 4, 11
+    seq_len = cached + chunk
+    table = list(range(-(-seq_len // block_size)))
+    k_all = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+    v_all = torch.randn(seq_len, num_kv_heads, head_dim).to(dtype)
+    shape = (len(table), block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=dtype).view(-1, num_kv_heads, head_dim)
+    v_cache = torch.zeros(shape, dtype=dtype).view(-1, num_kv_heads, head_dim)
+    k_cache[:seq_len], v_cache[:seq_len] = k_all, v_all
+    k_cache, v_cache = k_cache.view(shape), v_cache.view(shape)
+    q = torch.randn(chunk, num_heads, head_dim).to(dtype)
+    meta = AttentionMetadata.build([chunk], [seq_len], [table], block_size, dtype=dtype)
+    seq = meta.prefills[0]
+    k_new, v_new = k_all[cached:], v_all[cached:]
+    group = num_heads // num_kv_heads
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k_all.float().repeat_interleave(group, 1)) * 0.2
+    visible = torch.arange(seq_len)[None, :] <= torch.arange(chunk)[:, None] + cached
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    want = torch.einsum("hqk,khd->qhd", probs, v_all.float().repeat_interleave(group, 1)).reshape(chunk, -1)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    grouped = attention._prefill_attention(q, k_new, v_new, k_cache, v_cache, seq, 0.2)
+    monkeypatch.setattr(attention, "_GROUPED_MAX_SCORES", 0)
+    sdpa = attention._prefill_attention(q, k_new, v_new, k_cache, v_cache, seq, 0.2)
+    assert (grouped.float() - want).abs().max() < tolerance
+    assert (sdpa.float() - want).abs().max() < tolerance

@@ -142,6 +142,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         values = v_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len].to(q.dtype)
         # keys, values: [seq_len, num_kv_heads, head_dim]
     group = num_heads // num_kv_heads
+    if query_len * seq.seq_len <= _GROUPED_MAX_SCORES:
+        return _grouped_attention(q, keys, values, seq, scale)
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     values = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     out = F.scaled_dot_product_attention(
@@ -149,6 +151,32 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
     )
     return out.transpose(0, 1).reshape(query_len, num_heads * head_dim)
+
+
+# up to this many query x key pairs a chunk attends with two grouped matmuls (faster here than
+# SDPA's CPU kernel for short chunks); beyond it, SDPA, whose memory does not grow with the scores
+_GROUPED_MAX_SCORES = 512 * 2048
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: PrefillSeq,
+                       scale: float) -> torch.Tensor:
+    """Causal attention of one chunk, the query heads of each KV head stacked into one matmul
+    (no copy of K or V per query head). q: [query_len, num_heads, head_dim]; keys, values:
+    [seq_len, num_kv_heads, head_dim] -> [query_len, num_heads * head_dim]."""
+    query_len, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = keys.shape[0], keys.shape[1]
+    group = num_heads // num_kv_heads
+    stacked = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    stacked = stacked.reshape(num_kv_heads, group * query_len, head_dim)  # [kv_heads, group * query_len, dim]
+    scores = torch.bmm(stacked, keys.permute(1, 2, 0)).float()  # [kv_heads, group * query_len, seq_len]
+    scores = scores.view(num_kv_heads, group, query_len, seq_len)
+    visible = seq.mask if seq.mask is not None else torch.ones(
+        query_len, seq_len, dtype=torch.bool, device=q.device).tril_()  # [query_len, seq_len]
+    scores.mul_(scale).masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * query_len, seq_len)
+    out = torch.bmm(probs, values.transpose(0, 1))  # [kv_heads, group * query_len, dim]
+    return out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3).reshape(
+        query_len, num_heads * head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
