@@ -68,7 +68,8 @@ class Running:
             self.proc.wait()
 
 
-def bench(args, server: Running, concurrency: int | None, num_prompts: int, rate: float | None) -> dict:
+def bench(args, server: Running, concurrency: int | None, num_prompts: int, rate: float | None,
+          client_args: tuple[str, ...] = ()) -> dict:
     out_dir = Path(tempfile.mkdtemp())
     cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{server.port}",
            "--endpoint", "/v1/completions", "--model", NAME, "--tokenizer", args.hf_dir,
@@ -78,6 +79,7 @@ def bench(args, server: Running, concurrency: int | None, num_prompts: int, rate
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     if concurrency is not None:
         cmd += ["--max-concurrency", str(concurrency)]
+    cmd += list(client_args)
     cmd += ["--request-rate", str(rate) if rate is not None else "inf"]
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while client.poll() is None:
@@ -91,15 +93,15 @@ def bench(args, server: Running, concurrency: int | None, num_prompts: int, rate
     return {k: data.get(k) for k in keys}
 
 
-def run_suite(args, server: Running) -> dict:
+def run_suite(args, server: Running, client_args: tuple[str, ...] = ()) -> dict:
     result = {"startup_s": server.startup_s}
     suite = args.suite.split(",")
     if "c1" in suite:
-        result["c1"] = bench(args, server, 1, args.single_prompts, None)
+        result["c1"] = bench(args, server, 1, args.single_prompts, None, client_args)
     if "c32" in suite:
-        result["c32"] = bench(args, server, 32, args.batch_prompts, None)
+        result["c32"] = bench(args, server, 32, args.batch_prompts, None, client_args)
     if "poisson" in suite:
-        result["poisson"] = bench(args, server, None, args.batch_prompts, args.rate)
+        result["poisson"] = bench(args, server, None, args.batch_prompts, args.rate, client_args)
     result["peak_rss_mb"] = server.peak_kb / 1024
     return result
 
@@ -141,7 +143,8 @@ def main() -> None:
         server = Running([args.llama_server, "-m", args.gguf, "--port", "8303", "-t", "2", "-np", "32",
                           "-c", str(32 * 256), "--alias", NAME], 8303)
         try:
-            results["llamacpp"] = run_suite(args, server)
+            # llama-server closes each streamed connection: the client must not reuse it
+            results["llamacpp"] = run_suite(args, server, ("--header", "Connection=close"))
         finally:
             server.stop()
     for peer in ("vllm", "llamacpp"):

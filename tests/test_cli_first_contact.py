@@ -89,3 +89,18 @@ def test_disaggregated_defaults_pin_each_role_to_its_cores(monkeypatch):
     assert prefill[0].config.cpus is None and decode[0].config.num_threads == 2, "a flag given: no default split"
     decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(num_prefill_engines=2, num_decode_engines=2))
     assert [c.config.num_threads for c in (*prefill, *decode)] == [1, 1, 1, 1], "more engines than cores"
+
+
+def test_the_first_weight_fingerprint_is_logged_then_cached(tiny_dir, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from duoserve.model.fingerprint import weights_digest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = tiny_dir(kind="llama")
+    with caplog.at_level(logging.INFO, logger="duoserve.model.fingerprint"):
+        first = weights_digest(path)
+        assert "computing the weight fingerprint of" in caplog.text
+        caplog.clear()
+        assert weights_digest(path) == first
+        assert "computing" not in caplog.text, "a cached digest is not computed again"

@@ -12,11 +12,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 from duoserve.model.arch import ModelArch
 from duoserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm")
@@ -33,12 +37,16 @@ def weights_digest(path: Path) -> str:
     cache_file = cache_dir / hashlib.sha256(key.encode()).hexdigest()
     if cache_file.exists():
         return cache_file.read_text().strip()
+    size = sum(f.stat().st_size for f in files)
+    logger.info("computing the weight fingerprint of %s (%.0f MB, once: cached in %s)", path, size / 2**20, cache_dir)
+    start = time.monotonic()
     digest = hashlib.sha256()
     for f in files:
         with open(f, "rb") as handle:
             while chunk := handle.read(1 << 22):
                 digest.update(chunk)
     value = digest.hexdigest()
+    logger.info("weight fingerprint computed in %.1fs", time.monotonic() - start)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(value)
