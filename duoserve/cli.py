@@ -54,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=eager_by_default(),
                    help="run the plain eager model instead of compiling the model step with torch.compile "
-                        "(CPU; the first start compiles for ~40 s, later ones load the cache in "
+                        "(CPU; the first start compiles for ~30 s, later ones load the cache in "
                         "~/.cache/duoserve/inductor) (default: off; on for generate, which runs one prompt)")
 
 

@@ -8,8 +8,9 @@ glue into generated C++ loops and the decoder is one call per step.
 The model code is not touched: at the edge each layer's attention module is swapped for
 ``OpAttention`` and the linears call ``duoserve::linear`` while compiling
 (``duoserve.model.custom_ops``), so the graph is whole and its only inputs are the token ids
-and positions, whose length is dynamic (one graph for a single token, one for any other
-count; ``num_compiles`` counts them). Compiled code is cached on disk under
+and positions. Their length is an unbacked dynamic size: one graph serves every token
+count, a single decode token included (a plain dynamic size would specialize 1 into a
+second graph: twice the compile time); ``num_compiles`` counts the graphs. Compiled code is cached on disk under
 ``~/.cache/duoserve/inductor`` (Inductor's FX graph cache), so a later start only traces.
 """
 
@@ -60,8 +61,8 @@ class CompiledModel:
                                       fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
         self.context.meta = meta
         try:
             return self._forward(input_ids, positions)
@@ -70,7 +71,7 @@ class CompiledModel:
 
     @torch.inference_mode()
     def warm_up(self, block_size: int) -> float:
-        """Compile for a single token and for several, before the first request; returns seconds."""
+        """Compile before the first request (and run one token and two through it); returns seconds."""
         start = time.monotonic()
         dtype = self.model.embed.weight.dtype
         for num_tokens in (1, 2):
