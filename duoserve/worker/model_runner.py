@@ -52,7 +52,7 @@ class ModelRunner:
             logger.warning("cannot compile the model step, running it eagerly (--enforce-eager): %s", reason)
             return
         self.forward = compiled
-        logger.info("compiled the model step in %.1fs (%d graphs; cache in %s)", seconds, compiled.num_compiles,
+        logger.info("compiled the model step in %.1fs (graphs: %d; cache in %s)", seconds, compiled.num_compiles,
                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 
     @torch.inference_mode()

@@ -1,0 +1,59 @@
+"""Median decode-step times of an engine, in this process: batch 1 and 32, greedy and temperature 1.
+
+    python benchmarks/step_times.py --dtype float32
+    git worktree add ../duoserve-old REV && PYTHONPATH=../duoserve-old python benchmarks/step_times.py
+
+Prompts of 128 random tokens, 64 new tokens each; the median step after the prefills, and
+tokens per second over the whole batch (prefill included). Works against older checkouts
+too (only the public LLM API and EngineCore.step are used), for before/after tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import duoserve
+    from duoserve import LLM, SamplingParams
+    from duoserve.core.request import Request
+
+    engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads).engine
+    rng = random.Random(0)
+
+    def run(batch: int, temperature: float) -> tuple[float, float]:
+        params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
+        for i in range(batch):
+            prompt = [rng.randrange(1000, 40000) for _ in range(128)]
+            engine.add_request(Request(f"b{batch}-t{temperature}-{i}", prompt, params, (), 4096))
+        steps, start = [], time.perf_counter()
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+        total = time.perf_counter() - start
+        for request_id in list(engine.scheduler.requests):
+            engine.release(request_id)
+        num_prefill_steps = -(-batch * 128 // 512)
+        return statistics.median(steps[num_prefill_steps + 2:]) * 1000, batch * 64 / total
+
+    run(2, 0.0)  # warm-up
+    result = {"checkout": duoserve.__file__.rsplit("/duoserve/", 1)[0], "dtype": args.dtype}
+    for batch in (1, 32):
+        for temperature in (0.0, 1.0):
+            step_ms, tok_s = run(batch, temperature)
+            result[f"batch {batch}, T{temperature:g}"] = {"median_step_ms": round(step_ms, 2), "tok_s": round(tok_s, 1)}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
