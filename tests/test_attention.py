@@ -45,9 +45,13 @@ def test_torch_decode_path_matches_reference(dtype):
 @pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_seqs", [1, 3, 9])  # work split by (sequence, KV head) and by sequence
-def test_c_decode_kernel_matches_reference(dtype, num_seqs):
+# head_dim 32: the portable loop; 64 and 128: the register path (AVX-512), several group sizes
+@pytest.mark.parametrize("heads", [(8, 2, 32), (9, 3, 64), (8, 2, 128), (8, 1, 64)])
+def test_c_decode_kernel_matches_reference(dtype, num_seqs, heads):
     torch.set_num_threads(2)
-    q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_seqs=num_seqs)
+    num_heads, num_kv_heads, head_dim = heads
+    q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_seqs=num_seqs, num_heads=num_heads,
+                                                     num_kv_heads=num_kv_heads, head_dim=head_dim)
     got = c_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.2)
     assert got is not None
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5

@@ -8,6 +8,12 @@
  * busy, else (sequence, KV head) pairs (a single stream still uses every thread).
  * Two passes per item: scores and their softmax, then the weighted sum of values.
  *
+ * With AVX-512 and a head size of 64 or 128, each KV head runs in registers (its query
+ * heads' q and output rows stay in vector registers, bf16 rows are widened in registers),
+ * walks its blocks without a division per token, and prefetches the next block's rows
+ * while it reads this block's: blocks lie anywhere in the cache, and the hardware
+ * prefetchers stop at each boundary. Other shapes and CPUs take the portable loop.
+ *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
  */
 #include <math.h>
@@ -75,6 +81,108 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline void load_row16(const void *cache, int is_bf16, int64_t index, int n16, __m512 *dst) {
+    for (int j = 0; j < n16; j++) {
+        if (is_bf16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index + 16 * j));
+            dst[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            dst[j] = _mm512_loadu_ps((const float *)cache + index + 16 * j);
+        }
+    }
+}
+
+/* The next block lies anywhere in the cache, where the hardware prefetchers do not follow. */
+static inline void prefetch_row(const void *cache, int is_bf16, int64_t index, int bytes) {
+    const char *p = (const char *)cache + index * (is_bf16 ? 2 : 4);
+    for (int offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+/* One KV head of one sequence, its GROUP query heads' q and output rows in registers (N16 vectors
+ * of 16 floats per head): two passes over the head's rows, no scratch copy of them. Inlined with
+ * constant GROUP and N16, the loops unroll into register code. */
+static inline void attend_head(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                               const int64_t *table, int seq_len, int kv_head, int num_kv_heads, int block_size,
+                               float scale, float *scores, float *out, const int GROUP, const int N16) {
+    __m512 qv[GROUP * N16], acc[GROUP * N16], row[N16];
+    int head_dim = 16 * N16;
+    int64_t stride = (int64_t)num_kv_heads * head_dim;  /* between two tokens' rows of one block */
+    int row_bytes = head_dim * (is_bf16 ? 2 : 4);
+    for (int i = 0; i < GROUP * N16; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    for (int t0 = 0; t0 < seq_len; t0 += block_size) {  /* block by block: no division per token */
+        int64_t first = (table[t0 / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+        int count = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        int64_t next = t0 + block_size < seq_len ?
+            (table[t0 / block_size + 1] * block_size * num_kv_heads + kv_head) * head_dim : -1;
+        for (int i = 0; i < count; i++) {
+            if (next >= 0) prefetch_row(k_cache, is_bf16, next + i * stride, row_bytes);
+            load_row16(k_cache, is_bf16, first + i * stride, N16, row);
+            for (int g = 0; g < GROUP; g++) {
+                __m512 dot = _mm512_mul_ps(qv[g * N16], row[0]);
+                for (int j = 1; j < N16; j++) dot = _mm512_fmadd_ps(qv[g * N16 + j], row[j], dot);
+                scores[g * seq_len + t0 + i] = _mm512_reduce_add_ps(dot) * scale;
+            }
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        float *sc = scores + g * seq_len;
+        float max = -INFINITY, sum = 0.0f;
+        for (int t = 0; t < seq_len; t++) max = sc[t] > max ? sc[t] : max;
+        for (int t = 0; t < seq_len; t++) { sc[t] = expf(sc[t] - max); sum += sc[t]; }
+        float inv = 1.0f / sum;
+        for (int t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int i = 0; i < GROUP * N16; i++) acc[i] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < seq_len; t0 += block_size) {
+        int64_t first = (table[t0 / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+        int count = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        int64_t next = t0 + block_size < seq_len ?
+            (table[t0 / block_size + 1] * block_size * num_kv_heads + kv_head) * head_dim : -1;
+        for (int i = 0; i < count; i++) {
+            if (next >= 0) prefetch_row(v_cache, is_bf16, next + i * stride, row_bytes);
+            load_row16(v_cache, is_bf16, first + i * stride, N16, row);
+            for (int g = 0; g < GROUP; g++) {
+                __m512 p = _mm512_set1_ps(scores[g * seq_len + t0 + i]);
+                for (int j = 0; j < N16; j++) acc[g * N16 + j] = _mm512_fmadd_ps(p, row[j], acc[g * N16 + j]);
+            }
+        }
+    }
+    for (int i = 0; i < GROUP * N16; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+/* The register path for the shapes it has instances for (returns 1), else 0. */
+static int attend_fast(const float *q, const void *k_cache, const void *v_cache, int is_bf16, const int64_t *table,
+                       int seq_len, int kv_begin, int kv_end, int group, int num_kv_heads, int head_dim,
+                       int block_size, float scale, float *scores, float *out) {
+#define HEADS(G, N)                                                                                          \
+    for (int h = kv_begin; h < kv_end; h++)                                                                  \
+        attend_head(q + (int64_t)h * group * head_dim, k_cache, v_cache, is_bf16, table, seq_len, h,         \
+                    num_kv_heads, block_size, scale, scores, out + (int64_t)h * group * head_dim, G, N);     \
+    return 1;
+    if (head_dim == 64) {
+        switch (group) {
+            case 1: HEADS(1, 4) case 2: HEADS(2, 4) case 3: HEADS(3, 4) case 4: HEADS(4, 4)
+            case 5: HEADS(5, 4) case 6: HEADS(6, 4) case 7: HEADS(7, 4) case 8: HEADS(8, 4)
+        }
+    } else if (head_dim == 128) {
+        switch (group) {
+            case 1: HEADS(1, 8) case 2: HEADS(2, 8) case 3: HEADS(3, 8) case 4: HEADS(4, 8)
+        }
+    }
+#undef HEADS
+    return 0;
+}
+#else
+static int attend_fast(const float *q, const void *k_cache, const void *v_cache, int is_bf16, const int64_t *table,
+                       int seq_len, int kv_begin, int kv_end, int group, int num_kv_heads, int head_dim,
+                       int block_size, float scale, float *scores, float *out) {
+    return 0;
+}
+#endif
+
 /* q, out: [num_seqs, num_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int64;
  * seq_lens: [num_seqs] int64. Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
@@ -103,9 +211,13 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             int b = item / items_per_seq;
             int kv_begin = (item % items_per_seq) * heads_per_item;
             int64_t base = (int64_t)b * num_heads * head_dim;
-            attend(q + base, k_cache, v_cache, is_bf16, block_tables + (int64_t)b * max_blocks, (int)seq_lens[b],
-                   kv_begin, kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale,
-                   scores, row, out + base);
+            const int64_t *table = block_tables + (int64_t)b * max_blocks;
+            if (!attend_fast(q + base, k_cache, v_cache, is_bf16, table, (int)seq_lens[b], kv_begin,
+                             kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale, scores,
+                             out + base))
+                attend(q + base, k_cache, v_cache, is_bf16, table, (int)seq_lens[b], kv_begin,
+                       kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale, scores, row,
+                       out + base);
         }
         free(scores);
         free(row);
