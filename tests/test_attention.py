@@ -59,9 +59,9 @@ def test_c_decode_kernel_matches_reference(dtype, num_seqs, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached", [0, 13])  # a chunk that is the whole context, and one after a cached prefix
-def test_prefill_grouped_matmuls_and_sdpa_agree_with_reference(monkeypatch, dtype, cached):
-    """The two prefill paths (grouped matmuls for short chunks, SDPA for long ones) against plain
-    causal softmax attention, GQA by repetition."""
+def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):
+    """The three prefill paths (the C kernel query by query; without it, grouped matmuls for short
+    chunks and SDPA for long ones) against plain causal softmax attention, GQA by repetition."""
     import duoserve.model.attention as attention
 
     torch.manual_seed(1)
@@ -90,3 +90,6 @@ def test_prefill_grouped_matmuls_and_sdpa_agree_with_reference(monkeypatch, dtyp
     sdpa = attention._prefill_attention(q, k_new, v_new, k_cache, v_cache, seq, 0.2)
     assert (grouped.float() - want).abs().max() < tolerance
     assert (sdpa.float() - want).abs().max() < tolerance
+    if paged_decode_kernel() is not None:  # the C kernel, query by query
+        by_kernel = attention._prefill_by_decode_kernel(q, k_cache, v_cache, seq, 0.2)
+        assert (by_kernel.float() - want).abs().max() < 1e-5
