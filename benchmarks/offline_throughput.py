@@ -55,7 +55,7 @@ def run_duoserve(args, prompts) -> dict:
     llm.generate(prompts[1:2], params, use_tqdm=False)
     single = time.perf_counter() - start
     arch = llm.engine.arch
-    size = llm.engine.loaded.model.embed.weight.element_size()
+    size = llm.engine.loaded.model.norm.weight.element_size()
     per_layer = arch.hidden_size * (arch.q_size + 2 * arch.kv_size) + arch.q_size * arch.hidden_size + \
         3 * arch.hidden_size * arch.intermediate_size
     # a decode step reads every layer's matrices and the output projection once (not the embedding table)

@@ -25,6 +25,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
                         "(AVX512-BF16, AMX), else float32 (default: auto). float32 matches transformers exactly")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
+                   help="gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in memory "
+                        "and compute from them (CPU); int8: quantize linear weights per output channel at load; "
+                        "none: dequantize to --dtype at load (default: auto = gguf for a quantized GGUF file "
+                        "on CPU, else none)")
+    g.add_argument("--gguf-mode", default="fast", choices=["fast", "exact"],
+                   help="arithmetic of --quantization gguf for decode rows: fast quantizes activations to 8 bits "
+                        "per block and uses integer dot products (llama.cpp's way); exact widens each block to "
+                        "float32 (the dequantized model's result up to summation order) (default: fast)")
     g.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N (default: auto = cuda if a GPU is visible, else cpu)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -61,7 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, hf_overrides=args.hf_overrides,
-                          max_model_len=args.max_model_len, seed=args.seed),
+                          max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization,
+                          gguf_mode=args.gguf_mode),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=args.enable_prefix_caching),

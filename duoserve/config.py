@@ -14,6 +14,8 @@ from typing import Any
 from duoserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+GGUF_MODES = ("fast", "exact")
 ROLES = ("colocated", "prefill", "decode")
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
 
@@ -35,10 +37,16 @@ class ModelConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
+    quantization: str = "auto"        # auto = gguf for a quantized GGUF file on CPU, else none
+    gguf_mode: str = "fast"           # fast: 8-bit activations, integer dots; exact: float32 products
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
+        if self.gguf_mode not in GGUF_MODES:
+            raise ConfigError("gguf_mode", self.gguf_mode, f"one of {', '.join(GGUF_MODES)}")
         parse_device(self.device)
         if not isinstance(self.hf_overrides, dict):
             raise ConfigError("hf_overrides", self.hf_overrides,

@@ -39,7 +39,7 @@ def default_model():
     from duoserve.config import ModelConfig
     from duoserve.model.loader import load_model
 
-    return load_model(ModelConfig(dtype="float32"))
+    return load_model(ModelConfig(dtype="float32", quantization="none"))  # exact against transformers
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +62,7 @@ def smol_llm(default_model):
     from duoserve.config import CacheConfig, EngineConfig, ModelConfig
     from duoserve.engine.core import EngineCore
 
-    config = EngineConfig(model=ModelConfig(dtype="float32"), cache=CacheConfig(kv_cache_memory=0.5))
+    config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none"), cache=CacheConfig(kv_cache_memory=0.5))
     return LLM.from_engine(EngineCore(config, loaded=default_model))
 
 
@@ -75,7 +75,7 @@ def server(tmp_path_factory):
     from tests.server_helpers import Server
 
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = Server("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-queue-len", "40", "--num-threads", "2",
+    srv = Server("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.5", "--max-queue-len", "40", "--num-threads", "2",
                  api_key=API_KEY, log=log)
     yield srv
     srv.stop()

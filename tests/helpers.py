@@ -51,7 +51,7 @@ def forward_one(model, token_ids: list[int], block_size: int = 16) -> torch.Tens
     n = len(token_ids)
     num_blocks = (n + block_size - 1) // block_size
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    dtype = model.embed.weight.dtype
+    dtype = model.dtype
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size, dtype=dtype)
     hidden = model(torch.tensor(token_ids), torch.arange(n), caches, meta)

@@ -18,6 +18,7 @@ import pytest
 from duoserve import LLM, SamplingParams
 from tests.helpers import assert_pool_whole
 from tests.test_engine_equivalence import PARAMS, assert_same_outputs, prompts_with_shared_prefixes
+from tests.test_gguf import write_gguf
 
 # 40 blocks of 4 tokens: one full-length sequence fits, the batch does not (heavy preemption)
 SETTINGS = dict(dtype="float32", kv_cache_memory=40 * 4 * 512 / 2**30, max_model_len=128, block_size=4,
@@ -55,6 +56,22 @@ def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
     assert_pool_whole(compiled_llm)
 
 
+def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):
+    """A GGUF model computed from its blocks (both modes) through the compiled step: the opaque
+    ops ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` give the eager tokens."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny-Q4_1.gguf"
+    write_gguf(tiny_dir(kind="llama"), path, "Q4_1")
+    prompts = prompts_with_shared_prefixes()[:8]
+    for mode in ("fast", "exact"):
+        settings = dict(SETTINGS, quantization="gguf", gguf_mode=mode)
+        want = LLM(str(path), enforce_eager=True, **settings).generate(prompts, PARAMS, use_tqdm=False)
+        compiled = LLM(str(path), enforce_eager=False, **settings)
+        assert type(compiled.engine.runner.forward).__name__ == "CompiledModel"
+        assert compiled.engine.loaded.quantization == f"gguf-{mode}"
+        assert_same_outputs(compiled.generate(prompts, PARAMS, use_tqdm=False), want, f"compiled vs eager, {mode}")
+        assert_pool_whole(compiled)
+
+
 def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir):
     """64 prompts of 1..64 tokens, whole prompts in one step (budget 64): steps carry from 1 to
     64 sequences and prefill chunks of every length, all on the one graph, never a recompile."""
@@ -72,15 +89,20 @@ def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir):
 
 def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir):
     """No C or C++ compiler on PATH, an empty cache: the C kernels and the compiled step fall back
-    to torch, each saying so once, and generation works."""
+    to torch, each saying so once, and generation works; a GGUF file is dequantized at load."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os.symlink(sys.executable, bin_dir / "python")
+    gguf = tmp_path / "tiny-Q4_1.gguf"
+    write_gguf(tiny_dir(kind="llama"), gguf, "Q4_1")
     code = ("import logging; logging.basicConfig(level=logging.INFO);"
             "from duoserve import LLM, SamplingParams;"
             f"llm = LLM({str(tiny_dir(kind='llama'))!r}, dtype='float32', kv_cache_memory=0.01, enforce_eager=False);"
             "out = llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False);"
-            "print('TOKENS', [len(o.outputs[0].token_ids) for o in out])")
+            "print('TOKENS', [len(o.outputs[0].token_ids) for o in out]);"
+            f"q = LLM({str(gguf)!r}, dtype='float32', kv_cache_memory=0.01);"
+            "print('GGUF', q.engine.loaded.quantization, len(q.generate([[1, 2, 3]], SamplingParams(max_tokens=3),"
+            " use_tqdm=False)[0].outputs[0].token_ids))")
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
     env.update(PATH=str(bin_dir), XDG_CACHE_HOME=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR="")
     env.pop("TORCHINDUCTOR_CACHE_DIR")
@@ -88,7 +110,10 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "TOKENS [4, 4]" in result.stdout
+    assert "GGUF none 3" in result.stdout
     log = result.stderr
     assert log.count("cannot compile the model step, running it eagerly") == 1, log[-3000:]
     assert "no C compiler found: paged_decode runs on the torch path" in log
     assert "no C compiler found: small_m_linear runs on the torch path" in log
+    assert log.count("GGUF blocks need the C kernels (no C compiler, or DUOSERVE_C_KERNELS=0): dequantizing the "
+                     "weights at load (--quantization none)") == 1

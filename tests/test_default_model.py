@@ -70,7 +70,7 @@ def test_bf16_close_to_transformers_bf16(default_model, hf_default_model):
 
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
-    llm = LLM(dtype="bfloat16", kv_cache_memory=0.5)
+    llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=0.5)
     assert llm.engine.runner.model.embed.weight.dtype == torch.bfloat16
     tokenizer = default_model.tokenizer
     for prompt in PROMPTS:

@@ -57,16 +57,14 @@ def test_auto_placement_prefills_long_prompts_on_the_decode_engine(tiny_dir, dis
     assert stats["prefill-0"].prefix_cache_queries == moved
 
 
-def test_engines_of_different_models_are_refused_at_connect(tiny_dir):
-    """The prefill engine's hello to the decode engine is refused, naming both sides' values."""
-    def config(kind, role):
-        return EngineConfig(model=ModelConfig(model=str(tiny_dir(kind=kind)), dtype="float32"),
-                            cache=CacheConfig(kv_cache_memory=0.01),
-                            num_threads=1, role=role)
+def _connect_refused(prefill_model: ModelConfig, decode_model: ModelConfig) -> str:
+    """Start a prefill and a decode engine that must refuse each other; the prefill side's error."""
+    def config(model, role):
+        return EngineConfig(model=model, cache=CacheConfig(kv_cache_memory=0.01), num_threads=1, role=role)
 
     async def main():
-        decode = EngineClient("decode-0", _ipc_address("decode-0"), config("qwen2", "decode"))
-        prefill = EngineClient("prefill-0", _ipc_address("prefill-0"), config("llama", "prefill"),
+        decode = EngineClient("decode-0", _ipc_address("decode-0"), config(decode_model, "decode"))
+        prefill = EngineClient("prefill-0", _ipc_address("prefill-0"), config(prefill_model, "prefill"),
                                peers={"decode-0": decode.address})
         try:
             results = await asyncio.gather(prefill.start(), decode.start(), return_exceptions=True)
@@ -76,11 +74,26 @@ def test_engines_of_different_models_are_refused_at_connect(tiny_dir):
 
     (refusal, decode_ok), prefill_up, decode_up = asyncio.run(main())
     assert isinstance(refusal, EngineDeadError) and decode_ok is None
+    assert not prefill_up and decode_up, "the refused engine takes no requests; the decode engine is unharmed"
     message = str(refusal)
     assert message.startswith("prefill-0 failed to start: prefill-0 and decode-0 serve different models (")
+    return message
+
+
+def test_engines_of_different_models_are_refused_at_connect(tiny_dir):
+    """The prefill engine's hello to the decode engine is refused, naming both sides' values."""
+    message = _connect_refused(ModelConfig(model=str(tiny_dir(kind="llama")), dtype="float32"),
+                               ModelConfig(model=str(tiny_dir(kind="qwen2")), dtype="float32"))
     assert "architecture: prefill-0='LlamaForCausalLM', decode-0='Qwen2ForCausalLM'" in message
     assert "qkv_bias: prefill-0=False, decode-0=True" in message
-    assert not prefill_up and decode_up, "the refused engine takes no requests; the decode engine is unharmed"
+
+
+def test_engines_quantizing_differently_are_refused_at_connect(tiny_dir):
+    """Same weights, different quantization: the KV would differ, so the engines refuse each other."""
+    path = str(tiny_dir(kind="llama"))
+    message = _connect_refused(ModelConfig(model=path, dtype="float32"),
+                               ModelConfig(model=path, dtype="float32", quantization="int8"))
+    assert message.endswith("(quantization: prefill-0='none', decode-0='int8')")
 
 
 def test_killed_prefill_engine_fails_its_request_then_decode_prefills_until_restart(tiny_dir):

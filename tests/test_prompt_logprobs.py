@@ -68,7 +68,7 @@ def check_offline(llm: LLM, context, conts, want) -> None:
 def test_offline_prefix_cache_and_chunks(default_model, smol_case):
     """Prefix caching on, and a 16-token step budget: every prompt is prefilled in chunks."""
     context, conts, want = smol_case
-    config = EngineConfig(model=ModelConfig(dtype="float32"), cache=CacheConfig(kv_cache_memory=0.5),
+    config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none"), cache=CacheConfig(kv_cache_memory=0.5),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16))
     llm = LLM.from_engine(EngineCore(config, loaded=default_model))
     check_offline(llm, context, conts, want)
@@ -83,7 +83,7 @@ def test_offline_under_preemption(default_model, smol_case):
     and the prompt log-probabilities are still delivered once, whole."""
     context, conts, want = smol_case
     block_bytes = 30 * 2 * 3 * 64 * 4 * 16
-    config = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=64),
+    config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none", max_model_len=64),
                           cache=CacheConfig(kv_cache_memory=8 * block_bytes / 2**30),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16))
     llm = LLM.from_engine(EngineCore(config, loaded=default_model))
@@ -140,7 +140,7 @@ def test_server_lm_eval_requests(server, smol_case):
 def test_server_lm_eval_requests_chunked(tmp_path, smol_case):
     """A server whose step budget (16 tokens) is smaller than every prompt."""
     context, conts, want = smol_case
-    srv = Server("--dtype", "float32", "--kv-cache-memory", "0.5", "--max-num-batched-tokens", "16",
+    srv = Server("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.5", "--max-num-batched-tokens", "16",
                  log=tmp_path / "server.log")
     try:
         check_server(srv.url, {}, context, conts, want)

@@ -141,7 +141,7 @@ class EngineServer:
             from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
             from duoserve.model.fingerprint import describe, fingerprint
 
-            self.fingerprint_values = describe(core.arch, core.tokenizer, core.loaded.path)
+            self.fingerprint_values = describe(core.arch, core.tokenizer, core.loaded.path, core.loaded.quantization)
             digest = fingerprint(self.fingerprint_values)
             core.attach_connector(PrefillConnector(digest, self.fingerprint_values) if role == "prefill" else
                                   DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))

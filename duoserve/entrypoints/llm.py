@@ -25,10 +25,12 @@ class LLM:
                  block_size: int = 16, kv_cache_memory: float | None = None,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
-                 num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None) -> None:
+                 num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
+                 quantization: str = "auto", gguf_mode: str = "fast") -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
-                              hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed),
+                              hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
+                              quantization=quantization, gguf_mode=gguf_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -68,7 +68,7 @@ def use_cpu_linears(model: nn.Module) -> int:
                 setattr(module, child_name, CPULinear(child.weight, child.bias))
                 count += 1
     embed = getattr(model, "embed", None)
-    if getattr(model, "tied_head", False) is None and embed is not None and _supported(embed.weight):
+    if getattr(model, "tied_head", False) is None and isinstance(embed, nn.Embedding) and _supported(embed.weight):
         model.tied_head = CPULinear(embed.weight, None)
         count += 1
     release_free_memory()

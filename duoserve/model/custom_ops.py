@@ -1,9 +1,11 @@
-"""The model's opaque ops for ``torch.compile``: ``duoserve::linear`` and ``duoserve::paged_attention``.
+"""The model's opaque ops for ``torch.compile``: ``duoserve::linear``, ``duoserve::paged_attention``,
+and for GGUF blocks ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding``.
 
 Inside a compiled graph, a linear layer and a layer's attention are each one call that the
 compiler does not trace into: their kernels (the small-row C kernel or oneDNN's GEMM, the C
-decode attention or the prefill path) are chosen at run time by the batch's shape, never
-guarded on, and the graph never breaks on ctypes. Defined once, on first use.
+decode attention or the prefill path, the packed-block kernels) are chosen at run time by
+the batch's shape, never guarded on, and the graph never breaks on ctypes. Defined once,
+on first use.
 
 The attention op's KV caches and the step's ``AttentionMetadata`` are not graph inputs
 (their shapes vary every step and would recompile the graph): they sit in a
@@ -43,6 +45,7 @@ def register_context(context: StepContext) -> int:
 @lru_cache(maxsize=1)
 def define_ops() -> torch.library.Library:
     from duoserve.model.cpu_linear import linear_any_m
+    from duoserve.model.quantized import gguf_embedding, packed_linear
 
     lib = torch.library.Library("duoserve", "DEF")
     lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -56,6 +59,14 @@ def define_ops() -> torch.library.Library:
 
     lib.impl("linear", linear_any_m, "CPU")
     lib.impl("linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])), "Meta")
+    lib.define("gguf_linear(Tensor x, Tensor blocks, int type_id, int cols, str mode) -> Tensor")
+    lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
+    lib.impl("gguf_linear", packed_linear, "CPU")
+    lib.impl("gguf_linear", lambda x, blocks, type_id, cols, mode: x.new_empty((*x.shape[:-1], blocks.shape[0])),
+             "Meta")
+    lib.impl("gguf_embedding", gguf_embedding, "CPU")
+    lib.impl("gguf_embedding", lambda ids, blocks, type_id, cols, dtype: ids.new_empty((*ids.shape, cols), dtype=dtype),
+             "Meta")
     lib.impl("paged_attention", attention, "CPU")
     lib.impl("paged_attention", lambda q, k, v, context, layer: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
              "Meta")

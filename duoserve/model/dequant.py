@@ -104,8 +104,9 @@ _QUANTIZED = {
 SUPPORTED_TYPES = ("F32", "F16", "BF16", *_QUANTIZED)
 
 
-def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw GGUF tensor data -> float32 tensor of ``shape`` (row-major, outermost first)."""
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], name: str = "") -> torch.Tensor:
+    """Raw GGUF tensor data -> float32 tensor of ``shape`` (row-major, outermost first); ``name``
+    (the tensor's, for errors)."""
     raw = np.array(raw, copy=True)  # mmap-backed GGUF data is read-only; torch wants a writable buffer
     if type_name == "F32":
         return torch.from_numpy(raw.view(np.float32)).reshape(shape)
@@ -115,9 +116,8 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
         bits = torch.from_numpy(raw.view(np.int16)).reshape(shape)
         return bits.view(torch.bfloat16).float()
     if type_name not in _QUANTIZED:
-        raise ModelLoadError(
-            f"GGUF tensor type {type_name} is not supported; supported types are {', '.join(SUPPORTED_TYPES)}"
-        )
+        raise ModelLoadError(f"GGUF tensor {name or '?'} has type {type_name}, which is not supported; supported "
+                             f"types are {', '.join(SUPPORTED_TYPES)}")
     block_values, type_size, fn = _QUANTIZED[type_name]
     blocks = torch.from_numpy(raw.view(np.uint8)).reshape(-1, type_size)
     return fn(blocks).reshape(shape)

@@ -1,7 +1,8 @@
 """Model fingerprints: engines that exchange KV must compute the same function.
 
 sha256 over the architecture and every value that shapes the KV cache or the logits,
-a digest of the tokenizer's vocabulary, and a digest of the checkpoint's bytes. Dtype
+a digest of the tokenizer's vocabulary, a digest of the checkpoint's bytes and how its
+weights are quantized (``--quantization``, ``--gguf-mode``). Dtype
 and block size are left out: those are converted, not refused. Hashing the checkpoint
 takes a moment, so its digest is cached under ~/.cache/duoserve keyed by path, size
 and modification time.
@@ -55,13 +56,16 @@ def weights_digest(path: Path) -> str:
     return value
 
 
-def describe(arch: ModelArch, tokenizer: Tokenizer | None, path: Path) -> dict:
-    """The values the fingerprint covers, by name (engines show both sides' on a mismatch)."""
+def describe(arch: ModelArch, tokenizer: Tokenizer | None, path: Path, quantization: str = "none") -> dict:
+    """The values the fingerprint covers, by name (engines show both sides' on a mismatch). The
+    weight quantization is one: KV computed by a quantized model is not the dequantized model's,
+    so a prefill and a decode engine must quantize alike."""
     values = {name: getattr(arch, name) for name in _SHAPE_FIELDS}
     values["rope"] = dataclasses.asdict(arch.rope)
     values["tokenizer"] = (hashlib.sha256(tokenizer.vocabulary_digest_source()).hexdigest()
                            if tokenizer is not None else None)
     values["weights"] = weights_digest(path)
+    values["quantization"] = quantization
     return values
 
 

@@ -107,11 +107,25 @@ class GGUFSource:
         if tensor is None:
             return None
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = dequantize(np.asarray(tensor.data), tensor.tensor_type.name, shape)
+        values = dequantize(np.asarray(tensor.data), tensor.tensor_type.name, shape, tensor.name)
         if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
             values = _unpermute(values, heads)
         return values
+
+    def packed(self, name: str) -> "PackedWeight | None":
+        """The tensor ``name`` as its raw GGUF blocks, if it is of a block type we compute from."""
+        from duoserve.model.quantized import BLOCK_TYPES, PackedWeight
+
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
+            return None
+        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+        if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
+            data = _unpermute(data, heads).contiguous()
+        return PackedWeight(data, tensor.tensor_type.name, rows, cols)
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

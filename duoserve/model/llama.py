@@ -74,6 +74,15 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
         self.requires_grad_(False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights are never quantized)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""

@@ -25,6 +25,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: Path
     dtype: torch.dtype
+    quantization: str = "none"  # none, gguf-fast, gguf-exact or int8: part of the fingerprint
 
 
 def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
@@ -42,9 +43,31 @@ def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
     return max_model_len
 
 
+def resolve_quantization(config: ModelConfig, path: Path, device: str) -> str:
+    """``none``, ``gguf`` or ``int8`` for this model file and device (``auto`` decided here)."""
+    wanted = config.quantization
+    if wanted == "gguf" and not path.is_file():
+        raise ConfigError("quantization", wanted, "none or int8 for a Hugging Face checkpoint directory "
+                          "(gguf computes from the blocks of a .gguf file)")
+    if wanted in ("gguf", "int8") and device != "cpu":
+        raise ConfigError("quantization", wanted, f"none on {device} (quantized kernels run on the CPU)")
+    if wanted == "auto":
+        wanted = "gguf" if path.is_file() and device == "cpu" else "none"
+    if wanted == "gguf":
+        from duoserve.model.quantized import kernels
+
+        if kernels() is None:
+            logger.warning("GGUF blocks need the C kernels (no C compiler, or DUOSERVE_C_KERNELS=0): "
+                           "dequantizing the weights at load (--quantization none)")
+            return "none"
+    return wanted
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
+    device = config.resolved_device()
+    quantization = resolve_quantization(config, path, device)
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 
@@ -60,5 +83,28 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if tokenizer is None:
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
     max_model_len = check_max_model_len(arch, config.max_model_len)
-    model = build_model(arch, source, dtype, config.resolved_device(), max_positions=max_model_len)
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype)
+    packed_mode = config.gguf_mode if quantization == "gguf" else None
+    model = build_model(arch, source, dtype, device, max_positions=max_model_len, packed_mode=packed_mode)
+    if quantization == "int8":
+        from duoserve.model.quantized import use_int8_linears
+
+        use_int8_linears(model)
+    logger.info("weights in memory: %s", weight_memory(model))
+    label = f"gguf-{config.gguf_mode}" if quantization == "gguf" else quantization
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=label)
+
+
+def weight_memory(model: torch.nn.Module) -> str:
+    """Resident bytes of the weights by kind, e.g. ``packed blocks 66 MB, embedding 30 MB, dense 1 MB``."""
+    from duoserve.model.quantized import GGUFEmbedding, GGUFLinear, Int8Linear
+
+    sizes = {"packed blocks": 0, "int8": 0, "embedding": 0, "dense": 0}
+    seen: set[int] = set()
+    for module in model.modules():
+        kind = ("embedding" if isinstance(module, GGUFEmbedding) else "packed blocks" if isinstance(module, GGUFLinear)
+                else "int8" if isinstance(module, Int8Linear) else "dense")
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                sizes[kind] += tensor.numel() * tensor.element_size()
+    return ", ".join(f"{kind} {size / 2**20:.1f} MB" for kind, size in sizes.items() if size)

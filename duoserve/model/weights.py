@@ -16,6 +16,7 @@ from duoserve.errors import ModelLoadError
 from duoserve.model.arch import ModelArch
 from duoserve.model.llama import LlamaModel
 from duoserve.model.layers import RotaryEmbedding
+from duoserve.model.quantized import GGUFEmbedding, GGUFLinear
 
 TensorSource = Callable[[str], "torch.Tensor | None"]
 
@@ -61,19 +62,49 @@ def _fetch(source: TensorSource, name: str, shape: tuple[int, ...], dtype: torch
     return tensor.to(dtype)
 
 
+_PACKABLE = ("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight", "lm_head.weight", "embed.weight")
+
+
 def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, device: str,
-                max_positions: int | None = None) -> LlamaModel:
-    """Build the model on ``device`` with every parameter taken from ``source``."""
+                max_positions: int | None = None, packed_mode: str | None = None) -> LlamaModel:
+    """Build the model on ``device`` with every parameter taken from ``source``. With ``packed_mode``
+    (``fast`` or ``exact``), linear weights and the embedding that the source holds as GGUF blocks
+    stay packed (``duoserve.model.quantized``)."""
     with torch.device("meta"):
         model = LlamaModel(arch)
     # One parameter at a time, straight to the device: the peak is the model plus one tensor.
     for name, pieces in checkpoint_parts(arch).items():
+        if packed_mode and name.endswith(_PACKABLE) and _install_packed(model, name, pieces, source, dtype, packed_mode):
+            continue
         tensors = [_fetch(source, src, shape, dtype) for src, shape in pieces]
         value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, nn.Parameter(value.to(device), requires_grad=False))
         del tensors, value
+    if packed_mode and arch.tie_word_embeddings and isinstance(model.embed, GGUFEmbedding):
+        model.tied_head = GGUFLinear([model.embed.packed], None, packed_mode)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"parameters left unloaded: {missing}"
     model.rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope)
     return model.to(device).eval()
+
+
+def _install_packed(model: LlamaModel, name: str, pieces: list[tuple[str, tuple[int, ...]]], source: TensorSource,
+                    dtype: torch.dtype, mode: str) -> bool:
+    """Put a packed module where ``name``'s dense parameter would go, if every piece is in blocks."""
+    packed_of = getattr(source, "packed", None)
+    if packed_of is None:
+        return False
+    parts = []
+    for src, shape in pieces:
+        part = packed_of(src)
+        if part is None:
+            return False
+        if (part.rows, part.cols) != shape:
+            raise ModelLoadError(f"checkpoint tensor {src} has shape {[part.rows, part.cols]}, expected {list(shape)}")
+        parts.append(part)
+    owner, _, _ = name.rpartition(".")
+    parent, _, attr = owner.rpartition(".")
+    module = GGUFEmbedding(parts[0], dtype) if attr == "embed" else GGUFLinear(parts, None, mode)
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+    return True

@@ -29,7 +29,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: str, seed: int = 0, compile_model: bool = False) -> None:
         self.model = loaded.model
-        if self.model.embed.weight.device.type == "cpu":
+        if self.model.device.type == "cpu":
             use_cpu_linears(self.model)
         self.arch = loaded.arch
         self.device = torch.device(device)
@@ -71,7 +71,7 @@ class ModelRunner:
             positions.extend(range(item.start, item.start + item.num_new_tokens))
         meta = AttentionMetadata.build(
             [i.num_new_tokens for i in items], [i.start + i.num_new_tokens for i in items],
-            [i.block_ids for i in items], self.block_size, self.device, self.model.embed.weight.dtype)
+            [i.block_ids for i in items], self.block_size, self.device, self.model.dtype)
         hidden = self.forward(torch.tensor(token_ids, device=self.device),
                               torch.tensor(positions, device=self.device), self.kv_caches, meta)
         output = RunnerOutput(sampled={})

@@ -1,0 +1,430 @@
+/* Linear layers computed straight from GGUF quantized blocks, and their dequantization.
+ *
+ * Weights stay in the file's own block format: Q4_0, Q4_1, Q8_0 (32 values a block) and
+ * Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
+ * block. Every block type is read the same way, 32 consecutive values at a time: unsigned
+ * integers q[32] (`sub_values`, or `sub_values_vec` in one AVX-512 register) with a scale and
+ * an offset for each half of 16 (`sub_scales`), so that
+ *     w[j] = scale[j / 16] * q[j] + offset[j / 16]
+ * with the same arithmetic as the reference dequantization (ggml's, and the `gguf` Python
+ * package's): every product of a stored fp16 scale and a small integer is exact in float32.
+ *
+ * Three uses of it:
+ *   gguf_dequantize     rows of w (all, or gathered by id) as float32 or bfloat16;
+ *   gguf_linear_exact   y = x @ w^T, each block widened to float32 in registers, float32 sums;
+ *   gguf_linear_fast    y = x @ w^T with x quantized to 8 bits per block of 32 (a float scale,
+ *                       round to nearest) and integer dot products (AVX512-VNNI where the
+ *                       CPU has it), as llama.cpp computes.
+ * The work is split over threads by output rows. x and y are float32, [m, k] and [m, n].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+static const int BLOCK_VALUES[] = {32, 32, 32, 256, 256, 256};
+static const int BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210};
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000 | (man << 13);          /* inf, nan */
+    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13); /* normal */
+    else if (man == 0) bits = sign;                                     /* zero */
+    else {                                                              /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* the six-bit scale and min of sub-block s (0..7) of a Q4_K/Q5_K super-block */
+static inline void k_scale_min(const uint8_t *p, int s, int *sc, int *mn) {
+    if (s < 4) {
+        *sc = p[s] & 63;
+        *mn = p[s + 4] & 63;
+    } else {
+        *sc = (p[s + 4] & 0x0f) | ((p[s - 4] >> 6) << 4);
+        *mn = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
+    }
+}
+
+/* the scale and offset of each half of 16 values of sub-block `sub` (32 values) of a block */
+static inline __attribute__((always_inline)) void sub_scales(int type, const uint8_t *b, int sub, float scale[2], float offset[2]) {
+    switch (type) {
+    case Q4_0:
+    case Q8_0: {
+        float d = f16_to_f32(b);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = (type == Q4_0 ? -8.0f : -128.0f) * d;  /* Q8_0: int8 read as uint8 - 128 */
+        break;
+    }
+    case Q4_1:
+        scale[0] = scale[1] = f16_to_f32(b);
+        offset[0] = offset[1] = f16_to_f32(b + 2);
+        break;
+    case Q4_K:
+    case Q5_K: {
+        int sc, mn;
+        k_scale_min(b + 4, sub, &sc, &mn);
+        scale[0] = scale[1] = f16_to_f32(b) * (float)sc;
+        offset[0] = offset[1] = -(f16_to_f32(b + 2) * (float)mn);
+        break;
+    }
+    default: {  /* Q6_K: one int8 scale per 16 values */
+        float d = f16_to_f32(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192) + sub * 2;
+        for (int h = 0; h < 2; h++) {
+            scale[h] = d * (float)sc[h];
+            offset[h] = -32.0f * scale[h];
+        }
+        break;
+    }
+    }
+}
+
+/* Where the 32 values of sub-block `sub` sit. Q4_0/Q4_1: 16 bytes, low nibbles then high.
+ * Q8_0: 32 int8. Q4_K: 32 bytes shared by sub-blocks 2i (low nibbles) and 2i+1 (high).
+ * Q5_K: the same plus bit `sub` of 32 bytes qh. Q6_K: each half of 128 values holds four runs
+ * of 32, the low or high nibble of ql[0:32] or ql[32:64], topped with two bits of qh. */
+#define NIBBLES(type, b) ((b) + ((type) == Q4_0 ? 2 : 4))
+
+/* values [32 * sub, 32 * sub + 32) of one block as unsigned integers (portable) */
+static inline __attribute__((always_inline)) void sub_values(int type, const uint8_t *b, int sub, uint8_t q[32]) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const uint8_t *qs = NIBBLES(type, b);
+        for (int j = 0; j < 16; j++) { q[j] = qs[j] & 0x0f; q[j + 16] = qs[j] >> 4; }
+        break;
+    }
+    case Q8_0:
+        for (int j = 0; j < 32; j++) q[j] = (uint8_t)(b[2 + j] ^ 0x80);
+        break;
+    case Q4_K:
+    case Q5_K: {
+        int shift = (sub & 1) * 4;
+        const uint8_t *qs = b + (type == Q4_K ? 16 : 48) + (sub / 2) * 32, *qh = b + 16;
+        for (int j = 0; j < 32; j++)
+            q[j] = ((qs[j] >> shift) & 0x0f) | (type == Q5_K ? ((qh[j] >> sub) & 1) << 4 : 0);
+        break;
+    }
+    case Q6_K: {
+        int half = sub / 4, run = sub % 4;
+        const uint8_t *ql = b + half * 64 + (run & 1) * 32, *qh = b + 128 + half * 32;
+        for (int j = 0; j < 32; j++) q[j] = ((ql[j] >> ((run >> 1) * 4)) & 0x0f) | (((qh[j] >> (run * 2)) & 3) << 4);
+        break;
+    }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define VECTOR 1
+/* the same 32 values in one register */
+static inline __attribute__((always_inline)) __m256i sub_values_vec(int type, const uint8_t *b, int sub) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        __m128i v = _mm_loadu_si128((const __m128i *)NIBBLES(type, b));
+        __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+        return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    case Q8_0:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    case Q4_K:
+    case Q5_K: {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(b + (type == Q4_K ? 16 : 48) + (sub / 2) * 32));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, (sub & 1) * 4), low4);
+        if (type == Q5_K) {
+            __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), sub),
+                                         _mm256_set1_epi8(1));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(h, 4));
+        }
+        return q;
+    }
+    default: {  /* Q6_K */
+        int half = sub / 4, run = sub % 4;
+        __m256i l = _mm256_loadu_si256((const __m256i *)(b + half * 64 + (run & 1) * 32));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + half * 32));
+        l = _mm256_and_si256(_mm256_srli_epi16(l, (run >> 1) * 4), low4);
+        h = _mm256_and_si256(_mm256_srli_epi16(h, run * 2), _mm256_set1_epi8(3));
+        return _mm256_or_si256(l, _mm256_slli_epi16(h, 4));
+    }
+    }
+}
+
+/* 16 floats -> 16 bfloat16, rounded to nearest even like f32_to_bf16 (NaN aside) */
+static inline __m256i to_bf16_vec(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+/* the 32 values widened: w = scale * q + offset, two registers of 16 floats */
+static inline void sub_floats_vec(__m256i q, const float scale[2], const float offset[2], __m512 *w0, __m512 *w1) {
+    __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+    __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+    *w0 = _mm512_fmadd_ps(f0, _mm512_set1_ps(scale[0]), _mm512_set1_ps(offset[0]));
+    *w1 = _mm512_fmadd_ps(f1, _mm512_set1_ps(scale[1]), _mm512_set1_ps(offset[1]));
+}
+#endif
+
+/* one row of w -> k float32 values, or bfloat16 ones */
+static inline __attribute__((always_inline)) void dequantize_row(int type, const uint8_t *row, int k, void *out, int out_bf16) {
+    int per_block = BLOCK_VALUES[type], subs = per_block / 32;
+    for (int blk = 0; blk < k / per_block; blk++) {
+        const uint8_t *b = row + (int64_t)blk * BLOCK_BYTES[type];
+        for (int s = 0; s < subs; s++) {
+            float scale[2], offset[2];
+            sub_scales(type, b, s, scale, offset);
+            int64_t col = (int64_t)blk * per_block + s * 32;
+#ifdef VECTOR
+            __m512 w0, w1;
+            sub_floats_vec(sub_values_vec(type, b, s), scale, offset, &w0, &w1);
+            if (out_bf16) {
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + col), to_bf16_vec(w0));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + col + 16), to_bf16_vec(w1));
+            } else {
+                _mm512_storeu_ps((float *)out + col, w0);
+                _mm512_storeu_ps((float *)out + col + 16, w1);
+            }
+#else
+            uint8_t q[32];
+            sub_values(type, b, s, q);
+            for (int j = 0; j < 32; j++) {
+                float v = scale[j >> 4] * (float)q[j] + offset[j >> 4];
+                if (out_bf16) ((uint16_t *)out)[col + j] = f32_to_bf16(v);
+                else ((float *)out)[col + j] = v;
+            }
+#endif
+        }
+    }
+}
+
+/* rows of w ([n, k]: all n rows, or the `count` rows listed in `ids`) -> out [rows, k],
+ * float32 or (out_bf16) bfloat16. Returns 0, or -1 for an unknown type. */
+int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count,
+                    void *out, int out_bf16, int num_threads) {
+    if (type < 0 || type > Q6_K) return -1;
+    int64_t rows = ids ? count : n, row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    int elem = out_bf16 ? 2 : 4;
+#define DEQUANTIZE(T) \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)") \
+    for (int64_t r = 0; r < rows; r++) \
+        dequantize_row(T, w + (ids ? ids[r] : r) * row_bytes, k, (char *)out + r * k * elem, out_bf16);
+    switch (type) {
+    case Q4_0: DEQUANTIZE(Q4_0) break; case Q4_1: DEQUANTIZE(Q4_1) break; case Q8_0: DEQUANTIZE(Q8_0) break;
+    case Q4_K: DEQUANTIZE(Q4_K) break; case Q5_K: DEQUANTIZE(Q5_K) break; default: DEQUANTIZE(Q6_K) break;
+    }
+    return 0;
+}
+
+#define MAX_ROWS 8  /* rows of x held against one weight row in registers */
+
+/* Both matmuls split the output rows over the threads; each weight row is read once for up
+ * to MAX_ROWS rows of x, whose sums stay in registers: `rows` is a constant in every call of
+ * the tile functions (the dispatch below), so their loops over it unroll. */
+#define ROWS_CASES(call, T) switch (rows) { \
+    case 1: call(T, 1); break; case 2: call(T, 2); break; case 3: call(T, 3); break; case 4: call(T, 4); break; \
+    case 5: call(T, 5); break; case 6: call(T, 6); break; case 7: call(T, 7); break; default: call(T, 8); break; }
+/* ... and so is the block type */
+#define DISPATCH(call) switch (type) { \
+    case Q4_0: ROWS_CASES(call, Q4_0) break; case Q4_1: ROWS_CASES(call, Q4_1) break; \
+    case Q8_0: ROWS_CASES(call, Q8_0) break; case Q4_K: ROWS_CASES(call, Q4_K) break; \
+    case Q5_K: ROWS_CASES(call, Q5_K) break; default: ROWS_CASES(call, Q6_K) break; }
+
+/* ---- exact mode: float32 products of the dequantized weight and x ---- */
+
+static inline __attribute__((always_inline)) void exact_tile(const float *x, const uint8_t *row, int type, int k,
+                                                             const int rows, float *out) {
+    int per_block = BLOCK_VALUES[type], blocks = k / per_block, subs = per_block / 32;
+    int64_t row_bytes = (int64_t)blocks * BLOCK_BYTES[type];
+#ifdef VECTOR
+    __m512 acc[MAX_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+#else
+    float acc[MAX_ROWS] = {0};
+#endif
+    for (int blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + (int64_t)blk * BLOCK_BYTES[type];
+        __builtin_prefetch(b + row_bytes);
+        for (int s = 0; s < subs; s++) {
+            float scale[2], offset[2];
+            sub_scales(type, b, s, scale, offset);
+            int col = blk * per_block + s * 32;
+#ifdef VECTOR
+            __m512 w0, w1;
+            sub_floats_vec(sub_values_vec(type, b, s), scale, offset, &w0, &w1);
+            for (int i = 0; i < rows; i++) {
+                const float *xi = x + (int64_t)i * k + col;
+                acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i]);
+                acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[i]);
+            }
+#else
+            uint8_t q[32];
+            float wv[32];
+            sub_values(type, b, s, q);
+            for (int j = 0; j < 32; j++) wv[j] = scale[j >> 4] * (float)q[j] + offset[j >> 4];
+            for (int i = 0; i < rows; i++) {
+                const float *xi = x + (int64_t)i * k + col;
+                float sum = 0.0f;
+                for (int j = 0; j < 32; j++) sum += wv[j] * xi[j];
+                acc[i] += sum;
+            }
+#endif
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+#ifdef VECTOR
+        out[i] = _mm512_reduce_add_ps(acc[i]);
+#else
+        out[i] = acc[i];
+#endif
+    }
+}
+
+int gguf_linear_exact(const float *x, const uint8_t *w, int type, int m, int n, int k, float *y, int num_threads) {
+    if (type < 0 || type > Q6_K) return -1;
+    int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int r = 0; r < n; r++) {
+        for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
+            int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
+            float out[MAX_ROWS] = {0};
+#define EXACT(T, R) exact_tile(x + (int64_t)i0 * k, w + r * row_bytes, T, k, R, out)
+            DISPATCH(EXACT)
+            for (int i = 0; i < rows; i++) y[(int64_t)(i0 + i) * n + r] = out[i];
+        }
+    }
+    return 0;
+}
+
+/* ---- fast mode: x quantized to int8 per block of 32, integer dot products ---- */
+
+/* One row of x as int8 blocks of 32: values xq, scale dx and, per half of 16, dx * sum(xq). */
+static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *half_sums) {
+    for (int blk = 0; blk < k / 32; blk++) {
+        const float *v = x + blk * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int sums[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            int qv = (int)nearbyintf(v[j] * inv);
+            xq[blk * 32 + j] = (int8_t)qv;
+            sums[j >> 4] += qv;
+        }
+        dx[blk] = d;
+        half_sums[2 * blk] = d * (float)sums[0];
+        half_sums[2 * blk + 1] = d * (float)sums[1];
+    }
+}
+
+#if defined(VECTOR) && defined(__AVX512VNNI__)
+#define VNNI 1
+#endif
+
+/* the quantized rows of x: values, the scale of each block of 32, dx * sum per half of 16 */
+typedef struct { const int8_t *q; const float *d, *half_sums; int xblocks; } QRows;
+
+static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint8_t *row, int type, int k,
+                                                            const int rows, float *out) {
+    int per_block = BLOCK_VALUES[type], blocks = k / per_block, subs = per_block / 32;
+    int64_t row_bytes = (int64_t)blocks * BLOCK_BYTES[type];
+    float offset_acc[MAX_ROWS];
+#ifdef VNNI
+    __m256 acc[MAX_ROWS];
+    for (int i = 0; i < rows; i++) { acc[i] = _mm256_setzero_ps(); offset_acc[i] = 0.0f; }
+#else
+    float acc[MAX_ROWS];
+    for (int i = 0; i < rows; i++) { acc[i] = 0.0f; offset_acc[i] = 0.0f; }
+#endif
+    for (int blk = 0; blk < blocks; blk++) {
+        const uint8_t *b = row + (int64_t)blk * BLOCK_BYTES[type];
+        __builtin_prefetch(b + row_bytes);
+        for (int s = 0; s < subs; s++) {
+            float scale[2], offset[2];
+            sub_scales(type, b, s, scale, offset);
+            int xb = blk * subs + s;
+#ifdef VNNI
+            __m256i qv = sub_values_vec(type, b, s);
+            /* lanes 0-3 sum the first half of 16 values, lanes 4-7 the second */
+            __m256 sv = _mm256_insertf128_ps(_mm256_set1_ps(scale[0]), _mm_set1_ps(scale[1]), 1);
+            for (int i = 0; i < rows; i++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xr.q + (int64_t)i * k + xb * 32));
+                __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qv, xv);
+                __m256 f = _mm256_mul_ps(sv, _mm256_set1_ps(xr.d[i * xr.xblocks + xb]));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
+                const float *h = xr.half_sums + (i * xr.xblocks + xb) * 2;
+                offset_acc[i] += offset[0] * h[0] + offset[1] * h[1];
+            }
+#else
+            uint8_t q[32];
+            sub_values(type, b, s, q);
+            for (int i = 0; i < rows; i++) {
+                const int8_t *xv = xr.q + (int64_t)i * k + xb * 32;
+                int dot[2] = {0, 0};
+                for (int j = 0; j < 32; j++) dot[j >> 4] += (int)q[j] * (int)xv[j];
+                const float *h = xr.half_sums + (i * xr.xblocks + xb) * 2;
+                acc[i] += xr.d[i * xr.xblocks + xb] * (scale[0] * (float)dot[0] + scale[1] * (float)dot[1]);
+                offset_acc[i] += offset[0] * h[0] + offset[1] * h[1];
+            }
+#endif
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+#ifdef VNNI
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+        out[i] = _mm_cvtss_f32(s4) + offset_acc[i];
+#else
+        out[i] = acc[i] + offset_acc[i];
+#endif
+    }
+}
+
+int gguf_linear_fast(const float *x, const uint8_t *w, int type, int m, int n, int k, float *y, int num_threads) {
+    if (type < 0 || type > Q6_K) return -1;
+    int xblocks = k / 32;
+    int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    int8_t *xq = malloc((size_t)m * k);
+    float *dx = malloc(sizeof(float) * m * xblocks), *hs = malloc(sizeof(float) * m * xblocks * 2);
+    if (!xq || !dx || !hs) { free(xq); free(dx); free(hs); return -2; }
+    for (int i = 0; i < m; i++)
+        quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2);
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int r = 0; r < n; r++) {
+        for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
+            int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
+            float out[MAX_ROWS] = {0};
+            QRows xr = {xq + (int64_t)i0 * k, dx + i0 * xblocks, hs + i0 * xblocks * 2, xblocks};
+#define FAST(T, R) fast_tile(xr, w + r * row_bytes, T, k, R, out)
+            DISPATCH(FAST)
+            for (int i = 0; i < rows; i++) y[(int64_t)(i0 + i) * n + r] = out[i];
+        }
+    }
+    free(xq); free(dx); free(hs);
+    return 0;
+}

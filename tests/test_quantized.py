@@ -1,0 +1,180 @@
+"""Quantized weights: the GGUF block kernels against gguf's reference dequantization, GGUF
+files computed from their blocks, int8 linears, and the errors of the quantization options."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from duoserve.config import ModelConfig
+from duoserve.errors import ConfigError, ModelLoadError
+from duoserve.model.fingerprint import describe_difference
+from duoserve.model.loader import load_model
+from duoserve.model.quantized import (BLOCK_TYPES, DIRECT_ROWS, GGUFEmbedding, GGUFLinear, Int8Linear, PackedWeight,
+                                      dequantize_rows, kernels, packed_linear)
+from tests.helpers import forward_one
+from tests.test_gguf import F16_FIELDS, PROMPT, write_gguf
+
+ROWS_TO_TRY = [1, 2, 3, DIRECT_ROWS, DIRECT_ROWS + 1, 8, 17, 64, 300]
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """A [rows, cols] weight in blocks of ``type_name`` (gguf's quantizer where it has one, else
+    random bytes with finite fp16 scales) and its reference dequantization (float32)."""
+    qtype = GGMLQuantizationType[type_name]
+    block_values, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    try:
+        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, size=(rows, cols // block_values * type_size), dtype=np.uint8)
+        blocks = raw.reshape(-1, type_size)
+        for offset in F16_FIELDS[type_name]:
+            halves = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
+            blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    ref = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32)).reshape(rows, cols)
+    return raw.reshape(rows, -1), ref
+
+
+def packed(raw: np.ndarray, type_name: str, cols: int) -> PackedWeight:
+    return PackedWeight(torch.from_numpy(np.ascontiguousarray(raw)), type_name, raw.shape[0], cols)
+
+
+def quantize_rows_like_fast_mode(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 rounded to int8 steps of max|block| / 127: fast mode's activations."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (q * scale).reshape(x.shape)
+
+
+def test_c_kernels_are_built():
+    assert kernels() is not None, "the CI machine has a C compiler: the GGUF kernels must build"
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_dequantize_rows_equal_gguf_reference(type_name):
+    raw, ref = random_blocks(type_name, 24, 512)
+    weight = packed(raw, type_name, 512)
+    assert torch.equal(dequantize_rows(weight, torch.float32), ref)
+    ids = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(dequantize_rows(weight, torch.float32, ids=ids), ref[ids])
+    assert torch.equal(dequantize_rows(weight, torch.bfloat16, start=3, stop=9), ref[3:9].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_packed_linear_against_dequantized_matmul(type_name, mode):
+    cols = 512
+    raw, ref = random_blocks(type_name, 40, cols, seed=1)
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    type_id = BLOCK_TYPES[type_name][0]
+    gen = torch.Generator().manual_seed(2)
+    for m in ROWS_TO_TRY:
+        x = torch.randn(m, cols, generator=gen)
+        got = packed_linear(x, data, type_id, cols, mode)
+        exact = (x.double() @ ref.double().T).float()
+        scale = exact.abs().max().item()
+        if mode == "exact" or m > DIRECT_ROWS:  # more rows than DIRECT_ROWS: dequantize + GEMM, both modes
+            torch.testing.assert_close(got, exact, rtol=0, atol=2e-5 * scale)
+        else:
+            # the same function of the 8-bit activations, to float32 rounding ...
+            emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
+            torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * scale)
+            # ... which is close to the float one
+            assert (got - exact).norm() / exact.norm() < 0.02
+
+
+def test_packed_linear_keeps_bfloat16_and_leading_dims():
+    raw, ref = random_blocks("Q4_1", 48, 256, seed=3)
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    for m in (1, 12):
+        x = torch.randn(2, m, 256).to(torch.bfloat16)
+        got = packed_linear(x, data, BLOCK_TYPES["Q4_1"][0], 256, "exact")
+        assert got.dtype == torch.bfloat16 and got.shape == (2, m, 48)
+        want = x.float() @ ref.to(torch.bfloat16).float().T
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_fused_projection_of_mixed_block_types():
+    """Q/K/V of different types (as in Q4_K_M files): one packed run per type, outputs joined."""
+    parts, refs = [], []
+    for i, type_name in enumerate(["Q4_K", "Q4_K", "Q6_K"]):
+        raw, ref = random_blocks(type_name, 16, 256, seed=10 + i)
+        parts.append(packed(raw, type_name, 256))
+        refs.append(ref)
+    layer = GGUFLinear(parts, torch.randn(48), "exact")
+    assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K"] and layer.out_features == 48
+    x = torch.randn(3, 256)
+    want = x @ torch.cat(refs).T + layer.bias
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_embedding_rows_from_blocks():
+    raw, ref = random_blocks("Q8_0", 100, 64, seed=4)
+    embed = GGUFEmbedding(packed(raw, "Q8_0", 64), torch.float32)
+    ids = torch.tensor([[7, 99], [0, 7]])
+    assert torch.equal(embed(ids), ref[ids])
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_file_computed_from_its_blocks(tiny_dir, tmp_path, type_name):
+    """A tiny model written with gguf's writer: exact mode gives the dequantized model's logits,
+    fast mode close to them; the linears hold the file's blocks, the embedding too."""
+    out = tmp_path / f"tiny-{type_name}.gguf"
+    write_gguf(tiny_dir(kind="llama"), out, type_name)
+    dense = load_model(ModelConfig(model=str(out), dtype="float32", quantization="none"))
+    assert dense.quantization == "none"
+    want = forward_one(dense.model, PROMPT)
+    exact = load_model(ModelConfig(model=str(out), dtype="float32", quantization="gguf", gguf_mode="exact"))
+    assert exact.quantization == "gguf-exact"
+    assert isinstance(exact.model.layers[0].qkv, GGUFLinear) and isinstance(exact.model.embed, GGUFEmbedding)
+    assert exact.model.layers[0].qkv.parts[0].type_name == type_name
+    got = forward_one(exact.model, PROMPT)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    fast = load_model(ModelConfig(model=str(out), dtype="float32"))  # auto: gguf, fast
+    assert fast.quantization == "gguf-fast"
+    got = forward_one(fast.model, PROMPT)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+
+
+def test_int8_linears_close_to_float32(tiny_dir):
+    for kind in ("llama", "qwen2"):
+        path = str(tiny_dir(kind=kind))
+        want = forward_one(load_model(ModelConfig(model=path, dtype="float32")).model, PROMPT)
+        loaded = load_model(ModelConfig(model=path, dtype="float32", quantization="int8"))
+        assert loaded.quantization == "int8"
+        assert isinstance(loaded.model.layers[0].qkv, Int8Linear)
+        assert loaded.model.layers[0].qkv.qweight.dtype == torch.int8
+        got = forward_one(loaded.model, PROMPT)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 0.02
+
+
+def test_gguf_quantization_of_a_safetensors_model_is_a_config_error(tiny_dir):
+    with pytest.raises(ConfigError) as err:
+        load_model(ModelConfig(model=str(tiny_dir(kind="llama")), quantization="gguf"))
+    assert "quantization" in str(err.value) and "gguf" in str(err.value) and ".gguf file" in str(err.value)
+
+
+def test_bad_quantization_values_name_the_field():
+    with pytest.raises(ConfigError, match="quantization.*int4.*auto, none, gguf, int8"):
+        ModelConfig(quantization="int4")
+    with pytest.raises(ConfigError, match="gguf_mode.*turbo.*fast, exact"):
+        ModelConfig(gguf_mode="turbo")
+
+
+def test_fingerprints_of_different_quantization_differ_by_name():
+    a, b = {"weights": "w", "quantization": "none"}, {"weights": "w", "quantization": "gguf-fast"}
+    assert describe_difference("prefill", a, "decode", b) == "quantization: prefill='none', decode='gguf-fast'"
+
+
+def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
+    out = tmp_path / "tiny-Q5_0.gguf"
+    write_gguf(tiny_dir(kind="llama"), out, "Q5_0")
+    for quantization in ("gguf", "none"):
+        with pytest.raises(ModelLoadError) as err:
+            load_model(ModelConfig(model=str(out), dtype="float32", quantization=quantization))
+        assert str(err.value).startswith("GGUF tensor token_embd.weight has type Q5_0, which is not supported; "
+                                         "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K")
