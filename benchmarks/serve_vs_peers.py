@@ -118,13 +118,16 @@ def main() -> None:
     parser.add_argument("--only", default="duoserve,vllm,llamacpp")
     parser.add_argument("--suite", default="c1,c32,poisson")
     parser.add_argument("--duoserve-args", default="", help="extra flags for duoserve serve")
+    parser.add_argument("--duoserve-model", default=None,
+                        help="what duoserve serves (default: --hf-dir; e.g. the packaged Q4_1 GGUF file, to "
+                             "compare --quantization gguf with llama.cpp on that same file)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations of both duoserve and vLLM")
     args = parser.parse_args()
     results = {}
     only = args.only.split(",")
     if "duoserve" in only:
-        server = Running(["duoserve", "serve", "--model", args.hf_dir, "--served-model-name", NAME,
+        server = Running(["duoserve", "serve", "--model", args.duoserve_model or args.hf_dir, "--served-model-name", NAME,
                           "--dtype", args.dtype, "--port", "8301", "--max-model-len", "2048", "--no-access-log",
                           *args.duoserve_args.split()], 8301)
         try:

@@ -23,10 +23,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf", "int8"])
+    parser.add_argument("--gguf-mode", default="fast", choices=["fast", "exact"])
     args = parser.parse_args()
 
     import duoserve.model.attention as attention
     import duoserve.model.cpu_linear as cpu_linear
+    import duoserve.model.quantized as quantized
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
 
@@ -45,8 +48,11 @@ def main() -> None:
     attention._prefill_attention = timed("prefill attention", attention._prefill_attention)
     attention.write_kv = timed("KV writes", attention.write_kv)
     cpu_linear.CPULinear.forward = timed("linear layers", cpu_linear.CPULinear.forward)
+    quantized.GGUFLinear.forward = timed("linear layers", quantized.GGUFLinear.forward)
+    quantized.GGUFEmbedding.forward = timed("embedding", quantized.GGUFEmbedding.forward)
+    quantized.Int8Linear.forward = timed("linear layers", quantized.Int8Linear.forward)
     engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=2, enforce_eager=True,
-                 enable_prefix_caching=False).engine
+                 enable_prefix_caching=False, quantization=args.quantization, gguf_mode=args.gguf_mode).engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=1 if args.prefill else 400, ignore_eos=True)
     batch = 4 if args.prefill else args.batch
@@ -78,7 +84,7 @@ def main() -> None:
     counted = 3 if args.prefill else args.steps
     seconds.clear()
     total = sum(one_step(n) for n in range(counted))
-    result = {"dtype": args.dtype, "step": "prefill 4 x 128" if args.prefill else f"decode, batch {batch}",
+    result = {"dtype": args.dtype, "quantization": args.quantization, "step": "prefill 4 x 128" if args.prefill else f"decode, batch {batch}",
               "step_ms": round(total / counted * 1000, 2)}
     result.update({name: round(value / counted * 1000, 2) for name, value in seconds.items()})
     print(json.dumps(result, indent=2))

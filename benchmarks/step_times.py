@@ -21,13 +21,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+                        help="passed on when given (older checkouts have no such option; the default "
+                             "model is a GGUF file, which now defaults to gguf)")
+    parser.add_argument("--gguf-mode", default=None, choices=["fast", "exact"])
     args = parser.parse_args()
 
     import duoserve
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
 
-    engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads).engine
+    extra = {k: v for k, v in (("quantization", args.quantization), ("gguf_mode", args.gguf_mode)) if v}
+    engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads, **extra).engine
     rng = random.Random(0)
 
     def run(batch: int, temperature: float) -> tuple[float, float]:
@@ -47,7 +52,7 @@ def main() -> None:
         return statistics.median(steps[num_prefill_steps + 2:]) * 1000, batch * 64 / total
 
     run(2, 0.0)  # warm-up
-    result = {"checkout": duoserve.__file__.rsplit("/duoserve/", 1)[0], "dtype": args.dtype}
+    result = {"checkout": duoserve.__file__.rsplit("/duoserve/", 1)[0], "dtype": args.dtype, **extra}
     for batch in (1, 32):
         for temperature in (0.0, 1.0):
             step_ms, tok_s = run(batch, temperature)

@@ -178,3 +178,82 @@ def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
             load_model(ModelConfig(model=str(out), dtype="float32", quantization=quantization))
         assert str(err.value).startswith("GGUF tensor token_embd.weight has type Q5_0, which is not supported; "
                                          "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K")
+
+
+# ---- the default model (SmolLM2-135M, Q4_1 layers, Q8_0 embedding), float32 ----
+
+def _llm_over(loaded, budget: int):
+    from duoserve import LLM
+    from duoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from duoserve.engine.core import EngineCore
+
+    config = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=2048), cache=CacheConfig(kv_cache_memory=0.3),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget))
+    return LLM.from_engine(EngineCore(config, loaded=loaded))
+
+
+@pytest.fixture(scope="module")
+def smol_packed():
+    """The default model computed from its blocks: mode -> LoadedModel."""
+    return {mode: load_model(ModelConfig(dtype="float32", quantization="gguf", gguf_mode=mode, max_model_len=2048))
+            for mode in ("exact", "fast")}
+
+
+def test_default_model_exact_mode_logits_equal_dequantized(default_model, smol_packed):
+    from tests.test_default_model import PROMPTS
+
+    exact = smol_packed["exact"]
+    assert exact.quantization == "gguf-exact"
+    assert {p.type_name for m in exact.model.modules() if isinstance(m, GGUFLinear) for p in m.parts} == {"Q4_1", "Q8_0"}
+    for prompt in PROMPTS:
+        ids = default_model.tokenizer.encode(prompt)
+        for tokens in (ids[:DIRECT_ROWS], ids):  # straight from the blocks; dequantize + GEMM
+            want = forward_one(default_model.model, tokens)
+            got = forward_one(exact.model, tokens)
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4, prompt
+
+
+def scored(llm, windows: list[list[int]]) -> tuple[float, list[int]]:
+    """Perplexity of the windows (each scored from its second token) and the top-1 token at every
+    scored position (teacher forcing)."""
+    from duoserve import SamplingParams
+
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    entries = [e for out in outs for e in out.prompt_logprobs if e is not None]
+    return float(np.exp(-np.mean([e.logprob for e in entries]))), [max(e.top, key=lambda t: t[1])[0] for e in entries]
+
+
+MORE_PROMPTS = ["The three primary colors are", "In 1492, Columbus", "Water boils at", "The quick brown fox"]
+
+
+def test_default_model_greedy_text_and_perplexity(default_model, smol_packed):
+    """Every matmul through the blocks (an 8-token step budget), against the dequantized model.
+    Exact mode: greedy text equal on all 8 prompts (32 tokens), perplexity within 0.05 % and the
+    same top-1 token everywhere on 510 scored tokens of the repository's fixed text. Fast mode
+    (8-bit activations): perplexity within 1 %, the same top-1 token at 93 % of the positions
+    (measured: 95.7 %), and greedy text equal for at least the first 4 tokens on 6 of 8 prompts
+    (measured: 7; a flipped near-tie changes the rest of a greedy continuation)."""
+    from pathlib import Path
+
+    from duoserve import SamplingParams
+    from tests.test_default_model import PROMPTS
+
+    prompts = PROMPTS + MORE_PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    dense = _llm_over(default_model, DIRECT_ROWS)
+    want = [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
+    text = (Path(__file__).parents[1] / "benchmarks" / "data" / "perplexity.txt").read_text()
+    tokens = default_model.tokenizer.encode(text)
+    windows = [tokens[:256], tokens[256:512]]
+    dense_ppl, dense_top = scored(dense, windows)
+    for mode, ppl_bound, top_bound in (("exact", 0.0005, 1.0), ("fast", 0.01, 0.93)):
+        llm = _llm_over(smol_packed[mode], DIRECT_ROWS)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        ppl, top = scored(llm, windows)
+        assert abs(ppl / dense_ppl - 1) < ppl_bound, (mode, ppl, dense_ppl)
+        agree = sum(a == b for a, b in zip(top, dense_top)) / len(dense_top)
+        assert agree >= top_bound, (mode, agree)
+        if mode == "exact":
+            assert got == want
+        else:
+            assert sum(a[:4] == b[:4] for a, b in zip(got, want)) >= 6

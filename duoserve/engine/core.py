@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import time
 
@@ -62,6 +63,10 @@ class EngineCore:
                                   compile_model=not config.enforce_eager and self.device == "cpu")
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
+        # out of the garbage collector's sight, a collection during a step scans only new ones.
+        gc.collect()
+        gc.freeze()
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
 

@@ -51,7 +51,7 @@ def kernels() -> dict | None:
         dequant = _load("gguf_linear", "gguf_dequantize", (_P, _I, _L, _I, _P, _L, _P, _I, _I))
         if dequant is None:
             return None
-        matmul = (_P, _P, _I, _I, _I, _I, _P, _I)
+        matmul = (_P, _P, _I, _I, _I, _I, _P, _I, _I)
         _KERNELS.update(dequantize=dequant, fast=_load("gguf_linear", "gguf_linear_fast", matmul),
                         exact=_load("gguf_linear", "gguf_linear_exact", matmul))
     return _KERNELS
@@ -95,11 +95,12 @@ def packed_linear(x: torch.Tensor, data: torch.Tensor, type_id: int, cols: int, 
     flat = x.reshape(-1, cols)
     m = flat.shape[0]
     if m <= DIRECT_ROWS:
-        x32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
-        y = torch.empty(m, rows_out, dtype=torch.float32)
-        (_KERNELS or kernels())[mode](x32.data_ptr(), data.data_ptr(), type_id, m, rows_out, cols, y.data_ptr(),
-                       torch.get_num_threads())
-        return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], rows_out)
+        io_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        rows = flat if flat.dtype == io_dtype and flat.is_contiguous() else flat.to(io_dtype).contiguous()
+        y = torch.empty(m, rows_out, dtype=io_dtype)
+        (_KERNELS or kernels())[mode](rows.data_ptr(), data.data_ptr(), type_id, m, rows_out, cols, y.data_ptr(),
+                                      int(io_dtype == torch.bfloat16), torch.get_num_threads())
+        return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], rows_out)
     weight = PackedWeight(data, _TYPE_NAMES[type_id], rows_out, cols)
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     flat = flat.to(dtype)

@@ -15,7 +15,8 @@
  *   gguf_linear_fast    y = x @ w^T with x quantized to 8 bits per block of 32 (a float scale,
  *                       round to nearest) and integer dot products (AVX512-VNNI where the
  *                       CPU has it), as llama.cpp computes.
- * The work is split over threads by output rows. x and y are float32, [m, k] and [m, n].
+ * The work is split over threads by output rows. x [m, k] and y [m, n] are float32, or
+ * bfloat16 (io_bf16); products and sums are float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,6 +49,13 @@ static inline float f16_to_f32(const uint8_t *p) {
     memcpy(&f, &bits, sizeof f);
     return f;
 #endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
@@ -304,8 +312,26 @@ static inline __attribute__((always_inline)) void exact_tile(const float *x, con
     }
 }
 
-int gguf_linear_exact(const float *x, const uint8_t *w, int type, int m, int n, int k, float *y, int num_threads) {
+/* x [m, k] as float32: itself, or (io_bf16) a converted copy to free with release_rows */
+static const float *float_rows(const void *x, int io_bf16, int64_t count) {
+    if (!io_bf16) return (const float *)x;
+    float *copy = malloc(sizeof(float) * count);
+    if (copy)
+        for (int64_t j = 0; j < count; j++) copy[j] = bf16_to_f32(((const uint16_t *)x)[j]);
+    return copy;
+}
+
+static inline void store_out(void *y, int io_bf16, int64_t at, float v) {
+    if (io_bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
+    else ((float *)y)[at] = v;
+}
+
+/* x [m, k] and y [m, n]: float32, or bfloat16 with io_bf16 (sums are float32 either way) */
+int gguf_linear_exact(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
+                      int num_threads) {
     if (type < 0 || type > Q6_K) return -1;
+    const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
+    if (!x) return -2;
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int r = 0; r < n; r++) {
@@ -314,9 +340,10 @@ int gguf_linear_exact(const float *x, const uint8_t *w, int type, int m, int n, 
             float out[MAX_ROWS] = {0};
 #define EXACT(T, R) exact_tile(x + (int64_t)i0 * k, w + r * row_bytes, T, k, R, out)
             DISPATCH(EXACT)
-            for (int i = 0; i < rows; i++) y[(int64_t)(i0 + i) * n + r] = out[i];
+            for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
         }
     }
+    if (io_bf16) free((void *)x);
     return 0;
 }
 
@@ -405,15 +432,19 @@ static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint
     }
 }
 
-int gguf_linear_fast(const float *x, const uint8_t *w, int type, int m, int n, int k, float *y, int num_threads) {
+int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
+                     int num_threads) {
     if (type < 0 || type > Q6_K) return -1;
+    const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
+    if (!x) return -2;
     int xblocks = k / 32;
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     int8_t *xq = malloc((size_t)m * k);
     float *dx = malloc(sizeof(float) * m * xblocks), *hs = malloc(sizeof(float) * m * xblocks * 2);
-    if (!xq || !dx || !hs) { free(xq); free(dx); free(hs); return -2; }
+    if (!xq || !dx || !hs) { free(xq); free(dx); free(hs); if (io_bf16) free((void *)x); return -2; }
     for (int i = 0; i < m; i++)
         quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2);
+    if (io_bf16) free((void *)x);
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int r = 0; r < n; r++) {
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
@@ -422,7 +453,7 @@ int gguf_linear_fast(const float *x, const uint8_t *w, int type, int m, int n, i
             QRows xr = {xq + (int64_t)i0 * k, dx + i0 * xblocks, hs + i0 * xblocks * 2, xblocks};
 #define FAST(T, R) fast_tile(xr, w + r * row_bytes, T, k, R, out)
             DISPATCH(FAST)
-            for (int i = 0; i < rows; i++) y[(int64_t)(i0 + i) * n + r] = out[i];
+            for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
         }
     }
     free(xq); free(dx); free(hs);
