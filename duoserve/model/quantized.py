@@ -90,17 +90,18 @@ def dequantize_rows(weight: PackedWeight, dtype: torch.dtype, ids: torch.Tensor 
 
 
 def packed_linear(x: torch.Tensor, data: torch.Tensor, type_id: int, cols: int, mode: str) -> torch.Tensor:
-    """x [..., cols] @ W^T for W given as GGUF blocks ``data`` [rows, bytes per row]; x's dtype out."""
+    """x [..., cols] @ W^T for W given as GGUF blocks ``data`` [rows, bytes per row]; x's dtype out.
+    The few-row path runs once per linear layer and decode step: kept to the fewest torch calls."""
     rows_out = data.shape[0]
-    flat = x.reshape(-1, cols)
-    m = flat.shape[0]
+    m = x.numel() // cols
     if m <= DIRECT_ROWS:
-        io_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        rows = flat if flat.dtype == io_dtype and flat.is_contiguous() else flat.to(io_dtype).contiguous()
-        y = torch.empty(m, rows_out, dtype=io_dtype)
-        (_KERNELS or kernels())[mode](rows.data_ptr(), data.data_ptr(), type_id, m, rows_out, cols, y.data_ptr(),
-                                      int(io_dtype == torch.bfloat16), torch.get_num_threads())
-        return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], rows_out)
+        if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+            return packed_linear(x.float().contiguous(), data, type_id, cols, mode).to(x.dtype)
+        y = x.new_empty((*x.shape[:-1], rows_out))
+        (_KERNELS or kernels())[mode](x.data_ptr(), data.data_ptr(), type_id, m, rows_out, cols, y.data_ptr(),
+                                      x.dtype == torch.bfloat16, torch.get_num_threads())
+        return y
+    flat = x.reshape(-1, cols)
     weight = PackedWeight(data, _TYPE_NAMES[type_id], rows_out, cols)
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     flat = flat.to(dtype)
