@@ -257,3 +257,25 @@ def test_default_model_greedy_text_and_perplexity(default_model, smol_packed):
             assert got == want
         else:
             assert sum(a[:4] == b[:4] for a, b in zip(got, want)) >= 6
+
+
+def test_cpp_kernel_of_the_op_equals_the_python_kernel():
+    """duoserve::gguf_linear's C++ kernel (csrc/gguf_ops.cpp, built in CI) against packed_linear."""
+    from duoserve.model.cpu_kernels import load_torch_op_library
+    from duoserve.model.custom_ops import define_ops
+
+    define_ops()
+    assert load_torch_op_library("gguf_ops", "gguf_linear"), "CI has a C++ compiler: the op's C++ kernel builds"
+    for type_name in ("Q4_1", "Q6_K"):
+        raw, _ = random_blocks(type_name, 24, 256, seed=5)
+        data = torch.from_numpy(np.ascontiguousarray(raw))
+        type_id = BLOCK_TYPES[type_name][0]
+        for m in (1, DIRECT_ROWS, DIRECT_ROWS + 1, 40):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                x = torch.randn(m, 256).to(dtype)
+                for mode in ("fast", "exact"):
+                    got = torch.ops.duoserve.gguf_linear(x, data, type_id, 256, mode)
+                    want = packed_linear(x, data, type_id, 256, mode)
+                    assert got.dtype == dtype and got.shape == want.shape
+                    tol = 0 if m <= DIRECT_ROWS else 1e-2 * want.abs().max().item()  # GEMMs: summation order
+                    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)

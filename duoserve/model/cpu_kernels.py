@@ -1,11 +1,14 @@
 """Optional C kernels for the CPU, compiled on first use with the system C compiler.
 
-``csrc/paged_decode.c`` (decode attention that reads K and V straight from their blocks)
-and ``csrc/small_m_linear.c`` (linear layers over the few rows of a decode step, at the
-memory bandwidth) are each built once per source version and machine into
-``~/.cache/duoserve/kernels`` and loaded with ctypes (no torch headers, so each compiles
-in about a second). Without a compiler, or with ``DUOSERVE_C_KERNELS=0``, the torch
-paths run instead; a failed build says so once in the log.
+``csrc/paged_decode.c`` (decode attention that reads K and V straight from their blocks),
+``csrc/small_m_linear.c`` (linear layers over the few rows of a decode step, at the
+memory bandwidth) and ``csrc/gguf_linear.c`` (linear layers from GGUF blocks) are each
+built once per source version and machine into ``~/.cache/duoserve/kernels`` and loaded
+with ctypes (no torch headers, so each compiles in about a second). Without a compiler,
+or with ``DUOSERVE_C_KERNELS=0``, the torch paths run instead; a failed build says so once
+in the log. ``csrc/gguf_ops.cpp`` is the one C++ file: the CPU kernel of the op
+``duoserve::gguf_linear`` over gguf_linear.c, built against torch's headers (~10 s, once)
+and loaded as a torch library; without a C++ compiler the op's Python kernel runs.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def _cache_dir() -> Path:
 
 
 def _build(source: Path) -> Path | None:
-    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    compiler = _compilers()[0]
     if compiler is None:
         logger.info("no C compiler found: %s runs on the torch path", source.stem)
         return None
@@ -53,6 +56,51 @@ def _build(source: Path) -> Path | None:
             return None
         os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
     return target
+
+
+def _compilers() -> tuple[str | None, str | None]:
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    return cc, cxx
+
+
+@lru_cache(maxsize=None)
+def load_torch_op_library(name: str, c_source: str) -> bool:
+    """Build ``csrc/<name>.cpp`` with ``csrc/<c_source>.c`` into one library against this torch and
+    load it (it registers op kernels); False, with one log line, where it cannot be."""
+    if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":
+        return False
+    cc, cxx = _compilers()
+    if cc is None or cxx is None:
+        logger.info("no C/C++ compiler found: %s runs its Python kernel", name)
+        return False
+    cpp, c = _CSRC / f"{name}.cpp", _CSRC / f"{c_source}.c"
+    torch_dir = Path(torch.__file__).parent
+    tag = hashlib.sha256(cpp.read_bytes() + c.read_bytes() + f"{cc}{cxx}{torch.__version__}".encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{tag}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            obj, partial = Path(tmp) / f"{c_source}.o", Path(tmp) / target.name
+            abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+            steps = [
+                [cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(c), "-o", str(obj)],
+                [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                 f"-I{torch_dir / 'include'}", str(cpp), str(obj), "-o", str(partial), f"-L{torch_dir / 'lib'}",
+                 "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"],
+            ]
+            for cmd in steps:
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    logger.warning("building %s failed, its Python kernel runs: %s", cpp.name, result.stderr[-2000:])
+                    return False
+            os.replace(partial, target)
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("cannot load %s, its Python kernel runs: %s", target.name, exc)
+        return False
+    return True
 
 
 @lru_cache(maxsize=None)

@@ -61,7 +61,10 @@ def define_ops() -> torch.library.Library:
     lib.impl("linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])), "Meta")
     lib.define("gguf_linear(Tensor x, Tensor blocks, int type_id, int cols, str mode) -> Tensor")
     lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
-    lib.impl("gguf_linear", packed_linear, "CPU")
+    from duoserve.model.cpu_kernels import load_torch_op_library
+
+    if not load_torch_op_library("gguf_ops", "gguf_linear"):  # the C++ kernel registers itself
+        lib.impl("gguf_linear", packed_linear, "CPU")
     lib.impl("gguf_linear", lambda x, blocks, type_id, cols, mode: x.new_empty((*x.shape[:-1], blocks.shape[0])),
              "Meta")
     lib.impl("gguf_embedding", gguf_embedding, "CPU")

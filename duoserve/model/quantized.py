@@ -135,6 +135,12 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return holder[0]
 
 
+def define_ops() -> None:
+    from duoserve.model.custom_ops import define_ops as define
+
+    define()
+
+
 class GGUFLinear(nn.Module):
     """y = x @ W^T (+ b) with W kept as GGUF blocks. A fused projection (Q/K/V, gate/up) whose
     parts come in different block types keeps one packed weight per type run, outputs joined."""
@@ -146,18 +152,13 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.rows for p in parts)
         self.bias = bias
         self.mode = mode
+        define_ops()  # duoserve::gguf_linear: the C++ kernel where it builds, else packed_linear
         for i, part in enumerate(self.parts):  # buffers: moved and counted with the module
             self.register_buffer(f"packed_{i}", part.data, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compiling = torch.compiler.is_compiling()
-        outs = []
-        for i, part in enumerate(self.parts):
-            data = getattr(self, f"packed_{i}")
-            if compiling:
-                outs.append(torch.ops.duoserve.gguf_linear(x, data, part.type_id, part.cols, self.mode))
-            else:
-                outs.append(packed_linear(x, data, part.type_id, part.cols, self.mode))
+        outs = [torch.ops.duoserve.gguf_linear(x, getattr(self, f"packed_{i}"), part.type_id, part.cols, self.mode)
+                for i, part in enumerate(self.parts)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
