@@ -41,7 +41,8 @@ def make_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
 def run_duoserve(args, prompts) -> dict:
     from duoserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory=2.0)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory=2.0,
+              quantization=args.quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf", "int8", "auto"],
+                        help="duoserve's weights (default: none, the dequantized weights transformers runs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = make_prompts(args.num_prompts, args.prompt_len)

@@ -8,7 +8,7 @@ Each server runs alone on the machine, started and stopped by this script. The c
 ``vllm bench serve`` (random 128-token prompts, 128 output tokens, ``--ignore-eos``) at
 1 and 32 concurrent streams, then with Poisson arrivals at ``--rate`` requests/s. Also
 recorded: seconds from start to a healthy server, and peak resident memory of the
-server's process tree. Prints one JSON document.
+server's process tree and of its largest process (duoserve's engine). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from _common import wait_healthy
 NAME = "smollm2-135m"
 
 
-def tree_rss_kb(pid: int) -> int:
-    """Resident memory of a process and its descendants, in KiB."""
-    total, stack = 0, [pid]
+def tree_rss_kb(pid: int) -> tuple[int, int]:
+    """Resident memory of a process and its descendants, and of the largest one of them, in KiB."""
+    total, largest, stack = 0, 0, [pid]
     while stack:
         p = stack.pop()
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            total, largest = total + rss, max(largest, rss)
             stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
         except (FileNotFoundError, StopIteration, ProcessLookupError):
             pass
-    return total
+    return total, largest
 
 
 class Running:
@@ -48,7 +49,7 @@ class Running:
         start = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                      start_new_session=True)
-        self.peak_kb = 0
+        self.peak_kb = self.peak_largest_kb = 0
         try:
             wait_healthy(f"http://127.0.0.1:{port}{health}", 600, lambda: self.proc.poll() is None)
         except RuntimeError as exc:
@@ -57,7 +58,8 @@ class Running:
         self.sample_memory()
 
     def sample_memory(self) -> None:
-        self.peak_kb = max(self.peak_kb, tree_rss_kb(self.proc.pid))
+        total, largest = tree_rss_kb(self.proc.pid)
+        self.peak_kb, self.peak_largest_kb = max(self.peak_kb, total), max(self.peak_largest_kb, largest)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -103,6 +105,7 @@ def run_suite(args, server: Running, client_args: tuple[str, ...] = ()) -> dict:
     if "poisson" in suite:
         result["poisson"] = bench(args, server, None, args.batch_prompts, args.rate, client_args)
     result["peak_rss_mb"] = server.peak_kb / 1024
+    result["peak_rss_largest_process_mb"] = server.peak_largest_kb / 1024  # duoserve: the engine
     return result
 
 

@@ -25,13 +25,15 @@ def main() -> None:
                         help="passed on when given (older checkouts have no such option; the default "
                              "model is a GGUF file, which now defaults to gguf)")
     parser.add_argument("--gguf-mode", default=None, choices=["fast", "exact"])
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     import duoserve
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
 
-    extra = {k: v for k, v in (("quantization", args.quantization), ("gguf_mode", args.gguf_mode)) if v}
+    extra = {k: v for k, v in (("quantization", args.quantization), ("gguf_mode", args.gguf_mode),
+                               ("kv_cache_dtype", args.kv_cache_dtype)) if v}
     engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads, **extra).engine
     rng = random.Random(0)
 

@@ -26,12 +26,12 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
                  num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 quantization: str = "auto", gguf_mode: str = "fast") -> None:
+                 quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto") -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
                               quantization=quantization, gguf_mode=gguf_mode),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
