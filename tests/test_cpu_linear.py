@@ -47,3 +47,23 @@ def test_swap_shares_the_weights(smol_llm):
     assert [model[0].weight.data_ptr(), model[2].weight.data_ptr()] == weights, "no copy of any weight"
     served = smol_llm.engine.runner.model
     assert served.tied_head.weight.data_ptr() == served.embed.weight.data_ptr(), "the tied head is the table"
+
+
+def test_cpp_kernel_of_the_linear_op_equals_the_python_kernel():
+    """duoserve::linear's C++ kernel (csrc/cpu_ops.cpp, built in CI) computes what linear_any_m does,
+    bit for bit: the same small-row C kernel or the same oneDNN call."""
+    from duoserve.model.cpu_kernels import load_torch_op_library
+    from duoserve.model.cpu_linear import linear_any_m
+    from duoserve.model.custom_ops import define_ops
+
+    define_ops()
+    assert load_torch_op_library(), "CI has a C++ compiler: the ops' C++ kernels build"
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, b = torch.randn(40, 64).to(dtype), torch.randn(40).to(dtype)
+        for m in (1, 2, 3, 4, 5, 17):
+            for bias in (None, b):
+                x = torch.randn(m, 64).to(dtype)
+                assert torch.equal(torch.ops.duoserve.linear(x, w, bias), linear_any_m(x, w, bias))
+        x3 = torch.randn(2, 3, 64).to(dtype)
+        assert torch.equal(torch.ops.duoserve.linear(x3, w, b), linear_any_m(x3, w, b))

@@ -6,9 +6,10 @@ memory bandwidth) and ``csrc/gguf_linear.c`` (linear layers from GGUF blocks) ar
 built once per source version and machine into ``~/.cache/duoserve/kernels`` and loaded
 with ctypes (no torch headers, so each compiles in about a second). Without a compiler,
 or with ``DUOSERVE_C_KERNELS=0``, the torch paths run instead; a failed build says so once
-in the log. ``csrc/gguf_ops.cpp`` is the one C++ file: the CPU kernel of the op
-``duoserve::gguf_linear`` over gguf_linear.c, built against torch's headers (~10 s, once)
-and loaded as a torch library; without a C++ compiler the op's Python kernel runs.
+in the log. ``csrc/cpu_ops.cpp`` is the one C++ file: the CPU kernels of the ops
+``duoserve::linear`` and ``duoserve::gguf_linear`` over small_m_linear.c and gguf_linear.c,
+built against torch's headers (~15 s, once) and loaded as a torch library; without a C++
+compiler the ops' Python kernels run.
 """
 
 from __future__ import annotations
@@ -65,40 +66,41 @@ def _compilers() -> tuple[str | None, str | None]:
 
 
 @lru_cache(maxsize=None)
-def load_torch_op_library(name: str, c_source: str) -> bool:
-    """Build ``csrc/<name>.cpp`` with ``csrc/<c_source>.c`` into one library against this torch and
+def load_torch_op_library(name: str = "cpu_ops", c_sources: tuple[str, ...] = ("small_m_linear", "gguf_linear")) -> bool:
+    """Build ``csrc/<name>.cpp`` with ``csrc/<c_sources>.c`` into one library against this torch and
     load it (it registers op kernels); False, with one log line, where it cannot be."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":
         return False
     cc, cxx = _compilers()
     if cc is None or cxx is None:
-        logger.info("no C/C++ compiler found: %s runs its Python kernel", name)
+        logger.info("no C/C++ compiler found: the ops of %s run their Python kernels", name)
         return False
-    cpp, c = _CSRC / f"{name}.cpp", _CSRC / f"{c_source}.c"
+    cpp, sources = _CSRC / f"{name}.cpp", [_CSRC / f"{c}.c" for c in c_sources]
     torch_dir = Path(torch.__file__).parent
-    tag = hashlib.sha256(cpp.read_bytes() + c.read_bytes() + f"{cc}{cxx}{torch.__version__}".encode()).hexdigest()[:16]
+    text = cpp.read_bytes() + b"".join(c.read_bytes() for c in sources)
+    tag = hashlib.sha256(text + f"{cc}{cxx}{torch.__version__}".encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{tag}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            obj, partial = Path(tmp) / f"{c_source}.o", Path(tmp) / target.name
+            objects, partial = [Path(tmp) / f"{c.stem}.o" for c in sources], Path(tmp) / target.name
             abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-            steps = [
-                [cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(c), "-o", str(obj)],
-                [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                 f"-I{torch_dir / 'include'}", str(cpp), str(obj), "-o", str(partial), f"-L{torch_dir / 'lib'}",
-                 "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"],
-            ]
+            steps = [[cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(c), "-o", str(o)]
+                     for c, o in zip(sources, objects)]
+            steps.append([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                          f"-I{torch_dir / 'include'}", str(cpp), *map(str, objects), "-o", str(partial),
+                          f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"])
             for cmd in steps:
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
-                    logger.warning("building %s failed, its Python kernel runs: %s", cpp.name, result.stderr[-2000:])
+                    logger.warning("building %s failed, its ops run their Python kernels: %s", cpp.name,
+                                   result.stderr[-2000:])
                     return False
             os.replace(partial, target)
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as exc:
-        logger.warning("cannot load %s, its Python kernel runs: %s", target.name, exc)
+        logger.warning("cannot load %s, its ops run their Python kernels: %s", target.name, exc)
         return False
     return True
 

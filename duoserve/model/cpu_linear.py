@@ -40,19 +40,21 @@ def linear_any_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class CPULinear(nn.Module):
-    """y = x @ W^T (+ b): the small-row C kernel for a few rows, oneDNN's GEMM for more; inside a
-    compiled graph, the opaque op ``duoserve::linear`` (``duoserve.model.custom_ops``)."""
+    """y = x @ W^T (+ b): the small-row C kernel for a few rows, oneDNN's GEMM for more, as the op
+    ``duoserve::linear`` (``duoserve.model.custom_ops``): opaque inside a compiled graph, with a C++
+    kernel (``csrc/cpu_ops.cpp``) where one builds and ``linear_any_m`` otherwise."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight.detach()      # shared with the module it replaces, never copied
         self.bias = None if bias is None else bias.detach()
+        from duoserve.model.custom_ops import define_ops
+
+        define_ops()  # duoserve::linear: the C++ kernel where it builds, else linear_any_m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.duoserve.linear(x, self.weight, self.bias)
-        return linear_any_m(x, self.weight, self.bias)
+        return torch.ops.duoserve.linear(x, self.weight, self.bias)
 
 
 def use_cpu_linears(model: nn.Module) -> int:

@@ -57,13 +57,14 @@ def define_ops() -> torch.library.Library:
         k_cache, v_cache = ctx.kv_caches[layer]
         return paged_attention(q, k, v, k_cache, v_cache, ctx.meta, module.scale, module.head_slot)
 
-    lib.impl("linear", linear_any_m, "CPU")
+
     lib.impl("linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])), "Meta")
     lib.define("gguf_linear(Tensor x, Tensor blocks, int type_id, int cols, str mode) -> Tensor")
     lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
     from duoserve.model.cpu_kernels import load_torch_op_library
 
-    if not load_torch_op_library("gguf_ops", "gguf_linear"):  # the C++ kernel registers itself
+    if not load_torch_op_library():  # csrc/cpu_ops.cpp registers the C++ kernels of both linears
+        lib.impl("linear", linear_any_m, "CPU")
         lib.impl("gguf_linear", packed_linear, "CPU")
     lib.impl("gguf_linear", lambda x, blocks, type_id, cols, mode: x.new_empty((*x.shape[:-1], blocks.shape[0])),
              "Meta")

@@ -12,6 +12,10 @@ its raw blocks (the bytes of the file, a quarter to a half of bf16's) and runs
   into a small buffer in the engine dtype and multiply with oneDNN's GEMM: the buffer
   stays in cache, so the cost over a dense weight is one pass over the packed bytes.
 
+Both are ``packed_linear`` here, the Python kernel of the op ``duoserve::gguf_linear``;
+where a C++ compiler is found the op's kernel is ``csrc/cpu_ops.cpp`` instead, the same
+computation without Python between the dispatcher and the C code.
+
 ``--quantization int8`` quantizes any checkpoint's linear weights per output channel at
 load and multiplies with torch's own int8-weight kernel. Without a C compiler a GGUF
 model is dequantized at load instead, with one log line.
@@ -20,7 +24,6 @@ model is dequantized at load instead, with one log line.
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -30,12 +33,9 @@ from torch import nn
 from duoserve.model.cpu_kernels import _load
 from duoserve.model.cpu_linear import linear_any_m
 
-logger = logging.getLogger(__name__)
-
 # GGUF type name -> (id in gguf_linear.c, values per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
                "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210)}
-MODES = ("fast", "exact")
 DIRECT_ROWS = 8             # rows computed straight from the blocks; more: dequantize + GEMM (measured)
 SLICE_VALUES = 1 << 21      # weight values dequantized at a time for the GEMM path (4 MB bf16)
 

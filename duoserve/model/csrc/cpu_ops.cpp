@@ -1,9 +1,13 @@
-// The CPU kernel of the op duoserve::gguf_linear in C++, over the functions of gguf_linear.c.
+// The CPU kernels of the ops duoserve::linear and duoserve::gguf_linear in C++, over the C
+// functions of small_m_linear.c and gguf_linear.c.
 //
-// The same computation as `packed_linear` in quantized.py (the Python kernel registered when
-// this file cannot be built): up to DIRECT_ROWS rows straight from the blocks, more rows
-// dequantized a slice at a time into a reused buffer and multiplied by oneDNN. What it saves is Python: a decode step calls this op once per linear layer, and
-// each call through Python costs ~5 us, about 1 ms a step for the default model.
+// Each computes what its Python kernel computes (`linear_any_m` in cpu_linear.py,
+// `packed_linear` in quantized.py; those are registered when this file cannot be built):
+// - linear: up to SMALL_M rows with the bandwidth-bound C kernel, more with oneDNN's linear;
+// - gguf_linear: up to DIRECT_ROWS rows straight from the blocks, more rows dequantized a
+//   slice at a time into a reused buffer and multiplied by oneDNN.
+// What they save is Python: a decode step calls one of them for every linear layer, and each
+// call through Python costs ~5 us, 1-2 ms a step for the default model.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,11 +24,14 @@ int gguf_linear_exact(const void *x, const uint8_t *w, int type, int m, int n, i
                       int num_threads);
 int gguf_linear_fast(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
                      int num_threads);
+int small_m_linear(const void *x, const void *w, const void *bias, void *y, int is_bf16, int m, int n, int k,
+                   int num_threads);
 }
 
 namespace {
 
 constexpr int64_t DIRECT_ROWS = 8;       // as quantized.DIRECT_ROWS
+constexpr int64_t SMALL_M_F32 = 4, SMALL_M_BF16 = 2;  // as cpu_linear.SMALL_M
 constexpr int64_t SLICE_VALUES = 1 << 21;  // as quantized.SLICE_VALUES
 
 at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
@@ -36,14 +43,29 @@ at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
 
 // x @ w^T with oneDNN's linear over a plain weight (twice as fast as at::linear in float32 here,
 // the same in bfloat16: cpu_linear.py measured it), or at::linear without oneDNN
-at::Tensor dense_linear(const at::Tensor &x, const at::Tensor &w) {
+at::Tensor dense_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias = {}) {
     static const std::optional<c10::OperatorHandle> onednn =
         c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-    if (!onednn) return at::linear(x, w);
-    torch::jit::Stack stack{x, w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
-                            c10::IValue()};
+    if (!onednn) return at::linear(x, w, bias);
+    torch::jit::Stack stack{x, w, bias ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), c10::IValue()};
     onednn->callBoxed(&stack);
     return stack[0].toTensor();
+}
+
+at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    const at::ScalarType dtype = weight.scalar_type();
+    const int64_t n = weight.size(0), k = weight.size(1), m = x.numel() / k;
+    const int64_t small = dtype == at::kFloat ? SMALL_M_F32 : dtype == at::kBFloat16 ? SMALL_M_BF16 : 0;
+    if (m > small || x.scalar_type() != dtype || !weight.is_contiguous()) return dense_linear(x, weight, bias);
+    const at::Tensor rows = x.contiguous();
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n;
+    at::Tensor y = at::empty(sizes, x.options());
+    const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+    small_m_linear(rows.data_ptr(), weight.data_ptr(), b.defined() ? b.data_ptr() : nullptr, y.data_ptr(),
+                   dtype == at::kBFloat16, (int)m, (int)n, (int)k, at::get_num_threads());
+    return y;
 }
 
 at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t type_id, int64_t cols,
@@ -86,4 +108,7 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t ty
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(duoserve, CPU, m) { m.impl("gguf_linear", &gguf_linear); }
+TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
+    m.impl("linear", &linear);
+    m.impl("gguf_linear", &gguf_linear);
+}
