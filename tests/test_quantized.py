@@ -278,3 +278,15 @@ def test_cpp_kernel_of_the_op_equals_the_python_kernel():
                     want = packed_linear(x, data, type_id, 256, mode)
                     assert got.dtype == dtype and got.shape == want.shape
                     assert torch.equal(got, want)  # the same kernels: the blocks' or oneDNN's
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
+    """Rows of 3 blocks of 32: the VNNI tile takes blocks two at a time and the last one alone."""
+    raw, ref = random_blocks(type_name, 12, 96, seed=6)
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    for m in (1, 3, DIRECT_ROWS):
+        x = torch.randn(m, 96)
+        got = packed_linear(x, data, BLOCK_TYPES[type_name][0], 96, "fast")
+        emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
+        torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())

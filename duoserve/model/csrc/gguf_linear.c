@@ -368,47 +368,89 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *ha
     }
 }
 
-#if defined(VECTOR) && defined(__AVX512VNNI__)
+#if defined(VECTOR) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define VNNI 1
 #endif
 
-/* the quantized rows of x: values, the scale of each block of 32, dx * sum per half of 16 */
-typedef struct { const int8_t *q; const float *d, *half_sums; int xblocks; } QRows;
+/* the quantized rows of x: values, the scale of each block of 32 (d; and d8: each repeated 8
+ * times, one per lane of a dot product's half), dx * sum per half of 16 */
+typedef struct { const int8_t *q; const float *d, *d8, *half_sums; int xblocks; } QRows;
 
+#ifdef VNNI
+/* Two sub-blocks (64 values) a step in 512-bit registers: one vpdpbusd for all 64 products,
+ * lanes 0-3 / 4-7 / 8-11 / 12-15 summing the four halves of 16, each scaled by its weight
+ * scale times its block's dx (d8), offsets times the halves' sums four at a time. */
+static inline __attribute__((always_inline)) void fast_tile_vnni(QRows xr, const uint8_t *row, int type, int k,
+                                                                 const int rows, float *out) {
+    const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
+    const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    __m512 acc[MAX_ROWS];
+    __m128 offset_acc[MAX_ROWS];
+    float tail[MAX_ROWS];
+    for (int i = 0; i < rows; i++) { acc[i] = _mm512_setzero_ps(); offset_acc[i] = _mm_setzero_ps(); tail[i] = 0.0f; }
+    int g = 0;
+    for (; g + 1 < xblocks; g += 2) {
+        const uint8_t *b0 = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
+        const uint8_t *b1 = row + (int64_t)((g + 1) / subs) * BLOCK_BYTES[type];
+        const int s0 = g % subs, s1 = (g + 1) % subs;
+        __builtin_prefetch(b0 + row_bytes);
+        float sc0[2], of0[2], sc1[2], of1[2];
+        sub_scales(type, b0, s0, sc0, of0);
+        sub_scales(type, b1, s1, sc1, of1);
+        const __m512i qv = _mm512_inserti64x4(_mm512_castsi256_si512(sub_values_vec(type, b0, s0)),
+                                              sub_values_vec(type, b1, s1), 1);
+        const __m512 sv = _mm512_insertf32x8(
+            _mm512_castps256_ps512(_mm256_insertf128_ps(_mm256_set1_ps(sc0[0]), _mm_set1_ps(sc0[1]), 1)),
+            _mm256_insertf128_ps(_mm256_set1_ps(sc1[0]), _mm_set1_ps(sc1[1]), 1), 1);
+        const __m128 ov = _mm_setr_ps(of0[0], of0[1], of1[0], of1[1]);
+        for (int i = 0; i < rows; i++) {
+            const int64_t at = (int64_t)i * xblocks + g;
+            __m512i xv = _mm512_loadu_si512((const void *)(xr.q + (int64_t)i * k + g * 32));
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);
+            __m512 f = _mm512_mul_ps(sv, _mm512_loadu_ps(xr.d8 + at * 8));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[i]);
+            offset_acc[i] = _mm_fmadd_ps(ov, _mm_loadu_ps(xr.half_sums + at * 2), offset_acc[i]);
+        }
+    }
+    if (g < xblocks) {  /* an odd number of sub-blocks: the last one on its own */
+        const uint8_t *b = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
+        float scale[2], offset[2];
+        uint8_t q[32];
+        sub_scales(type, b, g % subs, scale, offset);
+        sub_values(type, b, g % subs, q);
+        for (int i = 0; i < rows; i++) {
+            const int64_t at = (int64_t)i * xblocks + g;
+            const int8_t *xv = xr.q + (int64_t)i * k + g * 32;
+            int dot[2] = {0, 0};
+            for (int j = 0; j < 32; j++) dot[j >> 4] += (int)q[j] * (int)xv[j];
+            tail[i] = xr.d[at] * (scale[0] * (float)dot[0] + scale[1] * (float)dot[1]) +
+                      offset[0] * xr.half_sums[at * 2] + offset[1] * xr.half_sums[at * 2 + 1];
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        __m128 o = _mm_add_ps(offset_acc[i], _mm_movehl_ps(offset_acc[i], offset_acc[i]));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        out[i] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(o) + tail[i];
+    }
+}
+#endif
+
+/* the portable version: one sub-block of 32 a step, integer dot products in plain C */
 static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint8_t *row, int type, int k,
                                                             const int rows, float *out) {
     int per_block = BLOCK_VALUES[type], blocks = k / per_block, subs = per_block / 32;
     int64_t row_bytes = (int64_t)blocks * BLOCK_BYTES[type];
-    float offset_acc[MAX_ROWS];
-#ifdef VNNI
-    __m256 acc[MAX_ROWS];
-    for (int i = 0; i < rows; i++) { acc[i] = _mm256_setzero_ps(); offset_acc[i] = 0.0f; }
-#else
-    float acc[MAX_ROWS];
+    float acc[MAX_ROWS], offset_acc[MAX_ROWS];
     for (int i = 0; i < rows; i++) { acc[i] = 0.0f; offset_acc[i] = 0.0f; }
-#endif
     for (int blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + (int64_t)blk * BLOCK_BYTES[type];
         __builtin_prefetch(b + row_bytes);
         for (int s = 0; s < subs; s++) {
             float scale[2], offset[2];
-            sub_scales(type, b, s, scale, offset);
-            int xb = blk * subs + s;
-#ifdef VNNI
-            __m256i qv = sub_values_vec(type, b, s);
-            /* lanes 0-3 sum the first half of 16 values, lanes 4-7 the second */
-            __m256 sv = _mm256_insertf128_ps(_mm256_set1_ps(scale[0]), _mm_set1_ps(scale[1]), 1);
-            for (int i = 0; i < rows; i++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xr.q + (int64_t)i * k + xb * 32));
-                __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qv, xv);
-                __m256 f = _mm256_mul_ps(sv, _mm256_set1_ps(xr.d[i * xr.xblocks + xb]));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i]);
-                const float *h = xr.half_sums + (i * xr.xblocks + xb) * 2;
-                offset_acc[i] += offset[0] * h[0] + offset[1] * h[1];
-            }
-#else
             uint8_t q[32];
+            sub_scales(type, b, s, scale, offset);
             sub_values(type, b, s, q);
+            int xb = blk * subs + s;
             for (int i = 0; i < rows; i++) {
                 const int8_t *xv = xr.q + (int64_t)i * k + xb * 32;
                 int dot[2] = {0, 0};
@@ -417,19 +459,9 @@ static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint
                 acc[i] += xr.d[i * xr.xblocks + xb] * (scale[0] * (float)dot[0] + scale[1] * (float)dot[1]);
                 offset_acc[i] += offset[0] * h[0] + offset[1] * h[1];
             }
-#endif
         }
     }
-    for (int i = 0; i < rows; i++) {
-#ifdef VNNI
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-        out[i] = _mm_cvtss_f32(s4) + offset_acc[i];
-#else
-        out[i] = acc[i] + offset_acc[i];
-#endif
-    }
+    for (int i = 0; i < rows; i++) out[i] = acc[i] + offset_acc[i];
 }
 
 int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
@@ -441,21 +473,32 @@ int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n,
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     int8_t *xq = malloc((size_t)m * k);
     float *dx = malloc(sizeof(float) * m * xblocks), *hs = malloc(sizeof(float) * m * xblocks * 2);
-    if (!xq || !dx || !hs) { free(xq); free(dx); free(hs); if (io_bf16) free((void *)x); return -2; }
+    float *d8 = malloc(sizeof(float) * m * xblocks * 8);
+    if (!xq || !dx || !hs || !d8) {
+        free(xq); free(dx); free(hs); free(d8);
+        if (io_bf16) free((void *)x);
+        return -2;
+    }
     for (int i = 0; i < m; i++)
         quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2);
+    for (int64_t j = 0; j < (int64_t)m * xblocks * 8; j++) d8[j] = dx[j / 8];
     if (io_bf16) free((void *)x);
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int r = 0; r < n; r++) {
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
             int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
             float out[MAX_ROWS] = {0};
-            QRows xr = {xq + (int64_t)i0 * k, dx + i0 * xblocks, hs + i0 * xblocks * 2, xblocks};
+            QRows xr = {xq + (int64_t)i0 * k, dx + i0 * xblocks, d8 + (int64_t)i0 * xblocks * 8,
+                        hs + i0 * xblocks * 2, xblocks};
+#ifdef VNNI
+#define FAST(T, R) fast_tile_vnni(xr, w + r * row_bytes, T, k, R, out)
+#else
 #define FAST(T, R) fast_tile(xr, w + r * row_bytes, T, k, R, out)
+#endif
             DISPATCH(FAST)
             for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
         }
     }
-    free(xq); free(dx); free(hs);
+    free(xq); free(dx); free(hs); free(d8);
     return 0;
 }
