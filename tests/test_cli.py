@@ -17,7 +17,7 @@ def test_generate_prints_the_greedy_completion(smol_llm):
     want = smol_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
                              use_tqdm=False)[0].outputs[0].text
     result = duoserve("generate", "--prompt", "The capital of France is", "--max-tokens", "8",
-                      "--kv-cache-memory", "0.5")
+                      "--kv-cache-memory", "0.5", "--dtype", "float32", "--quantization", "none")
     assert result.returncode == 0, result.stderr
     assert result.stdout == want + "\n"
 
