@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,33 +37,45 @@ def _cache_dir() -> Path:
     return Path(root) / "duoserve" / "kernels"
 
 
-def _build(source: Path) -> Path | None:
-    compiler = _compilers()[0]
-    if compiler is None:
-        logger.info("no C compiler found: %s runs on the torch path", source.stem)
-        return None
-    text = source.read_bytes()
-    tag = hashlib.sha256(text + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{tag}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-               str(source), "-o", str(partial), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building %s failed, using the torch path: %s", source.name, result.stderr[-2000:])
-            return None
-        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
-    return target
+C_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 
 
 def _compilers() -> tuple[str | None, str | None]:
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     return cc, cxx
+
+
+def _cached_build(stem: str, sources: list[Path], salt: str,
+                  commands: Callable[[Path, Path], list[list[str]]]) -> Path | None:
+    """``~/.cache/duoserve/kernels/<stem>-<tag>.so``, built by ``commands(tmp_dir, output)`` unless
+    there; the tag covers the sources, the shared headers of csrc/ and ``salt`` (compilers,
+    torch version). None, with one log line, when a command fails."""
+    text = b"".join(p.read_bytes() for p in [*sources, *sorted(_CSRC.glob("*.h"))])
+    tag = hashlib.sha256(text + salt.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{stem}-{tag}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        for cmd in commands(Path(tmp), partial):
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building %s failed, the torch/Python path runs instead: %s", stem,
+                               result.stderr[-2000:])
+                return None
+        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    return target
+
+
+def _build(source: Path) -> Path | None:
+    compiler = _compilers()[0]
+    if compiler is None:
+        logger.info("no C compiler found: %s runs on the torch path", source.stem)
+        return None
+    return _cached_build(source.stem, [source], compiler,
+                         lambda tmp, out: [[compiler, *C_FLAGS, "-shared", str(source), "-o", str(out), "-lm"]])
 
 
 @lru_cache(maxsize=None)
@@ -77,26 +90,18 @@ def load_torch_op_library(name: str = "cpu_ops", c_sources: tuple[str, ...] = ("
         return False
     cpp, sources = _CSRC / f"{name}.cpp", [_CSRC / f"{c}.c" for c in c_sources]
     torch_dir = Path(torch.__file__).parent
-    text = cpp.read_bytes() + b"".join(c.read_bytes() for c in sources)
-    tag = hashlib.sha256(text + f"{cc}{cxx}{torch.__version__}".encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{name}-{tag}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects, partial = [Path(tmp) / f"{c.stem}.o" for c in sources], Path(tmp) / target.name
-            abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-            steps = [[cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(c), "-o", str(o)]
-                     for c, o in zip(sources, objects)]
-            steps.append([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                          f"-I{torch_dir / 'include'}", str(cpp), *map(str, objects), "-o", str(partial),
-                          f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"])
-            for cmd in steps:
-                result = subprocess.run(cmd, capture_output=True, text=True)
-                if result.returncode != 0:
-                    logger.warning("building %s failed, its ops run their Python kernels: %s", cpp.name,
-                                   result.stderr[-2000:])
-                    return False
-            os.replace(partial, target)
+
+    def commands(tmp: Path, out: Path) -> list[list[str]]:
+        objects = [tmp / f"{c.stem}.o" for c in sources]
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        return [*([cc, *C_FLAGS, "-c", str(c), "-o", str(o)] for c, o in zip(sources, objects)),
+                [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                 f"-I{torch_dir / 'include'}", str(cpp), *map(str, objects), "-o", str(out),
+                 f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"]]
+
+    target = _cached_build(name, [cpp, *sources], f"{cc}{cxx}{torch.__version__}", commands)
+    if target is None:
+        return False
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as exc:

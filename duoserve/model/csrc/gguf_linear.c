@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -49,20 +51,6 @@ static inline float f16_to_f32(const uint8_t *p) {
     memcpy(&f, &bits, sizeof f);
     return f;
 #endif
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
 /* the six-bit scale and min of sub-block s (0..7) of a Q4_K/Q5_K super-block */
@@ -376,6 +364,17 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *ha
  * times, one per lane of a dot product's half), dx * sum per half of 16 */
 typedef struct { const int8_t *q; const float *d, *d8, *half_sums; int xblocks; } QRows;
 
+/* one weight sub-block (q, scales, offsets) against sub-block g of quantized row i, in plain C */
+static inline float sub_dot(const uint8_t q[32], const float scale[2], const float offset[2], QRows xr, int i,
+                            int k, int g) {
+    const int64_t at = (int64_t)i * xr.xblocks + g;
+    const int8_t *xv = xr.q + (int64_t)i * k + g * 32;
+    int dot[2] = {0, 0};
+    for (int j = 0; j < 32; j++) dot[j >> 4] += (int)q[j] * (int)xv[j];
+    return xr.d[at] * (scale[0] * (float)dot[0] + scale[1] * (float)dot[1]) +
+           offset[0] * xr.half_sums[at * 2] + offset[1] * xr.half_sums[at * 2 + 1];
+}
+
 #ifdef VNNI
 /* Two sub-blocks (64 values) a step in 512-bit registers: one vpdpbusd for all 64 products,
  * lanes 0-3 / 4-7 / 8-11 / 12-15 summing the four halves of 16, each scaled by its weight
@@ -418,14 +417,8 @@ static inline __attribute__((always_inline)) void fast_tile_vnni(QRows xr, const
         uint8_t q[32];
         sub_scales(type, b, g % subs, scale, offset);
         sub_values(type, b, g % subs, q);
-        for (int i = 0; i < rows; i++) {
-            const int64_t at = (int64_t)i * xblocks + g;
-            const int8_t *xv = xr.q + (int64_t)i * k + g * 32;
-            int dot[2] = {0, 0};
-            for (int j = 0; j < 32; j++) dot[j >> 4] += (int)q[j] * (int)xv[j];
-            tail[i] = xr.d[at] * (scale[0] * (float)dot[0] + scale[1] * (float)dot[1]) +
-                      offset[0] * xr.half_sums[at * 2] + offset[1] * xr.half_sums[at * 2 + 1];
-        }
+        for (int i = 0; i < rows; i++)
+            tail[i] = sub_dot(q, scale, offset, xr, i, k, g);
     }
     for (int i = 0; i < rows; i++) {
         __m128 o = _mm_add_ps(offset_acc[i], _mm_movehl_ps(offset_acc[i], offset_acc[i]));
@@ -440,8 +433,8 @@ static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint
                                                             const int rows, float *out) {
     int per_block = BLOCK_VALUES[type], blocks = k / per_block, subs = per_block / 32;
     int64_t row_bytes = (int64_t)blocks * BLOCK_BYTES[type];
-    float acc[MAX_ROWS], offset_acc[MAX_ROWS];
-    for (int i = 0; i < rows; i++) { acc[i] = 0.0f; offset_acc[i] = 0.0f; }
+    float acc[MAX_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = 0.0f;
     for (int blk = 0; blk < blocks; blk++) {
         const uint8_t *b = row + (int64_t)blk * BLOCK_BYTES[type];
         __builtin_prefetch(b + row_bytes);
@@ -450,18 +443,10 @@ static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint
             uint8_t q[32];
             sub_scales(type, b, s, scale, offset);
             sub_values(type, b, s, q);
-            int xb = blk * subs + s;
-            for (int i = 0; i < rows; i++) {
-                const int8_t *xv = xr.q + (int64_t)i * k + xb * 32;
-                int dot[2] = {0, 0};
-                for (int j = 0; j < 32; j++) dot[j >> 4] += (int)q[j] * (int)xv[j];
-                const float *h = xr.half_sums + (i * xr.xblocks + xb) * 2;
-                acc[i] += xr.d[i * xr.xblocks + xb] * (scale[0] * (float)dot[0] + scale[1] * (float)dot[1]);
-                offset_acc[i] += offset[0] * h[0] + offset[1] * h[1];
-            }
+            for (int i = 0; i < rows; i++) acc[i] += sub_dot(q, scale, offset, xr, i, k, blk * subs + s);
         }
     }
-    for (int i = 0; i < rows; i++) out[i] = acc[i] + offset_acc[i];
+    for (int i = 0; i < rows; i++) out[i] = acc[i];
 }
 
 int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,

@@ -21,12 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
 /* Heads [kv_begin, kv_end) of token t's row, as float32: a pointer into the cache, or (bf16)
  * into ``row`` after conversion. The returned pointer addresses KV head kv_begin. */
@@ -104,6 +99,12 @@ static inline void prefetch_row(const void *cache, int is_bf16, int64_t index, i
 /* One KV head of one sequence, its GROUP query heads' q and output rows in registers (N16 vectors
  * of 16 floats per head): two passes over the head's rows, no scratch copy of them. Inlined with
  * constant GROUP and N16, the loops unroll into register code. */
+/* element index of KV head kv_head of the first token of the block holding token t0 */
+static inline int64_t block_row(const int64_t *table, int t0, int block_size, int num_kv_heads, int kv_head,
+                                int head_dim) {
+    return (table[t0 / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+}
+
 static inline void attend_head(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                                const int64_t *table, int seq_len, int kv_head, int num_kv_heads, int block_size,
                                float scale, float *scores, float *out, const int GROUP, const int N16) {
@@ -113,10 +114,10 @@ static inline void attend_head(const float *q, const void *k_cache, const void *
     int row_bytes = head_dim * (is_bf16 ? 2 : 4);
     for (int i = 0; i < GROUP * N16; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
     for (int t0 = 0; t0 < seq_len; t0 += block_size) {  /* block by block: no division per token */
-        int64_t first = (table[t0 / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+        int64_t first = block_row(table, t0, block_size, num_kv_heads, kv_head, head_dim);
         int count = seq_len - t0 < block_size ? seq_len - t0 : block_size;
         int64_t next = t0 + block_size < seq_len ?
-            (table[t0 / block_size + 1] * block_size * num_kv_heads + kv_head) * head_dim : -1;
+            block_row(table, t0 + block_size, block_size, num_kv_heads, kv_head, head_dim) : -1;
         for (int i = 0; i < count; i++) {
             if (next >= 0) prefetch_row(k_cache, is_bf16, next + i * stride, row_bytes);
             load_row16(k_cache, is_bf16, first + i * stride, N16, row);
@@ -137,10 +138,10 @@ static inline void attend_head(const float *q, const void *k_cache, const void *
     }
     for (int i = 0; i < GROUP * N16; i++) acc[i] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < seq_len; t0 += block_size) {
-        int64_t first = (table[t0 / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+        int64_t first = block_row(table, t0, block_size, num_kv_heads, kv_head, head_dim);
         int count = seq_len - t0 < block_size ? seq_len - t0 : block_size;
         int64_t next = t0 + block_size < seq_len ?
-            (table[t0 / block_size + 1] * block_size * num_kv_heads + kv_head) * head_dim : -1;
+            block_row(table, t0 + block_size, block_size, num_kv_heads, kv_head, head_dim) : -1;
         for (int i = 0; i < count; i++) {
             if (next >= 0) prefetch_row(v_cache, is_bf16, next + i * stride, row_bytes);
             load_row16(v_cache, is_bf16, first + i * stride, N16, row);
