@@ -34,6 +34,10 @@ class PrefillSeq:
     seq_len: int            # tokens in the cache after this step (prefix + chunk)
     block_table: torch.Tensor  # [num_blocks_of_seq] block ids, long
     mask: torch.Tensor | None  # [query_len, seq_len] bool, None when causal over itself
+    # each query token as a decode over its causal context (the C kernel's inputs; built once a
+    # step, read by every layer): the block table per token, and how many tokens each one sees
+    token_block_tables: torch.Tensor  # [query_len, num_blocks_of_seq] long
+    token_seq_lens: torch.Tensor      # [query_len] long: seq_len - query_len + 1 ... seq_len
 
 
 @dataclass(slots=True)
@@ -86,7 +90,9 @@ class AttentionMetadata:
             if seq_len != query_len:
                 rows = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
                 mask = torch.arange(seq_len, device=device)[None, :] <= rows  # [query_len, seq_len]
-            prefills.append(PrefillSeq(start, query_len, seq_len, table, mask))
+            token_tables = table[None, :].expand(query_len, -1).contiguous()
+            token_lens = torch.arange(seq_len - query_len + 1, seq_len + 1, device=device)
+            prefills.append(PrefillSeq(start, query_len, seq_len, table, mask, token_tables, token_lens))
             start += query_len
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -187,10 +193,7 @@ def _prefill_by_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     matmuls or SDPA at every size tried (a 512-token chunk: 2.7 vs 7.9 / 12.2 ms at 512 tokens
     of context, 16.8 vs 26.9 / 38.4 ms at 2048, bf16): the kernel skips the masked half, and
     the small GEMMs of one sequence run far below the machine's rate."""
-    start = seq.seq_len - seq.query_len
-    tables = seq.block_table[None, :].expand(seq.query_len, -1).contiguous()  # [query_len, num_blocks]
-    lens = torch.arange(start + 1, seq.seq_len + 1, device=q.device)  # [query_len]: token i sees start + i + 1
-    return c_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    return c_decode_attention(q, k_cache, v_cache, seq.token_block_tables, seq.token_seq_lens, scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

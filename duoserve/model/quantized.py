@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -122,23 +121,14 @@ def packed_linear(x: torch.Tensor, data: torch.Tensor, type_id: int, cols: int, 
 _TYPE_NAMES = {type_id: name for name, (type_id, _, _) in BLOCK_TYPES.items()}
 
 
-@lru_cache(maxsize=4)
-def _scratch_buffer(dtype: torch.dtype) -> list[torch.Tensor]:
-    return [torch.empty(0, dtype=dtype)]
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}  # one reused buffer per dtype (one step at a time)
 
 
 def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """One reused buffer per dtype for dequantized slices (engines run one step at a time)."""
-    holder = _scratch_buffer(dtype)
-    if holder[0].numel() < numel:
-        holder[0] = torch.empty(numel, dtype=dtype)
-    return holder[0]
-
-
-def define_ops() -> None:
-    from duoserve.model.custom_ops import define_ops as define
-
-    define()
+    """The buffer for dequantized slices of ``dtype``, grown to at least ``numel`` values."""
+    if dtype not in _SCRATCH or _SCRATCH[dtype].numel() < numel:
+        _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return _SCRATCH[dtype]
 
 
 class GGUFLinear(nn.Module):
@@ -152,13 +142,17 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(p.rows for p in parts)
         self.bias = bias
         self.mode = mode
+        from duoserve.model.custom_ops import define_ops
+
         define_ops()  # duoserve::gguf_linear: the C++ kernel where it builds, else packed_linear
-        for i, part in enumerate(self.parts):  # buffers: moved and counted with the module
-            self.register_buffer(f"packed_{i}", part.data, persistent=False)
+        # (buffer name, type id, columns) of each packed run: buffers move and count with the module
+        self.runs = [(f"packed_{i}", part.type_id, part.cols) for i, part in enumerate(self.parts)]
+        for (name, _, _), part in zip(self.runs, self.parts):
+            self.register_buffer(name, part.data, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [torch.ops.duoserve.gguf_linear(x, getattr(self, f"packed_{i}"), part.type_id, part.cols, self.mode)
-                for i, part in enumerate(self.parts)]
+        outs = [torch.ops.duoserve.gguf_linear(x, getattr(self, name), type_id, cols, self.mode)
+                for name, type_id, cols in self.runs]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
