@@ -12,7 +12,7 @@ import sys
 
 from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                             DEFAULT_MAX_NUM_SEQS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig, eager_by_default,
+                             DEFAULT_MAX_NUM_SEQS, GGUF_MODES, QUANTIZATIONS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig, eager_by_default,
                              SchedulerConfig, parse_address_list, parse_cpu_list)
 from duoserve.errors import ConfigError, DuoserveError
 
@@ -25,12 +25,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
                         "(AVX512-BF16, AMX), else float32 (default: auto). float32 matches transformers exactly")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
+    g.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                    help="gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in memory "
                         "and compute from them (CPU); int8: quantize linear weights per output channel at load; "
                         "none: dequantize to --dtype at load (default: auto = gguf for a quantized GGUF file "
                         "on CPU, else none)")
-    g.add_argument("--gguf-mode", default="fast", choices=["fast", "exact"],
+    g.add_argument("--gguf-mode", default="fast", choices=GGUF_MODES,
                    help="arithmetic of --quantization gguf for decode rows: fast quantizes activations to 8 bits "
                         "per block and uses integer dot products (llama.cpp's way); exact widens each block to "
                         "float32 (the dequantized model's result up to summation order) (default: fast)")

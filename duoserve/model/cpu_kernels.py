@@ -27,14 +27,11 @@ from typing import Callable
 
 import torch
 
+from duoserve.model.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "duoserve" / "kernels"
 
 
 C_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -53,7 +50,7 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
     torch version). None, with one log line, when a command fails."""
     text = b"".join(p.read_bytes() for p in [*sources, *sorted(_CSRC.glob("*.h"))])
     tag = hashlib.sha256(text + salt.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{stem}-{tag}.so"
+    target = cache_dir("kernels") / f"{stem}-{tag}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ can only be a tensor or a plain value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch

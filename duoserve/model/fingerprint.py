@@ -14,11 +14,11 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 from duoserve.model.arch import ModelArch
+from duoserve.model.paths import cache_dir as duoserve_cache_dir
 from duoserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def _checkpoint_files(path: Path) -> list[Path]:
 def weights_digest(path: Path) -> str:
     files = _checkpoint_files(path)
     key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / "fingerprints"
+    cache_dir = duoserve_cache_dir("fingerprints")
     cache_file = cache_dir / hashlib.sha256(key.encode()).hexdigest()
     if cache_file.exists():
         return cache_file.read_text().strip()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ import torch
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config
 from duoserve.model.dequant import dequantize
+
+if TYPE_CHECKING:
+    from duoserve.model.quantized import PackedWeight
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

