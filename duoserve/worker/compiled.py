@@ -52,8 +52,14 @@ class CompiledModel:
             self.num_compiles += 1
             return compile_fx(graph, example_inputs)
 
-        self._forward = torch.compile(lambda ids, pos: model(ids, pos, placeholders, None), backend=backend,
-                                      fullgraph=True)
+        def step(ids, pos):
+            return model(ids, pos, placeholders, None)
+
+        # a code object of its own: dynamo keeps compiled entries and its dynamic-shape decisions
+        # per code object, and a second compiled model in the process (a draft) must not meet the
+        # first one's (its different constants would turn them into symbols and restart the trace)
+        step.__code__ = step.__code__.replace(co_name=f"step_{handle}")
+        self._forward = torch.compile(step, backend=backend, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
