@@ -12,8 +12,10 @@ import sys
 
 from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                             DEFAULT_MAX_NUM_SEQS, GGUF_MODES, QUANTIZATIONS, CacheConfig, DisaggConfig, EngineConfig, ModelConfig, eager_by_default,
-                             SchedulerConfig, parse_address_list, parse_cpu_list)
+                             DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SPEC_DISABLE_BATCH_SIZE,
+                             GGUF_MODES, QUANTIZATIONS, SPEC_METHODS, CacheConfig, DisaggConfig, EngineConfig,
+                             ModelConfig, eager_by_default, SchedulerConfig, SpeculativeConfig, parse_address_list,
+                             parse_cpu_list)
 from duoserve.errors import ConfigError, DuoserveError
 
 
@@ -65,6 +67,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run the plain eager model instead of compiling the model step with torch.compile "
                         "(CPU; the first start compiles for ~30 s, later ones load the cache in "
                         "~/.cache/duoserve/inductor) (default: off; on for generate, which runs one prompt)")
+    s = parser.add_argument_group("speculative decoding (off unless --speculative-method is given)")
+    s.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
+                   help="ngram: guess from the request's own earlier tokens (prompt lookup); draft: guess "
+                        "with --speculative-model")
+    s.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help=f"tokens guessed a step (default: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix ngram looks up (default: 2)")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest suffix ngram looks up (default: 4)")
+    s.add_argument("--speculative-model", default=None,
+                   help="the draft model: HF directory, .gguf file or alias (default: the target's own file, "
+                        "e.g. its GGUF blocks with --speculative-quantization gguf)")
+    s.add_argument("--speculative-quantization", default="auto", choices=QUANTIZATIONS,
+                   help="how the draft computes (default: auto, gguf for a quantized GGUF file)")
+    s.add_argument("--speculative-gguf-mode", default="fast", choices=GGUF_MODES,
+                   help="the draft's GGUF kernels (default: fast)")
+    s.add_argument("--speculative-disable-batch-size", type=int, default=DEFAULT_SPEC_DISABLE_BATCH_SIZE,
+                   help="no speculation in a step with more running requests than this (a larger batch is "
+                        f"compute-bound on a CPU) (default: {DEFAULT_SPEC_DISABLE_BATCH_SIZE})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -80,7 +100,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
+        speculative=speculative_config_from_args(args),
     )
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.speculative_method is None:
+        if args.speculative_model is not None:
+            raise ConfigError("speculative_method", None, "ngram or draft: --speculative-model needs "
+                              "--speculative-method draft")
+        return None
+    return SpeculativeConfig(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                             ngram_min=args.ngram_min, ngram_max=args.ngram_max, model=args.speculative_model,
+                             quantization=args.speculative_quantization, gguf_mode=args.speculative_gguf_mode,
+                             disable_batch_size=args.speculative_disable_batch_size)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ field, the value and what is allowed. The tree is frozen: values found at run ti
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,58 @@ class SchedulerConfig:
         return budget
 
 
+SPEC_METHODS = ("ngram", "draft")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_SPEC_DISABLE_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses ``num_speculative_tokens`` tokens, the target checks them
+    in one forward. ``ngram`` looks the last ``ngram_max``..``ngram_min`` tokens up in the request's own
+    tokens; ``draft`` runs ``model`` (quantized as ``quantization``) beside the target."""
+    method: str = "ngram"
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    ngram_min: int = 2
+    ngram_max: int = 4
+    model: str | None = None             # draft: HF directory, .gguf file or alias (None: the target's file)
+    quantization: str = "auto"           # of the draft: auto = gguf for a quantized GGUF file on CPU
+    gguf_mode: str = "fast"
+    disable_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE  # no speculation in a step with more running
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError("speculative_method", self.method, f"one of {', '.join(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ConfigError("num_speculative_tokens", k, "a number of tokens from 1 to 16")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("ngram_min", self.ngram_min, f"from 1 to ngram_max ({self.ngram_max})")
+        if self.ngram_max > 64:
+            raise ConfigError("ngram_max", self.ngram_max, "at most 64 tokens")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("speculative_quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
+        if self.gguf_mode not in GGUF_MODES:
+            raise ConfigError("speculative_gguf_mode", self.gguf_mode, f"one of {', '.join(GGUF_MODES)}")
+        if self.disable_batch_size < 1:
+            raise ConfigError("speculative_disable_batch_size", self.disable_batch_size,
+                              "a positive number of sequences")
+        if self.method == "ngram" and self.model is not None:
+            raise ConfigError("speculative_model", self.model, "unset with --speculative-method ngram "
+                              "(a draft model is --speculative-method draft)")
+
+    @classmethod
+    def from_value(cls, value: "dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """``LLM(speculative_config=...)``: None, a SpeculativeConfig, or a dict of its fields."""
+        if value is None or isinstance(value, cls):
+            return value
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key not in names:
+                raise ConfigError("speculative_config", key, f"keys among {', '.join(names)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -161,6 +214,7 @@ class EngineConfig:
     cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
     kv_lease_timeout: float = 30.0   # prefill role: seconds leased KV waits for the decode side's ack
     enforce_eager: bool = field(default_factory=eager_by_default)  # False: compile the model step (CPU)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -266,6 +320,6 @@ class DisaggConfig:
         prefill = dataclasses.replace(base, role="prefill", num_threads=self.prefill_threads,
                                       cpus=self.prefill_cpus, kv_lease_timeout=self.kv_lease_timeout,
                                       model=dataclasses.replace(base.model, device=device), cache=cache,
-                                      scheduler=scheduler)
+                                      scheduler=scheduler, speculative=None)  # first tokens only
         decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus)
         return prefill, decode

@@ -63,6 +63,12 @@ class EngineStats(msgspec.Struct):
     kv_transfer_bytes: int = 0     # cumulative bytes of KV sent (prefill role)
     kv_transfer_seconds: list[float] = []  # durations of the transfers since the last stats message
     num_kv_leased: int = 0         # prefill role: first token sent, KV held until the decode side acks
+    # speculative decoding, cumulative: verifications, guessed tokens, accepted ones, and accepted
+    # ones by their position among a step's guesses
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_by_position: list[int] = []
 
 
 class EngineReady(msgspec.Struct, tag=True):

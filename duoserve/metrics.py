@@ -54,6 +54,13 @@ class ServerMetrics:
                                    registry=r)
         self.kv_transfer_bytes = Counter("duoserve:kv_transfer_bytes", "KV bytes handed between engines",
                                          registry=r)
+        self.spec_drafts = Counter("duoserve:spec_decode_num_draft_tokens", "Tokens guessed by speculative "
+                                   "decoding's proposer", registry=r)
+        self.spec_accepted = Counter("duoserve:spec_decode_num_accepted_tokens", "Guessed tokens the target "
+                                     "accepted", registry=r)
+        self.spec_accepted_by_position = Counter("duoserve:spec_decode_num_accepted_tokens_per_pos",
+                                                 "Accepted guesses by their position in a step's guesses (0: first)",
+                                                 ["position"], registry=r)
         self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
         self.placements = Counter("duoserve:request_placements", "Requests by where they were prefilled and "
                                   "decoded (prefill_engine=local: on the decode engine itself)",
@@ -62,7 +69,8 @@ class ServerMetrics:
         self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
         self._engines: dict[str, EngineStats] = {}      # engine name -> its latest stats
         self._previous: dict[tuple[str, str], EngineStats] = {}  # (name, instance id) -> latest stats
-        self._log_marks: dict[str, tuple[float, int]] = {}  # engine -> (time, generated tokens) at its last line
+        # engine -> (time, generated tokens, (verifications, accepted guesses)) at its last line
+        self._log_marks: dict[str, tuple[float, int, tuple[int, int]]] = {}
 
     def observe_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -104,6 +112,12 @@ class ServerMetrics:
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - (last.kv_transfer_bytes if last else 0))
+        self.spec_drafts.inc(stats.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0))
+        self.spec_accepted.inc(stats.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0))
+        before = last.spec_accepted_by_position if last else []
+        for position, count in enumerate(stats.spec_accepted_by_position):
+            self.spec_accepted_by_position.labels(str(position)).inc(
+                count - (before[position] if position < len(before) else 0))
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer.observe(seconds)
         self._previous[key] = stats
@@ -124,11 +138,17 @@ class ServerMetrics:
 
     def _log_line(self, engine: str, stats: EngineStats) -> None:
         now = time.monotonic()
-        last_time, last_tokens = self._log_marks.setdefault(engine, (now, stats.num_generated_tokens))
-        if now - last_time >= self.log_interval:
+        last_time, last_tokens, last_spec = self._log_marks.setdefault(
+            engine, (now, stats.num_generated_tokens, (stats.spec_num_steps, stats.spec_num_accepted_tokens)))
+        if now - last_time >= self.log_interval and now > last_time:
             rate = (stats.num_generated_tokens - last_tokens) / (now - last_time)
+            spec = ""
+            steps = stats.spec_num_steps - last_spec[0]
+            if steps:  # a verification yields the accepted guesses and one token of the target's own
+                spec = f", mean accepted length {1 + (stats.spec_num_accepted_tokens - last_spec[1]) / steps:.2f}"
             logger.info("%s: running %d, waiting %d, KV usage %.1f%%, generation %.1f tokens/s, "
-                        "prefix cache hit rate %.1f%%", engine, stats.num_running, stats.num_waiting,
+                        "prefix cache hit rate %.1f%%%s", engine, stats.num_running, stats.num_waiting,
                         100 * stats.kv_cache_usage, rate,
-                        100 * stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1))
-            self._log_marks[engine] = (now, stats.num_generated_tokens)
+                        100 * stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), spec)
+            self._log_marks[engine] = (now, stats.num_generated_tokens,
+                                       (stats.spec_num_steps, stats.spec_num_accepted_tokens))

@@ -72,6 +72,25 @@ def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):
         assert_pool_whole(compiled)
 
 
+def test_compiled_speculation_with_a_compiled_gguf_draft(tiny_dir, tmp_path_factory, eager_llm):
+    """The target checks 1 + k tokens a step and the draft (the target's weights as Q4_1 blocks)
+    runs catch-ups and single tokens: both compiled, one graph each, the eager tokens."""
+    path = tmp_path_factory.mktemp("gguf-draft") / "tiny-Q4_1.gguf"
+    write_gguf(tiny_dir(kind="llama"), path, "Q4_1")
+    prompts = prompts_with_shared_prefixes()[:6]
+    want = eager_llm.generate(prompts, PARAMS, use_tqdm=False)
+    spec = dict(method="draft", model=str(path), quantization="gguf", disable_batch_size=64)
+    llm = LLM(str(tiny_dir(kind="llama")), enforce_eager=False, speculative_config=spec,
+              **dict(SETTINGS, kv_cache_memory=0.01, max_model_len=None))
+    got = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert_same_outputs(got, want, "compiled speculation vs eager")
+    drafter = llm.engine.runner.drafter
+    assert type(drafter.forward).__name__ == "CompiledModel"
+    assert llm.engine.runner.forward.num_compiles == 1 and drafter.forward.num_compiles == 1
+    assert llm.engine.speculation.num_accepted_tokens > 0
+    assert_pool_whole(llm)
+
+
 def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir):
     """64 prompts of 1..64 tokens, whole prompts in one step (budget 64): steps carry from 1 to
     64 sequences and prefill chunks of every length, all on the one graph, never a recompile."""

@@ -74,7 +74,7 @@ class KVCacheManager:
         blocks.extend(cached_prefix)
         new_blocks = self.pool.allocate(num_needed)
         blocks.extend(new_blocks)
-        self._publish(request, num_computed + num_new_tokens)
+        self._publish(request, min(num_computed + num_new_tokens, request.num_tokens))  # not over guesses
         return new_blocks
 
     def _publish(self, request: Request, num_tokens: int) -> None:

@@ -16,6 +16,21 @@ class ScheduledRequest:
     sample: bool              # the chunk ends at the last known token: sample the next one
     num_samples: int = 1      # n rows to sample (the first token of an n > 1 prompt), else 1
     prompt_logprobs: bool = False  # return log-probabilities of this chunk's prompt tokens
+    # speculative decoding: tokens guessed after the last known one, computed in this step too
+    # (the last num_spec_tokens of num_new_tokens); a draft model's are filled in by the runner
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_tokens: int = 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        """New tokens of this step that are the request's own (not guesses)."""
+        return self.num_new_tokens - self.num_spec_tokens
+
+    def drop_guesses(self, keep: int) -> None:
+        """Keep only the first ``keep`` guesses (the runner found fewer)."""
+        self.num_new_tokens -= self.num_spec_tokens - keep
+        self.num_spec_tokens = keep
+        del self.spec_token_ids[keep:]
 
 
 @dataclass(slots=True)
@@ -43,7 +58,9 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, list[int]]                          # request id -> new token(s)
+    # request id -> new token(s): n samples of a first token, or a speculating request's accepted
+    # guesses followed by the target's own next token
+    sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per prompt token
 

@@ -67,7 +67,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "sample_index",
                  "status", "num_computed_tokens", "num_cached_tokens", "arrival_time", "eos_token_ids",
                  "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "num_draft_computed")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_total_tokens: int | None = None,
@@ -90,6 +90,8 @@ class Request:
         # log-probabilities of the prompt tokens scored so far, while this request still owes them
         # to its caller (None once delivered, or when nobody asked: other samples, handed-over KV)
         self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None and sample_index == 0 else None
+        # speculative decoding with a draft model: tokens whose KV the draft holds (in the same blocks)
+        self.num_draft_computed = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,11 @@ set, blocks kept) until the decode side acknowledges its KV or the lease expires
 ``decode`` engine takes requests whose prompt KV arrives from elsewhere: they wait in
 ``WAITING_FOR_KV`` for blocks, then start decoding with their KV copied in.
 
+Speculative decoding (``duoserve.core.speculation``): a decoding request may compute
+guessed tokens after its last one in the same step; it keeps what the target confirms,
+and its ``num_computed_tokens`` moves past the accepted guesses only. Guessed tokens never
+enter the prefix cache: blocks are published over known tokens alone.
+
 No torch here: this module plans, the model runner computes.
 """
 
@@ -25,6 +30,7 @@ from collections import deque
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from duoserve.core.request import Request, RequestStatus
+from duoserve.core.speculation import SpeculationPolicy
 
 S = RequestStatus
 
@@ -32,7 +38,7 @@ S = RequestStatus
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_chunked_prefill: bool = True, role: str = "colocated",
-                 lease_timeout: float = 30.0) -> None:
+                 lease_timeout: float = 30.0, speculation: SpeculationPolicy | None = None) -> None:
         self.kv = kv
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -48,6 +54,7 @@ class Scheduler:
         self.leases: dict[str, float] = {}              # prefill: leased request id -> deadline
         self.newly_leased: list[tuple[Request, list[int]]] = []  # (request, its blocks) to ship
         self.waiting_for_kv: deque[tuple[Request, object]] = deque()  # decode: (request, KV payload)
+        self.speculation = speculation
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -84,6 +91,7 @@ class Scheduler:
         preempted: list[str] = []
         reserved = self._order_shortest_first() if self.role == "prefill" else 0
         budget -= reserved
+        speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -91,15 +99,22 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            guesses, num_spec = [], 0
+            if speculate and num_new == 1 and request.status is S.RUNNING:
+                guesses, num_spec = self.speculation.guesses(request, budget)
+            while self.kv.allocate_slots(request, num_new + num_spec) is None:
+                if num_spec:  # short of blocks: fewer guesses before anyone is preempted
+                    num_spec -= 1
+                    del guesses[num_spec:]
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._plan(request, num_new))
-                budget -= num_new
+                scheduled.append(self._plan(request, num_new, guesses, num_spec))
+                budget -= num_new + num_spec
                 i += 1
         budget += reserved
         inserts: list[tuple[str, list[int], object]] = []
@@ -205,20 +220,22 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan(self, request: Request, num_new: int, guesses: list[int] | None = None,
+              num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         first_token = sample and request.num_output_tokens == 0
         num_samples = request.params.n if first_token and request.sample_index == 0 and \
             request.request_id not in self.children else 1
         wants_prompt_logprobs = request.prompt_logprobs is not None and start < request.num_prompt_tokens
-        return ScheduledRequest(request, start, num_new, self.kv.block_ids(request.request_id), sample,
-                                num_samples, wants_prompt_logprobs)
+        return ScheduledRequest(request, start, num_new + num_spec, self.kv.block_ids(request.request_id), sample,
+                                num_samples, wants_prompt_logprobs, list(guesses or ()), num_spec)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the request's KV and send it to the front of the queue."""
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed = 0
         if request.prompt_logprobs is not None:  # not delivered yet: scored again from the start
             request.prompt_logprobs = []
         request.num_preemptions += 1
@@ -234,7 +251,12 @@ class Scheduler:
             request = item.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            num_accepted = 0
+            if item.num_spec_tokens:  # the guesses the target confirmed; the rest are recomputed
+                num_accepted = len(result.sampled[request.request_id]) - 1
+                self.speculation.record(item.num_spec_tokens, num_accepted)
+            request.num_computed_tokens += item.num_known_tokens + num_accepted
+            request.num_draft_computed = min(request.num_draft_computed, request.num_computed_tokens)
             if item.prompt_logprobs:  # gathered over the chunks, delivered whole with the first token
                 request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, ()))
             if not item.sample:
@@ -247,11 +269,14 @@ class Scheduler:
                 continue
             tokens = result.sampled[request.request_id]
             logprobs = result.logprobs.get(request.request_id)
+            if item.num_spec_tokens:
+                outputs.append(self._append_tokens(request, tokens, logprobs))
+                continue
             siblings = [request] + [self._fork(request, k) for k in range(1, item.num_samples)]
             for k, sibling in enumerate(siblings):
                 if sibling is None:
                     continue
-                out = self._append_token(sibling, tokens[k], logprobs[k] if logprobs else None)
+                out = self._append_tokens(sibling, [tokens[k]], [logprobs[k]] if logprobs else None)
                 out.prompt_logprobs = prompt_lp if k == 0 else None
                 outputs.append(out)
         return outputs
@@ -274,9 +299,15 @@ class Scheduler:
             self.running.append(child)
         return child
 
-    def _append_token(self, request: Request, token: int, logprobs) -> EngineCoreOutput:
-        request.output_token_ids.append(token)
-        status, stop_reason = self._check_stop(request, token)
+    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list | None) -> EngineCoreOutput:
+        """Append tokens up to the first that ends the request (the rest are dropped)."""
+        position = request.num_output_tokens
+        for token in tokens:
+            request.output_token_ids.append(token)
+            status, stop_reason = self._check_stop(request, token)
+            if status is not None:
+                break
+        taken = request.num_output_tokens - position
         if status is None:
             if request.status is S.PREFILLING and self.role == "prefill":
                 self._lease(request)
@@ -284,9 +315,9 @@ class Scheduler:
                 request.move_to(S.RUNNING)
         else:
             self._finish(request, status)
-        out = EngineCoreOutput(request.request_id, [token], request.num_output_tokens - 1,
+        out = EngineCoreOutput(request.request_id, tokens[:taken], position,
                                status.finish_reason if status else None,
-                               new_logprobs=[logprobs] if logprobs else None,
+                               new_logprobs=logprobs[:taken] if logprobs else None,
                                num_cached_tokens=request.num_cached_tokens, stop_reason=stop_reason)
         if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
             out.stages = {"queue": request.first_scheduled_time - request.arrival_time,

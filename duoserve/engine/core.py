@@ -20,12 +20,14 @@ from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
+from duoserve.core.speculation import SpeculationPolicy
 from duoserve.messages import EngineStats
 from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
 from duoserve.worker.kv_cache import num_kv_blocks
+from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -45,10 +47,17 @@ class EngineCore:
         budget = config.scheduler.token_budget(self.max_model_len)
         cache = config.cache
         kv_dtype = self.loaded.dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)
-        self.num_blocks = num_kv_blocks(self.arch, cache, kv_dtype, self.device, self.max_model_len)
+        spec = config.speculative if config.role != "prefill" else None  # a prefill engine never decodes
+        self.draft = None  # speculative decoding's draft model
+        if spec is not None and spec.method == "draft":
+            self.draft = load_draft(spec, config.model, self.loaded, self.max_model_len)
+        self.num_blocks = num_kv_blocks(self.arch, cache, kv_dtype, self.device, self.max_model_len,
+                                        self.draft.arch if self.draft else None)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.speculation = SpeculationPolicy(spec) if spec else None
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
-                                   config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout)
+                                   config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout,
+                                   self.speculation)
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
         # decode role: requests ended before their KV arrived (the frontend's message overtook the
         # transfer): whole requests (aborted or released), and single samples stopped by a stop string
@@ -58,9 +67,12 @@ class EngineCore:
         self.kv_destinations: dict[str, tuple[str | None, str | None]] = {}
         self.num_kv_transfer_bytes = 0
         self.recent_transfer_seconds: list[float] = []
+        compile_model = not config.enforce_eager and self.device == "cpu"
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
-                                  self.device, config.model.seed,
-                                  compile_model=not config.enforce_eager and self.device == "cpu")
+                                  self.device, config.model.seed, compile_model=compile_model)
+        if self.draft is not None:
+            self.runner.drafter = DraftRunner(self.draft, self.num_blocks, cache.block_size, kv_dtype, self.device,
+                                              config.model.seed, compile_model, max_catch_up=budget)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
@@ -238,7 +250,16 @@ class EngineCore:
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.num_kv_transfer_bytes,
-            kv_transfer_seconds=self._drain_transfer_seconds(), num_kv_leased=len(self.scheduler.leases))
+            kv_transfer_seconds=self._drain_transfer_seconds(), num_kv_leased=len(self.scheduler.leases),
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        spec = self.speculation
+        if spec is None:
+            return {}
+        return dict(spec_num_steps=spec.num_steps, spec_num_draft_tokens=spec.num_draft_tokens,
+                    spec_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_accepted_by_position=list(spec.accepted_by_position))
 
     def load_signature(self) -> tuple[int, ...]:
         """What the gauges show (request counts, free blocks): stats go out as soon as it changes."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from duoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from duoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from duoserve.engine.core import EngineCore
 from duoserve.frontend.frontend import Frontend
 from duoserve.outputs import RequestOutput
@@ -26,7 +26,8 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
                  num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto") -> None:
+                 quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto",
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
@@ -36,6 +37,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
             num_threads=num_threads,
+            speculative=SpeculativeConfig.from_value(speculative_config),
             **({} if enforce_eager is None else {"enforce_eager": enforce_eager}),
         )
         self._attach(EngineCore(config))

@@ -29,13 +29,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self.num_emitted = 0
         self.stopped_by: str | None = None
+        self.num_used = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append new tokens; returns the stop string if one now ends the text, else None."""
-        for token in token_ids:
+        """Append new tokens; returns the stop string if one now ends the text, else None.
+        After a stop, ``num_used`` says how many of ``token_ids`` it took to complete it (the
+        rest, e.g. more of a speculating engine's accepted tokens, are not part of the output)."""
+        for used, token in enumerate(token_ids, 1):
+            self.num_used = used
             self.ids.append(token)
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full_text = self._decode(self.ids[self.prefix_offset:])

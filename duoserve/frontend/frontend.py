@@ -189,12 +189,15 @@ class Frontend:
         state.num_cached_tokens = out.num_cached_tokens
         if out.stages:
             state.stage_seconds.update(out.stages)
+        detok = state.detokenizers[index]
+        stop_hit = detok.add_tokens(out.new_token_ids) if detok is not None else None
+        if stop_hit is not None:  # tokens after the one that completed the stop string are not output
+            out.new_token_ids = out.new_token_ids[:detok.num_used]
+            out.new_logprobs = out.new_logprobs[:detok.num_used] if out.new_logprobs else out.new_logprobs
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and completion.logprobs is not None:
             completion.logprobs.extend(out.new_logprobs)
         completion.delta_token_ids.extend(out.new_token_ids)
-        detok = state.detokenizers[index]
-        stop_hit = detok.add_tokens(out.new_token_ids) if detok is not None else None
         if stop_hit is not None:
             if not out.finished:
                 self.engine.finish_stopped(out.request_id)

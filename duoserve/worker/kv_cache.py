@@ -26,9 +26,12 @@ def kv_budget_bytes(cache: CacheConfig, device: str) -> int:
     return int(free * cache.gpu_memory_utilization)
 
 
-def num_kv_blocks(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int) -> int:
-    """How many blocks the budget holds; refuses a budget too small for one full-length sequence."""
-    per_block = bytes_per_token(arch, dtype) * cache.block_size
+def num_kv_blocks(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int,
+                  draft_arch: ModelArch | None = None) -> int:
+    """How many blocks the budget holds; refuses a budget too small for one full-length sequence.
+    With a draft model, a block holds the draft's KV of its tokens too (same block ids)."""
+    per_token = bytes_per_token(arch, dtype) + (bytes_per_token(draft_arch, dtype) if draft_arch else 0)
+    per_block = per_token * cache.block_size
     num_blocks = kv_budget_bytes(cache, device) // per_block
     needed_blocks = -(-max_model_len // cache.block_size)
     if num_blocks < needed_blocks:

@@ -3,7 +3,9 @@
 ``execute`` turns a ``SchedulerOutput`` into tensors (token ids, positions, slot
 mapping, block tables) once per step, runs one forward over every scheduled token,
 computes logits only where they are needed (the last token of a sequence, or prompt
-tokens whose log-probabilities were asked for) and samples.
+tokens whose log-probabilities were asked for) and samples. A speculating request's guesses
+(filled in here by the draft model, if there is one) are computed with its last token and
+checked against the target's logits (``duoserve.worker.spec_verify``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from duoserve.model.attention import AttentionMetadata
 from duoserve.model.cpu_linear import use_cpu_linears
 from duoserve.model.loader import LoadedModel
 from duoserve.worker.kv_cache import allocate_kv_cache
-from duoserve.worker.sampler import SamplingRow, sample, top_logprobs
+from duoserve.worker.sampler import SamplingRow, logprobs_of, sample_tensor, top_logprobs
+from duoserve.worker.spec_verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class ModelRunner:
         self.forward = self.model
         if compile_model:
             self._compile(block_size)
+        self.drafter = None  # speculative decoding's draft model (a DraftRunner), when there is one
 
     def _compile(self, block_size: int) -> None:
         """Compile the model step; on any failure (no C++ compiler, say) say why once and stay eager."""
@@ -63,11 +67,14 @@ class ModelRunner:
             staged = to_device([*transfer.keys, *transfer.values], self.kv_caches[0][0].device)
             layers = len(transfer.keys)
             insert_kv(self.kv_caches, block_ids, staged[:layers], staged[layers:])
-        items = plan.scheduled
+        draft_probs = self.drafter.propose(plan.scheduled) if self.drafter is not None else {}
+        # one-token sequences first (a request whose guesses the draft dropped is one now)
+        items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
         token_ids: list[int] = []
         positions: list[int] = []
         for item in items:
-            token_ids.extend(item.request.token_ids(item.start, item.start + item.num_new_tokens))
+            token_ids.extend(item.request.token_ids(item.start, item.start + item.num_known_tokens))
+            token_ids.extend(item.spec_token_ids)
             positions.extend(range(item.start, item.start + item.num_new_tokens))
         meta = AttentionMetadata.build(
             [i.num_new_tokens for i in items], [i.start + i.num_new_tokens for i in items],
@@ -75,14 +82,17 @@ class ModelRunner:
         hidden = self.forward(torch.tensor(token_ids, device=self.device),
                               torch.tensor(positions, device=self.device), self.kv_caches, meta)
         output = RunnerOutput(sampled={})
-        self._sample(items, hidden, output)
+        self._sample(items, hidden, output, draft_probs)
         self._prompt_logprobs(items, hidden, output)
         return output
 
-    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
+    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput,
+                draft_probs: dict[str, torch.Tensor]) -> None:
+        """Rows to sample: the last token of a sequence (n rows for an n > 1 prompt's first token),
+        and for a speculating request its last known token and each guess."""
         rows: list[SamplingRow] = []
         row_hidden: list[int] = []
-        owners: list[tuple[str, int]] = []  # (request id, number of rows)
+        owners: list[tuple[ScheduledRequest, int]] = []  # (item, number of rows)
         offset = 0
         for item in items:
             offset += item.num_new_tokens
@@ -91,22 +101,31 @@ class ModelRunner:
             request = item.request
             params = request.params
             stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
-            for k in range(item.num_samples):
+            guesses = item.spec_token_ids
+            for k in range(item.num_samples + len(guesses)):
                 index = request.sample_index if item.num_samples == 1 else k
-                rows.append(SamplingRow(params, request.num_output_tokens, index, request.prompt_token_ids,
-                                        request.output_token_ids, stop_ids))
-                row_hidden.append(offset - 1)
-            owners.append((request.request_id, item.num_samples))
+                outputs = request.output_token_ids + guesses[:k] if guesses else request.output_token_ids
+                rows.append(SamplingRow(params, request.num_output_tokens + (k if guesses else 0), index,
+                                        request.prompt_token_ids, outputs, stop_ids))
+                row_hidden.append(offset - 1 - (len(guesses) - k if guesses else 0))
+            owners.append((item, item.num_samples + len(guesses)))
         if not rows:
             return
         logits = self.model.compute_logits(hidden[row_hidden])  # [rows, vocab] float32
-        tokens, logprobs = sample(logits, rows, self.generator)
+        drawn, _, _ = sample_tensor(logits, rows, self.generator)
+        tokens, all_logprobs = drawn.tolist(), logprobs_of(logits, rows, drawn)
         start = 0
-        for request_id, count in owners:
-            output.sampled[request_id] = tokens[start:start + count]
-            if logprobs[start] is not None:
-                output.logprobs[request_id] = logprobs[start:start + count]
-            start += count
+        for item, count in owners:
+            request_id, end = item.request.request_id, start + count
+            if item.spec_token_ids:
+                kept, logprobs = verify(logits[start:end], rows[start:end], tokens[start:end], item.spec_token_ids,
+                                        draft_probs.get(request_id), self.generator)
+            else:
+                kept, logprobs = tokens[start:end], all_logprobs[start:end]
+            output.sampled[request_id] = kept
+            if logprobs[0] is not None:
+                output.logprobs[request_id] = logprobs
+            start = end
 
     def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
         """Log-probabilities of each prompt token given the ones before it (the first has none)."""

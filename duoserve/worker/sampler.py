@@ -93,15 +93,22 @@ def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def _uniforms(rows: list[SamplingRow], generator: torch.Generator | None) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row, on the CPU: per-row seeded generators for seeded requests."""
+# independent uniforms of one seeded draw: the token draw itself (0), speculative decoding's
+# acceptance test (1) and the draft model's own draw (2)
+STREAM_DRAW, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
+
+
+def uniforms(rows: list[SamplingRow], generator: torch.Generator | None, stream: int = STREAM_DRAW) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, on the CPU: per-row seeded generators for seeded
+    requests (seeded by seed, position, sample index and ``stream``), ``generator`` for the rest."""
     draws = torch.empty(len(rows), dtype=torch.float64)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
     if unseeded:
         draws[unseeded] = torch.rand(len(unseeded), generator=generator, dtype=torch.float64)
     for i, row in enumerate(rows):
         if row.params.seed is not None:
-            g = torch.Generator().manual_seed(draw_seed(row.params.seed, row.position, row.sample_index))
+            index = row.sample_index + (stream << 40)  # stream 0: the seed rule of every plain draw
+            g = torch.Generator().manual_seed(draw_seed(row.params.seed, row.position, index))
             draws[i] = torch.rand(1, generator=g, dtype=torch.float64)[0]
     return draws
 
@@ -143,25 +150,48 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[
     return result
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           generator: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: float32 [R, vocab], one row per draw. Returns tokens and per-row logprobs (or None)."""
-    raw = logits
-    want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+def adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits with penalties and min_tokens applied (a copy where any applies)."""
     if any(r.params.has_penalties for r in rows) or any(r.position < r.params.min_tokens for r in rows):
         logits = logits.clone()
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
+    return logits
+
+
+def probabilities(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a sampled row draws from: [R, vocab] adjusted, truncated, softmaxed."""
+    return _truncate(adjusted(logits, rows), rows).softmax(-1)
+
+
+def logprobs_of(raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Per row, the log-probabilities its request asked for (of the raw logits), or None."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if want:
+        lp = torch.log_softmax(raw[want], dim=-1)
+        for i, entry in zip(want, top_logprobs(lp, tokens[want], [rows[i].params.logprobs for i in want])):
+            result[i] = entry
+    return result
+
+
+def sample_tensor(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+                  stream: int = STREAM_DRAW) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """Tokens [R] drawn from float32 logits [R, vocab]; also the distributions of the sampled rows
+    [S, vocab] (None if all are greedy) and which rows those are."""
+    logits = adjusted(logits, rows)
     tokens = logits.argmax(dim=-1)  # [R]: the greedy answer, replaced below for sampled rows
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    probs = None
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         probs = _truncate(logits[sampled], sub_rows).softmax(-1)  # [S, vocab]
-        tokens[sampled] = draw_from(probs, _uniforms(sub_rows, generator))
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-    if want_logprobs:
-        lp = torch.log_softmax(raw[want_logprobs], dim=-1)
-        entries = top_logprobs(lp, tokens[want_logprobs], [rows[i].params.logprobs for i in want_logprobs])
-        for i, entry in zip(want_logprobs, entries):
-            logprobs[i] = entry
-    return tokens.tolist(), logprobs
+        tokens[sampled] = draw_from(probs, uniforms(sub_rows, generator, stream))
+    return tokens, probs, sampled
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           generator: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [R, vocab], one row per draw. Returns tokens and per-row logprobs (or None)."""
+    tokens, _, _ = sample_tensor(logits, rows, generator)
+    return tokens.tolist(), logprobs_of(logits, rows, tokens)
