@@ -21,8 +21,11 @@ from duoserve.model.cpu_kernels import c_small_m_linear
 
 logger = logging.getLogger(__name__)
 
-# the most rows the bandwidth-bound kernel takes, by weight dtype (measured crossovers)
-SMALL_M = {torch.float32: 4, torch.bfloat16: 2}
+# the most rows the bandwidth-bound kernel takes, by weight dtype: measured crossovers with oneDNN
+# on whole SmolLM2-135M steps (fp32 5 and 6 rows 20.6 / 21.8 ms vs 23.9 / 24.8, 7 rows 25.9 vs 25.8;
+# bf16 3 and 4 rows 11.3 / 12.7 vs 13.1 / 13.4, 5 rows 16.6 vs 14.7): a speculating request's
+# 1 + k tokens and a handful of decodes stay on it
+SMALL_M = {torch.float32: 6, torch.bfloat16: 4}
 
 
 def onednn_available() -> bool:

@@ -31,7 +31,7 @@ int small_m_linear(const void *x, const void *w, const void *bias, void *y, int 
 namespace {
 
 constexpr int64_t DIRECT_ROWS = 8;       // as quantized.DIRECT_ROWS
-constexpr int64_t SMALL_M_F32 = 4, SMALL_M_BF16 = 2;  // as cpu_linear.SMALL_M
+constexpr int64_t SMALL_M_F32 = 6, SMALL_M_BF16 = 4;  // as cpu_linear.SMALL_M
 constexpr int64_t SLICE_VALUES = 1 << 21;  // as quantized.SLICE_VALUES
 
 at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
