@@ -71,8 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
                    help="ngram: guess from the request's own earlier tokens (prompt lookup); draft: guess "
                         "with --speculative-model")
-    s.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
-                   help=f"tokens guessed a step (default: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    s.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="tokens guessed a step (default: " + ", ".join(
+                       f"{k} for {m}" for m, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items()) + ")")
     s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix ngram looks up (default: 2)")
     s.add_argument("--ngram-max", type=int, default=4, help="longest suffix ngram looks up (default: 4)")
     s.add_argument("--speculative-model", default=None,
@@ -82,9 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="how the draft computes (default: auto, gguf for a quantized GGUF file)")
     s.add_argument("--speculative-gguf-mode", default="fast", choices=GGUF_MODES,
                    help="the draft's GGUF kernels (default: fast)")
-    s.add_argument("--speculative-disable-batch-size", type=int, default=DEFAULT_SPEC_DISABLE_BATCH_SIZE,
+    s.add_argument("--speculative-disable-batch-size", type=int, default=None,
                    help="no speculation in a step with more running requests than this (a larger batch is "
-                        f"compute-bound on a CPU) (default: {DEFAULT_SPEC_DISABLE_BATCH_SIZE})")
+                        "compute-bound on a CPU) (default: " + ", ".join(
+                            f"{n} for {m}" for m, n in DEFAULT_SPEC_DISABLE_BATCH_SIZE.items()) + ")")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

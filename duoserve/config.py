@@ -153,8 +153,13 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "draft")
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-DEFAULT_SPEC_DISABLE_BATCH_SIZE = 4
+# tokens guessed a step, by method (BENCHMARKS.md, speculative decoding): a lookup's guesses cost
+# nothing to make, a draft's cost a forward each, and the target checks up to 6 tokens (1 + 5) at
+# the price of one on the CPU (cpu_linear.SMALL_M)
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "draft": 5}
+# the most running requests a step speculates with, by method (measured, BENCHMARKS.md): a draft's
+# forwards stop paying beyond 4 streams here; a lookup's checks still paid at 32
+DEFAULT_SPEC_DISABLE_BATCH_SIZE = {"ngram": 32, "draft": 4}
 
 
 @dataclass(frozen=True)
@@ -163,17 +168,21 @@ class SpeculativeConfig:
     in one forward. ``ngram`` looks the last ``ngram_max``..``ngram_min`` tokens up in the request's own
     tokens; ``draft`` runs ``model`` (quantized as ``quantization``) beside the target."""
     method: str = "ngram"
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    num_speculative_tokens: int | None = None   # None: the method's default
     ngram_min: int = 2
     ngram_max: int = 4
     model: str | None = None             # draft: HF directory, .gguf file or alias (None: the target's file)
     quantization: str = "auto"           # of the draft: auto = gguf for a quantized GGUF file on CPU
     gguf_mode: str = "fast"
-    disable_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH_SIZE  # no speculation in a step with more running
+    disable_batch_size: int | None = None  # no speculation in a step with more running; None: by method
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError("speculative_method", self.method, f"one of {', '.join(SPEC_METHODS)}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.method])
+        if self.disable_batch_size is None:
+            object.__setattr__(self, "disable_batch_size", DEFAULT_SPEC_DISABLE_BATCH_SIZE[self.method])
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise ConfigError("num_speculative_tokens", k, "a number of tokens from 1 to 16")

@@ -56,3 +56,23 @@ def test_placement_flag_errors_name_field_value_and_rule():
         result = duoserve(*args)
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.strip() == f"duoserve: error: {message}", args
+
+
+def test_generate_with_a_gguf_self_draft_prints_the_same_text(smol_llm):
+    from duoserve import SamplingParams
+
+    want = smol_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12),
+                             use_tqdm=False)[0].outputs[0].text
+    result = duoserve("generate", "--prompt", "The capital of France is", "--max-tokens", "12",
+                      "--kv-cache-memory", "0.8", "--dtype", "float32", "--quantization", "none",
+                      "--speculative-method", "draft", "--speculative-quantization", "gguf",
+                      "--speculative-disable-batch-size", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == want + "\n"
+
+
+def test_a_draft_model_without_the_draft_method_is_a_config_error():
+    result = duoserve("generate", "--prompt", "x", "--speculative-model", "/some/draft.gguf")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("duoserve: error: speculative_method=None is not allowed: ngram or draft: "
+                                     "--speculative-model needs --speculative-method draft")

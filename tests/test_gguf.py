@@ -74,8 +74,9 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str) -> dict[str, np.ndarray]
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_bos_token_id(config["bos_token_id"])   # the checkpoint's special ids, as a converter writes them
-    writer.add_eos_token_id(config["eos_token_id"])
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
+        if isinstance(config.get(key), int):  # the checkpoint's special ids, as a converter writes them
+            add(config[key])
     qtype = GGMLQuantizationType[type_name]
     stored = {}
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():

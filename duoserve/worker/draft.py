@@ -9,8 +9,9 @@ Before the target's forward, for every request with guess slots, the draft *catc
 (computes its tokens from ``num_draft_computed`` to the last known one, in one batched
 forward: usually one or two tokens; the whole prompt on the first step after a prefill, a
 prefix-cache hit or a KV handoff, since the draft never ran there), draws the first guess,
-and then one batched single-token forward per further guess. A catch-up longer than
-``max_catch_up`` tokens is spread over steps, guessing nothing until it is done.
+and then one batched single-token forward per further guess. A step catches up at most
+``max_catch_up`` tokens in all (the engine's token budget); a request whose catch-up does
+not fit guesses nothing this step and catches up the rest later.
 """
 
 from __future__ import annotations
@@ -153,13 +154,16 @@ class DraftRunner:
         if not spec:
             return {}
         catch_up = []
+        room = self.max_catch_up
         for item in spec:
             request = item.request
             start, end = request.num_draft_computed, request.num_tokens
-            if end - start > self.max_catch_up:  # a long catch-up: a chunk now, guesses later
-                end = start + self.max_catch_up
+            if end - start > room:  # a long catch-up: a chunk now, guesses later
+                end = start + room
                 item.drop_guesses(0)
-            catch_up.append((item, start, end))
+            if end > start:
+                catch_up.append((item, start, end))
+                room -= end - start
         catch_up.sort(key=lambda seq: seq[2] - seq[1] != 1)
         hidden = self._run(catch_up, [item.request.token_ids(start, end) for item, start, end in catch_up])
         for item, _, end in catch_up:
