@@ -270,6 +270,31 @@ def test_an_incompatible_draft_is_a_config_error(tiny_dir, overrides, names):
         assert name in message
 
 
+def test_a_draft_larger_than_the_target_is_only_a_warning(tiny_dir, caplog):
+    target = tiny_dir(kind="llama")
+    draft = tiny_dir(kind="llama", num_hidden_layers=4)
+    with caplog.at_level("WARNING", logger="duoserve.worker.draft"):
+        llm = LLM(str(target), dtype="float32", speculative_config=dict(method="draft", model=str(draft)))
+    assert "is larger than the target" in caplog.text
+    assert llm.engine.draft is not None
+
+
+def test_prompt_logprobs_with_speculation_equal_without(reference):
+    path, _, _ = reference
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    prompts = engine_prompts()[-2:]
+    want = LLM(str(path), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(path), dtype="float32", speculative_config=dict(method="ngram", ngram_min=1))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.speculation.num_accepted_tokens > 0
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        assert all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+                   for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
+    assert_pool_whole(llm)
+
+
 def test_bad_speculative_settings_name_the_field():
     cases = [
         (dict(method="medusa"), "speculative_method"),
@@ -370,7 +395,7 @@ def test_stats_line_reports_the_mean_accepted_length(caplog):
 def test_the_decode_engine_of_a_handoff_speculates_with_a_draft(tiny_dir):
     """The prefill engine has no draft: the decode engine's draft computes the prompt's draft KV
     itself (its first catch-up), then guesses; the tokens are the colocated engine's."""
-    from duoserve.config import CacheConfig, EngineConfig, ModelConfig
+    from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
     from duoserve.engine.core import EngineCore
     from duoserve.kv.connector import InProcessConnector
     from tests.test_disagg_inprocess import pool_whole, prompts, run
@@ -380,8 +405,6 @@ def test_the_decode_engine_of_a_handoff_speculates_with_a_draft(tiny_dir):
     want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32").generate(prompts(), params, use_tqdm=False)]
     base = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), cache=CacheConfig(kv_cache_memory=0.01),
                         speculative=SpeculativeConfig(method="draft", disable_batch_size=ALWAYS))
-    from duoserve.config import DisaggConfig
-
     prefill_config, decode_config = DisaggConfig().engine_configs(base)
     assert prefill_config.speculative is None and decode_config.speculative is not None
     prefill, decode = EngineCore(prefill_config), EngineCore(decode_config)
