@@ -88,8 +88,8 @@ def decoding(scheduler, request_id, prompt, output, max_tokens=50):
 
 def test_guesses_only_in_small_batches_and_within_max_tokens():
     scheduler = scheduler_with(disable=2)
-    a = decoding(scheduler, "a", [1, 2, 3, 4, 1, 2], [3])
-    b = decoding(scheduler, "b", [5, 6, 5], [6], max_tokens=3)
+    decoding(scheduler, "a", [1, 2, 3, 4, 1, 2], [3])
+    decoding(scheduler, "b", [5, 6, 5], [6], max_tokens=3)
     plan = {s.request.request_id: s for s in scheduler.schedule().scheduled}
     assert plan["a"].spec_token_ids == [4, 1, 2, 3] and plan["a"].num_new_tokens == 5
     assert plan["b"].spec_token_ids == [5]        # 1 output, max 3: one guess and the target's token
@@ -97,7 +97,6 @@ def test_guesses_only_in_small_batches_and_within_max_tokens():
     decoding(scheduler, "c", [9, 9, 9], [9])      # three running > 2: nobody guesses
     plan = scheduler.schedule()
     assert [s.num_spec_tokens for s in plan.scheduled] == [0, 0, 0]
-    assert a.num_computed_tokens == 6
 
 
 def test_short_of_blocks_a_request_guesses_less_before_anyone_is_preempted():
