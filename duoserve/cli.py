@@ -12,7 +12,8 @@ import sys
 
 from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                             DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SPEC_DISABLE_BATCH_SIZE,
+                             DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                             DEFAULT_KV_STORE_TIMEOUT_MS, DEFAULT_KV_STORE_TTL, KVStoreConfig, DEFAULT_SPEC_DISABLE_BATCH_SIZE,
                              GGUF_MODES, QUANTIZATIONS, SPEC_METHODS, CacheConfig, DisaggConfig, EngineConfig,
                              ModelConfig, eager_by_default, SchedulerConfig, SpeculativeConfig, parse_address_list,
                              parse_cpu_list)
@@ -89,6 +90,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{n} for {m}" for m, n in DEFAULT_SPEC_DISABLE_BATCH_SIZE.items()) + ")")
 
 
+    k = parser.add_argument_group("shared KV store (off unless --kv-store is given)")
+    k.add_argument("--kv-store", default=None,
+                   help="redis://[:password@]host:port/db (or rediss://): full KV blocks shared by every engine "
+                        "of the same model, KV layout and cache salt; prompts found there skip their prefill")
+    k.add_argument("--kv-store-ttl", type=int, default=DEFAULT_KV_STORE_TTL,
+                   help=f"seconds a stored block lives after its last write or hit (default: {DEFAULT_KV_STORE_TTL})")
+    k.add_argument("--kv-store-timeout", type=float, default=DEFAULT_KV_STORE_TIMEOUT_MS,
+                   help="milliseconds per round trip to the store; past a request's budget it computes "
+                        f"(default: {DEFAULT_KV_STORE_TIMEOUT_MS})")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, hf_overrides=args.hf_overrides,
@@ -103,6 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
         speculative=speculative_config_from_args(args),
+        kv_store=KVStoreConfig(args.kv_store, args.kv_store_ttl, args.kv_store_timeout) if args.kv_store else None,
     )
 
 

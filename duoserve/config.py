@@ -213,6 +213,35 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+DEFAULT_KV_STORE_TTL = 3600
+DEFAULT_KV_STORE_TIMEOUT_MS = 50
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """A shared KV tier (``--kv-store redis://...``): full blocks by content, shared by every engine
+    of the same model, layout and salt. ``timeout_ms`` bounds one round trip and a request's time
+    with the tier; after ``breaker_errors`` errors in a row the tier is left alone for
+    ``breaker_cooldown`` seconds."""
+    url: str
+    ttl: int = DEFAULT_KV_STORE_TTL           # seconds a block lives after its last write or hit
+    timeout_ms: float = DEFAULT_KV_STORE_TIMEOUT_MS
+    write_queue: int = 1024                   # blocks waiting to be written; more are dropped (counted)
+    breaker_errors: int = 3
+    breaker_cooldown: float = 5.0
+
+    def __post_init__(self) -> None:
+        scheme, sep, rest = self.url.partition("://")
+        if scheme not in ("redis", "rediss") or not sep or not rest.split("/")[0].rpartition("@")[2]:
+            raise ConfigError("kv_store", self.url, "a Redis URL: redis://[:password@]host:port/db or rediss://...")
+        if not isinstance(self.ttl, int) or self.ttl < 1:
+            raise ConfigError("kv_store_ttl", self.ttl, "a positive number of seconds")
+        if not self.timeout_ms > 0:
+            raise ConfigError("kv_store_timeout", self.timeout_ms, "a positive number of milliseconds")
+        if self.write_queue < 1:
+            raise ConfigError("kv_store_write_queue", self.write_queue, "a positive number of blocks")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -224,6 +253,7 @@ class EngineConfig:
     kv_lease_timeout: float = 30.0   # prefill role: seconds leased KV waits for the decode side's ack
     enforce_eager: bool = field(default_factory=eager_by_default)  # False: compile the model step (CPU)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_store: KVStoreConfig | None = None         # None: no shared KV tier
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

@@ -69,6 +69,15 @@ class EngineStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_by_position: list[int] = []
+    # the shared KV store, cumulative: blocks found and not found, bytes each way, writes dropped
+    # (queue full, or the store failing), errors by kind; and whether its circuit breaker is open
+    kv_store_hits: int = 0
+    kv_store_misses: int = 0
+    kv_store_bytes_read: int = 0
+    kv_store_bytes_written: int = 0
+    kv_store_dropped_writes: int = 0
+    kv_store_errors: dict[str, int] = {}
+    kv_store_breaker_open: bool = False
 
 
 class EngineReady(msgspec.Struct, tag=True):

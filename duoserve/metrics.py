@@ -61,6 +61,16 @@ class ServerMetrics:
         self.spec_accepted_by_position = Counter("duoserve:spec_decode_num_accepted_tokens_per_pos",
                                                  "Accepted guesses by their position in a step's guesses (0: first)",
                                                  ["position"], registry=r)
+        self.store_hits = Counter("duoserve:kv_store_hits", "Blocks found in the shared KV store", registry=r)
+        self.store_misses = Counter("duoserve:kv_store_misses", "Blocks looked up in the shared KV store and "
+                                    "not found (or not loadable)", registry=r)
+        self.store_errors = Counter("duoserve:kv_store_errors", "Shared KV store errors", ["kind"], registry=r)
+        self.store_bytes = Counter("duoserve:kv_store_bytes", "Bytes read from and written to the shared KV "
+                                   "store", ["direction"], registry=r)
+        self.store_dropped = Counter("duoserve:kv_store_dropped_writes", "Blocks not written to the shared KV "
+                                     "store (write queue full, or the store failing)", registry=r)
+        self.store_breaker = Gauge("duoserve:kv_store_breaker_open", "1 while the shared KV store's circuit "
+                                   "breaker is open", ["engine"], registry=r)
         self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
         self.placements = Counter("duoserve:request_placements", "Requests by where they were prefilled and "
                                   "decoded (prefill_engine=local: on the decode engine itself)",
@@ -112,6 +122,7 @@ class ServerMetrics:
         self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - (last.kv_transfer_bytes if last else 0))
+        self._observe_store(engine, stats, last)
         self.spec_drafts.inc(stats.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0))
         self.spec_accepted.inc(stats.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0))
         before = last.spec_accepted_by_position if last else []
@@ -122,6 +133,20 @@ class ServerMetrics:
             self.kv_transfer.observe(seconds)
         self._previous[key] = stats
         self._log_line(engine, stats)
+
+    def _observe_store(self, engine: str, stats: EngineStats, last: EngineStats | None) -> None:
+        def since(name: str) -> int:
+            return getattr(stats, name) - (getattr(last, name) if last else 0)
+
+        self.store_hits.inc(since("kv_store_hits"))
+        self.store_misses.inc(since("kv_store_misses"))
+        self.store_bytes.labels("read").inc(since("kv_store_bytes_read"))
+        self.store_bytes.labels("write").inc(since("kv_store_bytes_written"))
+        self.store_dropped.inc(since("kv_store_dropped_writes"))
+        before = last.kv_store_errors if last else {}
+        for kind, count in stats.kv_store_errors.items():
+            self.store_errors.labels(kind).inc(count - before.get(kind, 0))
+        self.store_breaker.labels(engine).set(1.0 if stats.kv_store_breaker_open else 0.0)
 
     def engine_down(self, engine: str) -> None:
         """An engine died: what it reported is gone with it."""

@@ -36,6 +36,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None   # blocks cached under one salt serve only requests with the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +71,9 @@ class SamplingParams:
              self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"an integer in [0, {MAX_LOGPROBS}]"),
             ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("cache_salt", self.cache_salt, self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                                                          and self.cache_salt != ""),
+             "a non-empty string, or None"),
         ]
         for name, value, ok, allowed in checks:
             if not ok:

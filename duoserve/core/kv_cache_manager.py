@@ -5,8 +5,15 @@ Pure Python bookkeeping over a ``BlockPool``; the tensors live in the model runn
 
 from __future__ import annotations
 
+import hashlib
+
 from duoserve.core.block_pool import Block, BlockPool, hash_block
 from duoserve.core.request import Request
+
+
+def salt_root(salt: str | None) -> bytes | None:
+    """The parent of a salted sequence's first block hash: its blocks hash apart from everyone else's."""
+    return None if salt is None else hashlib.sha256(b"duoserve-cache-salt:" + salt.encode()).digest()
 
 
 class KVCacheManager:
@@ -17,6 +24,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_queries = 0   # prompt tokens looked up in the prefix cache
         self.num_hits = 0      # of which found
+        # with a KV store: blocks published since the last drain, to be written there once computed
+        self.record_published = False
+        self.published: list[tuple[int, bytes, list[int]]] = []  # (block id, hash, token ids)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -30,7 +40,7 @@ class KVCacheManager:
         size = self.block_size
         while (len(hashes) + 1) * size <= num_tokens:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(request.params.cache_salt)
             hashes.append(hash_block(parent, request.token_ids(start, start + size)))
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
@@ -83,8 +93,14 @@ class KVCacheManager:
             return
         self._extend_hashes(request, num_tokens)
         blocks = self.req_blocks[request.request_id]
-        for block, block_hash in zip(blocks[: num_tokens // self.block_size], request.block_hashes):
-            self.pool.cache(block, block_hash)
+        for i, (block, block_hash) in enumerate(zip(blocks[: num_tokens // self.block_size], request.block_hashes)):
+            if self.pool.cache(block, block_hash) and self.record_published:
+                self.published.append((block.block_id, block_hash, request.token_ids(i * self.block_size,
+                                                                                    (i + 1) * self.block_size)))
+
+    def drain_published(self) -> list[tuple[int, bytes, list[int]]]:
+        published, self.published = self.published, []
+        return published
 
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
         """Give ``child`` the parent's computed prompt blocks: full ones shared, the partial tail copied.

@@ -41,6 +41,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # decode role: KV that arrived from a prefill engine, to write before the forward
     kv_inserts: list[tuple[str, list[int], object]] = field(default_factory=list)  # (request id, blocks, KV)
+    # blocks found in the shared KV store, to write before the forward: (block id, (K, V) per layer)
+    block_loads: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

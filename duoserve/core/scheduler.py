@@ -38,7 +38,8 @@ S = RequestStatus
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_chunked_prefill: bool = True, role: str = "colocated",
-                 lease_timeout: float = 30.0, speculation: SpeculationPolicy | None = None) -> None:
+                 lease_timeout: float = 30.0, speculation: SpeculationPolicy | None = None,
+                 kv_store: object | None = None) -> None:
         self.kv = kv
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -55,6 +56,9 @@ class Scheduler:
         self.newly_leased: list[tuple[Request, list[int]]] = []  # (request, its blocks) to ship
         self.waiting_for_kv: deque[tuple[Request, object]] = deque()  # decode: (request, KV payload)
         self.speculation = speculation
+        # the shared KV tier (duoserve.kv.store.BlockStore): fetch_prefix(request, first_block, block_size)
+        self.kv_store = kv_store
+        self.pending_loads: list[tuple[int, object]] = []
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -123,7 +127,8 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         copies, self.pending_copies = self.pending_copies, []
-        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts)
+        loads, self.pending_loads = self.pending_loads, []
+        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts, loads)
 
     def _order_shortest_first(self) -> int:
         """Prefill role: shortest remaining prompt first, so a short prompt never queues behind a
@@ -202,13 +207,19 @@ class Scheduler:
             # such a request takes no prefix hits (its blocks are still cached for others)
             skip_cache = has_blocks or request.prompt_logprobs is not None
             cached = [] if skip_cache else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
+            stored = []  # the blocks after those that the shared KV store holds, loaded
+            if self.kv_store is not None and not skip_cache and request.num_computed_tokens == 0:
+                stored = self.kv_store.fetch_prefix(request, len(cached), self.kv.block_size)
+            num_stored = len(stored) * self.kv.block_size
+            num_cached = len(cached) * self.kv.block_size + num_stored
             remaining = request.num_tokens - request.num_computed_tokens - num_cached
             if remaining > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(remaining, budget)
-            if self.kv.allocate_slots(request, num_new, cached) is None:
+            new_blocks = self.kv.allocate_slots(request, num_stored + num_new, cached)
+            if new_blocks is None:
                 break
+            self.pending_loads += [(block.block_id, kv) for block, kv in zip(new_blocks, stored)]
             self.waiting.popleft()
             request.num_computed_tokens += num_cached
             if request.first_scheduled_time is None:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from duoserve.config import EngineConfig
+from duoserve.errors import ConfigError
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request, RequestStatus
@@ -55,9 +56,10 @@ class EngineCore:
                                         self.draft.arch if self.draft else None)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.speculation = SpeculationPolicy(spec) if spec else None
+        self.kv_store = self._open_kv_store(kv_dtype) if config.kv_store is not None else None
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
                                    config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout,
-                                   self.speculation)
+                                   self.speculation, self.kv_store)
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
         # decode role: requests ended before their KV arrived (the frontend's message overtook the
         # transfer): whole requests (aborted or released), and single samples stopped by a stop string
@@ -81,6 +83,39 @@ class EngineCore:
         gc.freeze()
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
+
+    def _open_kv_store(self, kv_dtype: torch.dtype):
+        """The shared KV tier, keyed by this model's fingerprint and KV layout; it extends the prefix
+        cache, whose block hashes it uses."""
+        from duoserve.kv.store import BlockStore
+        from duoserve.model.fingerprint import describe, fingerprint
+
+        if not self.config.cache.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching", False, "on with --kv-store (the store keeps the prefix "
+                              "cache's blocks)")
+        digest = fingerprint(describe(self.arch, self.tokenizer, self.loaded.path, self.loaded.quantization))
+        layout = {"dtype": str(kv_dtype), "block_size": self.config.cache.block_size,
+                  "num_layers": self.arch.num_layers, "num_kv_heads": self.arch.num_kv_heads,
+                  "head_dim": self.arch.head_dim}
+        self.kv.record_published = True
+        return BlockStore(self.config.kv_store, digest, layout)
+
+    def _store_published(self) -> None:
+        """Queue the blocks published this step (their KV is computed now) for the shared KV store."""
+        published = self.kv.drain_published()
+        if not published:
+            return
+        block_ids = [block_id for block_id, _, _ in published]
+        keys, values = extract_kv(self.runner.kv_caches, block_ids, len(block_ids) * self.config.cache.block_size)
+        keys, values = to_host(keys), to_host(values)
+        size = self.config.cache.block_size
+        for i, (_, block_hash, token_ids) in enumerate(published):
+            rows = slice(i * size, (i + 1) * size)
+            self.kv_store.submit(block_hash, token_ids, [k[rows] for k in keys], [v[rows] for v in values])
+
+    def close(self) -> None:
+        if self.kv_store is not None:
+            self.kv_store.close()
 
     @property
     def vocab_size(self) -> int:
@@ -208,6 +243,8 @@ class EngineCore:
                                                 f"internal error while running the model: {exc}")
             return outputs
         outputs = early + self.scheduler.update(plan, result)
+        if self.kv_store is not None:
+            self._store_published()
         if self.config.role == "prefill":
             self._ship_leased(outputs)
         if plan.kv_inserts:
@@ -251,7 +288,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.num_kv_transfer_bytes,
             kv_transfer_seconds=self._drain_transfer_seconds(), num_kv_leased=len(self.scheduler.leases),
-            **self._spec_stats())
+            **self._spec_stats(), **(self.kv_store.stats() if self.kv_store is not None else {}))
 
     def _spec_stats(self) -> dict:
         spec = self.speculation

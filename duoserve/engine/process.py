@@ -81,6 +81,7 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
         finally:
             if core.connector is not None:
                 core.connector.close()
+            core.close()
         return 0
     finally:
         sock.close(linger=1000)

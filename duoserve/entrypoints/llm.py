@@ -7,7 +7,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from duoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from duoserve.config import (DEFAULT_KV_STORE_TIMEOUT_MS, DEFAULT_KV_STORE_TTL, CacheConfig, EngineConfig,
+                             KVStoreConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
 from duoserve.engine.core import EngineCore
 from duoserve.frontend.frontend import Frontend
 from duoserve.outputs import RequestOutput
@@ -27,7 +28,9 @@ class LLM:
                  max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
                  num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
                  quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto",
-                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                 kv_store: str | None = None, kv_store_ttl: int = DEFAULT_KV_STORE_TTL,
+                 kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
@@ -38,6 +41,7 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill),
             num_threads=num_threads,
             speculative=SpeculativeConfig.from_value(speculative_config),
+            kv_store=KVStoreConfig(kv_store, kv_store_ttl, kv_store_timeout) if kv_store else None,
             **({} if enforce_eager is None else {"enforce_eager": enforce_eager}),
         )
         self._attach(EngineCore(config))

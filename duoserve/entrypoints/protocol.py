@@ -46,6 +46,7 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None   # a tenant's prefix-cache and KV-store blocks are never another's
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -59,7 +60,7 @@ class SamplingFields(_Body):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
         )
 
 

@@ -63,6 +63,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
+        if plan.block_loads:
+            self.load_blocks(plan.block_loads)
         for _, block_ids, transfer in plan.kv_inserts:
             staged = to_device([*transfer.keys, *transfer.values], self.kv_caches[0][0].device)
             layers = len(transfer.keys)
@@ -146,6 +148,13 @@ class ModelRunner:
             lp = torch.log_softmax(logits, dim=-1)
             entries: list[TokenLogprobs] = top_logprobs(lp, targets, [request.params.prompt_logprobs] * count)
             output.prompt_logprobs[request.request_id] = entries
+
+    def load_blocks(self, loads: list[tuple[int, object]]) -> None:
+        """Write blocks found in the shared KV store: (block id, (K, V) per layer [block_size, ...])."""
+        block_ids = [block_id for block_id, _ in loads]
+        keys = [torch.cat([kv[0][layer] for _, kv in loads]) for layer in range(len(self.kv_caches))]
+        values = [torch.cat([kv[1][layer] for _, kv in loads]) for layer in range(len(self.kv_caches))]
+        insert_kv(self.kv_caches, block_ids, keys, values)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
