@@ -53,6 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "KV memory and the bytes decode attention reads")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free GPU memory for the KV cache (default: 0.9)")
+    g.add_argument("--swap-space", type=float, default=0.0,
+                   help="GiB of host memory for the KV of preempted requests, copied out and back in when "
+                        "that costs less than recomputing them (pinned on a GPU; on a CPU a pool of its own, "
+                        "beside --kv-cache-memory) (default: 0, always recompute)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -108,7 +112,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           gguf_mode=args.gguf_mode),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   enable_chunked_prefill=args.enable_chunked_prefill),

@@ -112,6 +112,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9       # fraction of free GPU memory for KV when kv_cache_memory is None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"              # auto = the model dtype
+    swap_space: float = 0.0                   # GiB of host memory for the KV of preempted requests; 0: none
 
     def __post_init__(self) -> None:
         size = self.block_size
@@ -123,6 +124,8 @@ class CacheConfig:
             raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization, "a fraction in (0, 1]")
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(DTYPES)}")
+        if not self.swap_space >= 0:
+            raise ConfigError("swap_space", self.swap_space, "a number of GiB >= 0 (0: no swap space)")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,9 @@ class EngineStats(msgspec.Struct):
     spec_accepted_by_position: list[int] = []
     # the shared KV store, cumulative: blocks found and not found, bytes each way, writes dropped
     # (queue full, or the store failing), errors by kind; and whether its circuit breaker is open
+    num_swap_preemptions: int = 0   # of num_preemptions, those swapped out (the rest recomputed)
+    num_swapped: int = 0            # requests whose KV waits in the swap space
+    swap_usage: float = 0.0
     kv_store_hits: int = 0
     kv_store_misses: int = 0
     kv_store_bytes_read: int = 0

@@ -61,6 +61,12 @@ class ServerMetrics:
         self.spec_accepted_by_position = Counter("duoserve:spec_decode_num_accepted_tokens_per_pos",
                                                  "Accepted guesses by their position in a step's guesses (0: first)",
                                                  ["position"], registry=r)
+        self.swapped = Gauge("duoserve:num_requests_swapped", "Preempted requests whose KV waits in the swap "
+                             "space", registry=r)
+        self.swap_usage = Gauge("duoserve:swap_usage_ratio", "Fraction of swap blocks in use", ["engine"],
+                                registry=r)
+        self.preemptions = Counter("duoserve:num_preemptions", "Requests preempted: their KV swapped out, or "
+                                   "dropped to be recomputed", ["kind"], registry=r)
         self.store_hits = Counter("duoserve:kv_store_hits", "Blocks found in the shared KV store", registry=r)
         self.store_misses = Counter("duoserve:kv_store_misses", "Blocks looked up in the shared KV store and "
                                     "not found (or not loadable)", registry=r)
@@ -123,6 +129,10 @@ class ServerMetrics:
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - (last.kv_transfer_bytes if last else 0))
         self._observe_store(engine, stats, last)
+        swaps = stats.num_swap_preemptions - (last.num_swap_preemptions if last else 0)
+        self.preemptions.labels("swap").inc(swaps)
+        self.preemptions.labels("recompute").inc(stats.num_preemptions - (last.num_preemptions if last else 0) - swaps)
+        self.swap_usage.labels(engine).set(stats.swap_usage)
         self.spec_drafts.inc(stats.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0))
         self.spec_accepted.inc(stats.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0))
         before = last.spec_accepted_by_position if last else []
@@ -160,6 +170,7 @@ class ServerMetrics:
         self.running.set(sum(s.num_running for s in engines))
         self.waiting.set(sum(s.num_waiting for s in engines))
         self.leased.set(sum(s.num_kv_leased for s in engines))
+        self.swapped.set(sum(s.num_swapped for s in engines))
 
     def _log_line(self, engine: str, stats: EngineStats) -> None:
         now = time.monotonic()

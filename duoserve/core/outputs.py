@@ -43,6 +43,10 @@ class SchedulerOutput:
     kv_inserts: list[tuple[str, list[int], object]] = field(default_factory=list)  # (request id, blocks, KV)
     # blocks found in the shared KV store, to write before the forward: (block id, (K, V) per layer)
     block_loads: list[tuple[int, object]] = field(default_factory=list)
+    # swap space: (KV block, swap block) to copy out, then (swap block, KV block) to copy in,
+    # both before the forward (a block swapped out this step may be handed to another request)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -5,8 +5,10 @@ gives each a number of new tokens, never more than ``max_num_batched_tokens`` in
 all. A decoding request asks for 1, a prompt for the rest of its prompt (cut to the
 budget: chunked prefill). Running requests are served first, in admission order;
 when blocks run out the newest running request is preempted (its blocks freed, to
-be recomputed, mostly from the prefix cache). Waiting requests are admitted FIFO
-while the budget, ``max_num_seqs`` and free blocks allow.
+be recomputed, mostly from the prefix cache) or, with a swap space and when copying
+costs less than recomputing, its KV is copied out to host memory and back in when it is
+resumed (swapped requests resume before anything new is admitted). Waiting requests are
+admitted FIFO while the budget, ``max_num_seqs`` and free blocks allow.
 
 Roles: a ``colocated`` engine does everything above. A ``prefill`` engine stops a
 request at its first token: the request moves to ``KV_LEASED`` (out of the running
@@ -31,6 +33,7 @@ from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.speculation import SpeculationPolicy
+from duoserve.core.swap_space import SwapCost, SwapSpace
 
 S = RequestStatus
 
@@ -39,7 +42,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_chunked_prefill: bool = True, role: str = "colocated",
                  lease_timeout: float = 30.0, speculation: SpeculationPolicy | None = None,
-                 kv_store: object | None = None) -> None:
+                 kv_store: object | None = None, swap: SwapSpace | None = None,
+                 swap_cost: SwapCost | None = None) -> None:
         self.kv = kv
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -59,6 +63,10 @@ class Scheduler:
         # the shared KV tier (duoserve.kv.store.BlockStore): fetch_prefix(request, first_block, block_size)
         self.kv_store = kv_store
         self.pending_loads: list[tuple[int, object]] = []
+        self.swap, self.swap_cost = swap, swap_cost
+        self.swapped: deque[Request] = deque()
+        self.pending_swap_out: list[tuple[int, int]] = []
+        self.num_swap_preemptions = 0
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -85,11 +93,14 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.leases)
+        return (len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.leases)
+                + len(self.swapped))
 
     # ---- planning -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.swap is not None:
+            self.swap.end_step()
         budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -122,13 +133,35 @@ class Scheduler:
                 i += 1
         budget += reserved
         inserts: list[tuple[str, list[int], object]] = []
+        swap_in: list[tuple[int, int]] = []
         if not preempted:
+            budget = self._resume_swapped(budget, scheduled, swap_in)
             budget = self._admit_transferred(budget, scheduled, inserts)
             budget = self._admit_waiting(budget, scheduled)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         copies, self.pending_copies = self.pending_copies, []
         loads, self.pending_loads = self.pending_loads, []
-        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts, loads)
+        swap_out, self.pending_swap_out = self.pending_swap_out, []
+        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts, loads,
+                               swap_out, swap_in)
+
+    def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest],
+                        swap_in: list[tuple[int, int]]) -> int:
+        """Give swapped requests KV blocks again, have their KV copied back, decode on."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            blocks = self.kv.allocate_slots(request, 1)  # its computed tokens and the next one
+            if blocks is None:
+                break
+            self.swapped.popleft()
+            swap_in += zip(request.swap_block_ids, [b.block_id for b in blocks])
+            self.swap.release(request.swap_block_ids)
+            request.swap_block_ids = []
+            request.move_to(S.RUNNING)
+            self.running.append(request)
+            scheduled.append(self._plan(request, 1))
+            budget -= 1
+        return budget
 
     def _order_shortest_first(self) -> int:
         """Prefill role: shortest remaining prompt first, so a short prompt never queues behind a
@@ -243,7 +276,23 @@ class Scheduler:
                                 num_samples, wants_prompt_logprobs, list(guesses or ()), num_spec)
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the request's KV and send it to the front of the queue."""
+        """Swap the request's KV out when that is cheaper and there is room, else drop it to be
+        recomputed: either way it leaves the running set and its KV blocks are free."""
+        if self.swap is not None and request.status is S.RUNNING:
+            block_ids = self.kv.block_ids(request.request_id)
+            num_blocks = self.kv.num_blocks_for(request.num_computed_tokens)
+            if self.swap_cost.prefers_swap(num_blocks, request.num_computed_tokens):
+                swap_ids = self.swap.allocate(num_blocks)
+                if swap_ids is not None:  # swap full: recompute
+                    self.pending_swap_out += zip(block_ids[:num_blocks], swap_ids)
+                    self.kv.free(request)
+                    request.swap_block_ids = swap_ids
+                    request.num_draft_computed = 0   # a draft's KV is not swapped: it catches up
+                    request.move_to(S.SWAPPED)
+                    self.swapped.append(request)
+                    self.num_preemptions += 1
+                    self.num_swap_preemptions += 1
+                    return
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_draft_computed = 0
@@ -362,6 +411,10 @@ class Scheduler:
             self.waiting_for_kv = deque(item for item in self.waiting_for_kv if item[0] is not request)
         elif request.status is S.KV_LEASED:
             self.leases.pop(request.request_id, None)
+        elif request.status is S.SWAPPED:
+            self.swapped.remove(request)
+            self.swap.release(request.swap_block_ids)
+            request.swap_block_ids = []
         elif request in self.running:
             self.running.remove(request)
         request.move_to(status)

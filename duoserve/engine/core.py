@@ -22,12 +22,13 @@ from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
 from duoserve.core.speculation import SpeculationPolicy
+from duoserve.core.swap_space import SwapCost, SwapSpace
 from duoserve.messages import EngineStats
 from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
-from duoserve.worker.kv_cache import num_kv_blocks
+from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.model_runner import ModelRunner
 
@@ -57,9 +58,13 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.speculation = SpeculationPolicy(spec) if spec else None
         self.kv_store = self._open_kv_store(kv_dtype) if config.kv_store is not None else None
+        block_bytes = bytes_per_token(self.arch, kv_dtype) * cache.block_size
+        self.num_swap_blocks = int(cache.swap_space * (1 << 30)) // block_bytes
+        self.swap = SwapSpace(self.num_swap_blocks) if self.num_swap_blocks else None
+        self.swap_cost = SwapCost(block_bytes)
         self.scheduler = Scheduler(self.kv, budget, config.scheduler.max_num_seqs,
                                    config.scheduler.enable_chunked_prefill, config.role, config.kv_lease_timeout,
-                                   self.speculation, self.kv_store)
+                                   self.speculation, self.kv_store, self.swap, self.swap_cost)
         self.connector = None  # prefill/decode roles: the KV connector to the other side (attach_connector)
         # decode role: requests ended before their KV arrived (the frontend's message overtook the
         # transfer): whole requests (aborted or released), and single samples stopped by a stop string
@@ -72,6 +77,8 @@ class EngineCore:
         compile_model = not config.enforce_eager and self.device == "cpu"
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
                                   self.device, config.model.seed, compile_model=compile_model)
+        if self.swap is not None:
+            self.runner.allocate_swap(self.num_swap_blocks, cache.block_size, kv_dtype)
         if self.draft is not None:
             self.runner.drafter = DraftRunner(self.draft, self.num_blocks, cache.block_size, kv_dtype, self.device,
                                               config.model.seed, compile_model, max_catch_up=budget)
@@ -165,7 +172,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Requests to compute now (leased KV only waits, it needs no steps)."""
         s = self.scheduler
-        return bool(s.waiting or s.running or s.waiting_for_kv)
+        return bool(s.waiting or s.running or s.waiting_for_kv or s.swapped)
 
     def attach_connector(self, connector) -> None:
         self.connector = connector
@@ -232,6 +239,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return early
+        start = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except Exception as exc:  # one bad batch fails its requests, never the engine
@@ -242,6 +250,7 @@ class EngineCore:
                 outputs += self.scheduler.abort(item.request.request_id, RequestStatus.FINISHED_ERROR,
                                                 f"internal error while running the model: {exc}")
             return outputs
+        self._measure_rates(plan, time.perf_counter() - start)
         outputs = early + self.scheduler.update(plan, result)
         if self.kv_store is not None:
             self._store_published()
@@ -254,6 +263,17 @@ class EngineCore:
             self.num_prompt_tokens += max(0, computed_end - item.start)
         self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
+
+    def _measure_rates(self, plan, seconds: float) -> None:
+        """Keep the swap-or-recompute rates current: prefill tokens a second (from steps that are
+        mostly prefill) and swap copy bytes a second."""
+        cost = self.swap_cost
+        prompt_tokens = sum(i.num_new_tokens for i in plan.scheduled if i.num_new_tokens > 1)
+        if prompt_tokens >= 64 and not plan.swap_in and not plan.swap_out:
+            cost.prefill_tokens_per_s = 0.8 * cost.prefill_tokens_per_s + 0.2 * prompt_tokens / seconds
+        runner = self.runner
+        if runner.swap_bytes and runner.swap_seconds:
+            cost.copy_bytes_per_s = runner.swap_bytes / runner.swap_seconds
 
     def _restate_first_tokens(self, plan, outputs: list[EngineCoreOutput]) -> None:
         """Decode role: ack each arrived KV, and report the prefill engine's first token again.
@@ -286,6 +306,8 @@ class EngineCore:
             kv_cache_usage=pool.usage, num_blocks=pool.num_blocks,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions, num_swapped=len(self.scheduler.swapped),
+            swap_usage=self.swap.usage if self.swap is not None else 0.0,
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.num_kv_transfer_bytes,
             kv_transfer_seconds=self._drain_transfer_seconds(), num_kv_leased=len(self.scheduler.leases),
             **self._spec_stats(), **(self.kv_store.stats() if self.kv_store is not None else {}))

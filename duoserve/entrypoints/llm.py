@@ -30,13 +30,13 @@ class LLM:
                  quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  kv_store: str | None = None, kv_store_ttl: int = DEFAULT_KV_STORE_TTL,
-                 kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS) -> None:
+                 kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS, swap_space: float = 0.0) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
                               quantization=quantization, gguf_mode=gguf_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       enable_chunked_prefill=enable_chunked_prefill),
             num_threads=num_threads,

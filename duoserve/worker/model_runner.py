@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -43,6 +44,27 @@ class ModelRunner:
         if compile_model:
             self._compile(block_size)
         self.drafter = None  # speculative decoding's draft model (a DraftRunner), when there is one
+        self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap space (allocate_swap)
+        self.swap_seconds = 0.0   # time spent copying to and from it, and bytes copied (cumulative)
+        self.swap_bytes = 0
+
+    def allocate_swap(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """Host-memory blocks of the KV cache's layout for swapped-out requests (pinned for a GPU)."""
+        self.swap_caches = allocate_kv_cache(self.arch, num_blocks, block_size, kv_dtype, "cpu")
+        if self.device.type == "cuda":
+            self.swap_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.swap_caches]
+
+    def swap_blocks(self, pairs: list[tuple[int, int]], out: bool) -> None:
+        """Copy blocks KV cache -> swap space (``out``), or swap space -> KV cache: (source, destination)."""
+        start = time.perf_counter()
+        src = torch.tensor([s for s, _ in pairs])
+        dst = torch.tensor([d for _, d in pairs])
+        sources, targets = (self.kv_caches, self.swap_caches) if out else (self.swap_caches, self.kv_caches)
+        for (src_k, src_v), (dst_k, dst_v) in zip(sources, targets):
+            for a, b in ((src_k, dst_k), (src_v, dst_v)):
+                b.index_copy_(0, dst.to(b.device), a.index_select(0, src.to(a.device)).to(b.device))
+        self.swap_seconds += time.perf_counter() - start
+        self.swap_bytes += sum(k[0].numel() * k.element_size() * 2 for k, _ in self.kv_caches) * len(pairs)
 
     def _compile(self, block_size: int) -> None:
         """Compile the model step; on any failure (no C++ compiler, say) say why once and stay eager."""
@@ -61,8 +83,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        if plan.block_copies:
+        if plan.block_copies:  # a forked sample's tail block, before that sample may be swapped out
             self.copy_blocks(plan.block_copies)
+        if plan.swap_out:  # before the forward: the blocks may be handed to other requests in it
+            self.swap_blocks(plan.swap_out, out=True)
+        if plan.swap_in:
+            self.swap_blocks(plan.swap_in, out=False)
         if plan.block_loads:
             self.load_blocks(plan.block_loads)
         for _, block_ids, transfer in plan.kv_inserts:
