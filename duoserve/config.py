@@ -229,7 +229,7 @@ class KVStoreConfig:
     url: str
     ttl: int = DEFAULT_KV_STORE_TTL           # seconds a block lives after its last write or hit
     timeout_ms: float = DEFAULT_KV_STORE_TIMEOUT_MS
-    write_queue: int = 1024                   # blocks waiting to be written; more are dropped (counted)
+    write_queue: int = 256                    # blocks waiting to be written; more are dropped (counted)
     breaker_errors: int = 3
     breaker_cooldown: float = 5.0
 

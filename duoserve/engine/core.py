@@ -112,6 +112,9 @@ class EngineCore:
         published = self.kv.drain_published()
         if not published:
             return
+        if self.kv_store.breaker.is_open:  # the store is away: not worth reading the blocks out
+            self.kv_store.drop(len(published))
+            return
         block_ids = [block_id for block_id, _, _ in published]
         keys, values = extract_kv(self.runner.kv_caches, block_ids, len(block_ids) * self.config.cache.block_size)
         keys, values = to_host(keys), to_host(values)

@@ -63,7 +63,7 @@ def block_key(root: bytes, block_hash: bytes) -> bytes:
 def encode_record(key: bytes, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: list[int],
                   fingerprint: bytes) -> bytes:
     """A block record: per layer K and V [block_size, num_kv_heads, head_dim] of ``token_ids``."""
-    payload = b"".join(bytes(frame) for frame in wire.encode(keys, values, token_ids, fingerprint))
+    payload = b"".join(wire.encode(keys, values, token_ids, fingerprint))  # one copy of the KV
     digest = hashlib.sha256(key).digest()
     return _RECORD.pack(RECORD_MAGIC, RECORD_VERSION, 0, digest, zlib.crc32(payload), 0) + payload
 
@@ -290,6 +290,11 @@ class BlockStore:
             with self.lock:
                 self.dropped_writes += 1
 
+    def drop(self, count: int) -> None:
+        """Blocks not even queued (the breaker is open): counted as dropped writes."""
+        with self.lock:
+            self.dropped_writes += count
+
     def _write_loop(self) -> None:
         while True:
             item = self.writes.get()
@@ -305,6 +310,9 @@ class BlockStore:
                     self.writes.put(None)
                     break
                 batch.append(nxt)
+            if not self.breaker.allow():  # the store is away: drop without encoding anything
+                self.drop(len(batch))
+                continue
             records = [(key, encode_record(key, k, v, tokens, self.fingerprint)) for key, tokens, k, v in batch]
 
             def put():
@@ -313,10 +321,14 @@ class BlockStore:
                     pipe.set(key, record, nx=True, ex=self.config.ttl)
                 return pipe.execute(raise_on_error=True)
 
-            if self._call(put) is None:
-                with self.lock:
-                    self.dropped_writes += len(records)
+            try:
+                put()
+            except Exception as exc:  # noqa: BLE001 - counted, and the breaker decides what comes next
+                self._count_error(error_kind(exc))
+                self.breaker.failure(exc)
+                self.drop(len(records))
                 continue
+            self.breaker.success()
             with self.lock:
                 self.bytes_written += sum(len(r) for _, r in records)
                 for key, _ in records:
