@@ -268,3 +268,34 @@ def test_two_servers_share_one_store(redis_server, tmp_path):
     expected = (num_prompt - 1) // 16
     assert hits == expected
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == expected * 16
+
+
+def test_prefill_and_decode_engines_share_the_store(tiny_dir, redis_server):
+    """A disaggregated pair writes the prompt's blocks (from the prefill engine) and the output's
+    (from the decode engine); a second prefill engine finds the prompt's there."""
+    from duoserve.config import DisaggConfig
+    from duoserve.kv.connector import InProcessConnector
+    from tests.test_disagg_inprocess import pool_whole, run
+
+    path = tiny_dir(kind="llama")
+    base = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                        cache=CacheConfig(kv_cache_memory=0.01), kv_store=KVStoreConfig(redis_server.url))
+    prompt = long_prompt(40)
+    want = LLM(str(path), dtype="float32").generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    for round_ in range(2):
+        prefill_config, decode_config = DisaggConfig().engine_configs(base)
+        prefill, decode = EngineCore(prefill_config), EngineCore(decode_config)
+        link = InProcessConnector()
+        prefill.attach_connector(link)
+        decode.attach_connector(link)
+        got, _ = run(prefill, decode, [prompt], PARAMS)
+        assert got == [want]
+        assert pool_whole(prefill) and pool_whole(decode)
+        hits = prefill.kv_store.stats()["kv_store_hits"]
+        assert hits == (0 if round_ == 0 else 9)
+        for engine_ in (prefill, decode):
+            deadline = time.monotonic() + 5
+            while not engine_.kv_store.writes.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        time.sleep(0.1)
+    assert len(stored_keys(redis_server)) == (150 + 12 - 1) // BLOCK
