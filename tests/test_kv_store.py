@@ -15,7 +15,7 @@ import pytest
 from duoserve import LLM, SamplingParams
 from duoserve.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
 from duoserve.engine.core import EngineCore
-from duoserve.kv.store import KEY_PREFIX, _RECORD
+from duoserve.kv.store_record import KEY_PREFIX, _RECORD
 from tests.helpers import assert_pool_whole
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -105,7 +105,7 @@ def test_a_record_that_fails_its_checks_is_a_miss_and_is_deleted(tiny_dir, redis
     # the prompt's third block: find its key through an engine's own hashing
     reader = engine(path, redis_server.url)
     from duoserve.core.request import Request
-    from duoserve.kv.store import block_key
+    from duoserve.kv.store_record import block_key
 
     probe = Request("probe", prompt, PARAMS)
     reader.engine.kv._extend_hashes(probe, 9 * BLOCK)
@@ -118,7 +118,7 @@ def test_a_record_that_fails_its_checks_is_a_miss_and_is_deleted(tiny_dir, redis
     else:
         record = bytearray(client.get(block_key(reader.engine.kv_store.root, probe.block_hashes[3])))
     client.set(key, bytes(record))
-    with caplog.at_level(logging.WARNING, logger="duoserve.kv.store"):
+    with caplog.at_level(logging.WARNING, logger="duoserve.kv"):
         (out,) = reader.generate([prompt], PARAMS, use_tqdm=False)
     assert out.outputs[0].token_ids == want
     stats = reader.engine.kv_store.stats()
@@ -173,7 +173,7 @@ def test_redis_killed_then_restarted_never_fails_a_request(tiny_dir, redis_serve
     reference = LLM(str(path), dtype="float32")
     want = run_through(reference, prompts)
     llm = engine(path, redis_server.url, timeout_ms=100, breaker_errors=2, breaker_cooldown=0.5)
-    with caplog.at_level(logging.INFO, logger="duoserve.kv.store"):
+    with caplog.at_level(logging.INFO, logger="duoserve.kv"):
         assert run_through(llm, prompts[:1]) == want[:1]
         redis_server.stop()
         for _ in range(3):   # lookups and writes fail: the breaker opens, requests compute
@@ -199,7 +199,7 @@ def test_redis_paused_beyond_the_timeout_never_fails_a_request(tiny_dir, redis_s
     llm = engine(path, redis_server.url, timeout_ms=50, breaker_errors=2, breaker_cooldown=0.5)
     os.kill(redis_server.proc.pid, signal.SIGSTOP)
     try:
-        with caplog.at_level(logging.INFO, logger="duoserve.kv.store"):
+        with caplog.at_level(logging.INFO, logger="duoserve.kv"):
             start = time.monotonic()
             assert run_through(llm, prompts) == want
             assert time.monotonic() - start < 5
@@ -207,7 +207,7 @@ def test_redis_paused_beyond_the_timeout_never_fails_a_request(tiny_dir, redis_s
             assert llm.engine.kv_store.breaker.is_open
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
-    with caplog.at_level(logging.INFO, logger="duoserve.kv.store"):
+    with caplog.at_level(logging.INFO, logger="duoserve.kv"):
         keep_asking(llm, reference, seed=200)
     assert not llm.engine.kv_store.breaker.is_open and "circuit breaker closed" in caplog.text
 

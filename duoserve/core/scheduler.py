@@ -290,6 +290,7 @@ class Scheduler:
                     request.num_draft_computed = 0   # a draft's KV is not swapped: it catches up
                     request.move_to(S.SWAPPED)
                     self.swapped.append(request)
+                    request.num_preemptions += 1
                     self.num_preemptions += 1
                     self.num_swap_preemptions += 1
                     return

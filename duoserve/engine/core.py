@@ -271,7 +271,7 @@ class EngineCore:
         """Keep the swap-or-recompute rates current: prefill tokens a second (from steps that are
         mostly prefill) and swap copy bytes a second."""
         cost = self.swap_cost
-        prompt_tokens = sum(i.num_new_tokens for i in plan.scheduled if i.num_new_tokens > 1)
+        prompt_tokens = sum(i.num_known_tokens for i in plan.scheduled if i.num_known_tokens > 1)
         if prompt_tokens >= 64 and not plan.swap_in and not plan.swap_out:
             cost.prefill_tokens_per_s = 0.8 * cost.prefill_tokens_per_s + 0.2 * prompt_tokens / seconds
         runner = self.runner
