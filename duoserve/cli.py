@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
             engine.add_argument("--kv-lease-timeout", type=float, default=30.0,
                                 help="seconds KV waits for the decode engine's acknowledgement (default: 30)")
         add_engine_args(engine)
+    bench = commands.add_parser("bench", help="measure a server").add_subparsers(dest="bench_command",
+                                                                               metavar="BENCH", required=True)
+    from duoserve.bench.serve import add_args as add_bench_serve_args
+
+    add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI-compatible server and report latency, "
+                                          "throughput, goodput and errors"))
     return parser
 
 
@@ -353,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command in ("prefill", "decode"):
             return run_engine(args)
+        if args.command == "bench":
+            from duoserve.bench.serve import run_bench_serve
+
+            return run_bench_serve(args)
     except (ConfigError, DuoserveError) as exc:
         print(f"duoserve: error: {exc}", file=sys.stderr)
         return 2

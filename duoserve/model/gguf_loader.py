@@ -17,6 +17,7 @@ import torch
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config
 from duoserve.model.dequant import dequantize
+from duoserve.model.tokenizer import read_metadata
 
 if TYPE_CHECKING:
     from duoserve.model.quantized import PackedWeight
@@ -50,15 +51,6 @@ def hf_name(gguf_name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     return None
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta
 
 
 def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:

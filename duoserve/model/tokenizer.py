@@ -100,6 +100,16 @@ class Tokenizer:
         return json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
 
 
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """A GGUF file's key/value metadata (from a ``gguf.GGUFReader``), without its tensors."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Tokenizer:
     """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata)."""
     kind = meta.get("tokenizer.ggml.model")

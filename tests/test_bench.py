@@ -1,0 +1,159 @@
+"""``duoserve bench serve`` against a server with known delays, and against duoserve itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+from fastapi import Request
+
+from duoserve.bench import report, workloads
+from duoserve.bench.client import run
+from duoserve.bench.workloads import BenchRequest
+from duoserve.errors import ConfigError
+
+FIRST_MS, EVERY_MS, TOKENS = 120, 25, 12
+
+
+def fake_server():
+    """An OpenAI-style streaming server: the first token FIRST_MS after the request, then one every
+    EVERY_MS; a prompt containing FAIL gets HTTP 500, one containing CUT a broken stream."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if "FAIL" in body["prompt"]:
+            return JSONResponse({"error": {"message": "injected", "type": "server_error"}}, status_code=500)
+        count = body["max_tokens"]
+
+        async def events():
+            await asyncio.sleep(FIRST_MS / 1000)
+            for i in range(count):
+                if i:
+                    await asyncio.sleep(EVERY_MS / 1000)
+                if "CUT" in body["prompt"] and i == 3:
+                    yield 'data: {"error": {"message": "engine died", "code": 503}}\n\n'
+                    return
+                chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": count}}
+            yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    server, url = fake_server()
+    yield url
+    server.should_exit = True
+
+
+def test_latencies_throughput_goodput_and_errors_come_out_right(fake):
+    good = [BenchRequest(f"prompt {i}", 5, TOKENS) for i in range(16)]
+    bad = [BenchRequest("FAIL", 4, TOKENS), BenchRequest("FAIL too", 4, TOKENS), BenchRequest("CUT here", 4, TOKENS)]
+    records, seconds = asyncio.run(run(fake, "/v1/completions", "fake-model", good + bad, float("inf"),
+                                       max_concurrency=8))
+    result = report.summarize(records, seconds, {"dataset": "fixed"}, report.parse_goodput(["ttft:200", "tpot:40"]))
+    import jsonschema
+
+    jsonschema.validate(json.loads(json.dumps(result)), report.RESULT_SCHEMA)
+    assert result["completed"] == 16 and result["failed"] == 3
+    assert result["errors"] == {"http_5xx": 2, "stream": 1}
+    assert result["total_output_tokens"] == 16 * TOKENS
+    # timer noise on a loaded 2-core machine: a few milliseconds, more at p99
+    assert FIRST_MS <= result["ttft_ms"]["p50"] < FIRST_MS + 25
+    assert EVERY_MS <= result["itl_ms"]["p50"] < EVERY_MS + 10
+    assert EVERY_MS - 2 <= result["tpot_ms"]["mean"] < EVERY_MS + 10
+    expected_e2e = FIRST_MS + (TOKENS - 1) * EVERY_MS
+    assert expected_e2e <= result["e2el_ms"]["p50"] < expected_e2e + 60
+    assert result["goodput"] == pytest.approx(16 / seconds)            # every completed one meets both bounds
+    strict = report.summarize(records, seconds, {}, report.parse_goodput(["ttft:50"]))
+    assert strict["goodput"] == 0.0
+    assert "completed" in report.table(result) and "TTFT" in report.table(result)
+
+
+def test_request_rate_spaces_the_sends(fake):
+    requests = [BenchRequest(f"p{i}", 5, 2) for i in range(30)]
+    records, _ = asyncio.run(run(fake, "/v1/completions", "fake-model", requests, request_rate=20.0, seed=1))
+    starts = sorted(r.start for r in records)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert 0.03 < sum(gaps) / len(gaps) < 0.08   # Poisson arrivals at 20/s: mean gap 50 ms
+
+
+def test_workloads_have_the_lengths_they_promise(tmp_path):
+    from duoserve.bench.serve import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    random_prompts = workloads.build("random", tokenizer, 6, 64, 32, seed=3)
+    assert [r.prompt_len for r in random_prompts] == [64] * 6 and {r.output_len for r in random_prompts} == {32}
+    mixed = workloads.build("mixed:16:0.5,200:0.5", tokenizer, 40, 0, 8, seed=3)
+    assert {r.prompt_len for r in mixed} == {16, 200}
+    shared = workloads.build("shared-prefix", tokenizer, 3, 16, 8, prefix_len=100, seed=3)
+    heads = {r.prompt[:200] for r in shared}
+    assert len(heads) == 1 and all(r.prompt_len >= 110 for r in shared)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Hello there", "output_len": 5}\n{"prompt": "Bye"}\n')
+    from_file = workloads.build(f"jsonl:{path}", tokenizer, 3, 0, 9)
+    assert [(r.prompt, r.output_len) for r in from_file] == [("Hello there", 5), ("Bye", 9), ("Hello there", 5)]
+    for bad in ("mixed:16:0.5", "mixed:x", "jsonl:/nope.jsonl", "sharegpt"):
+        with pytest.raises(ConfigError, match="dataset"):
+            workloads.build(bad, tokenizer, 2, 8, 8)
+
+
+def test_bench_serve_against_duoserve_reports_its_stages(tmp_path):
+    """A short run of each workload against a real duoserve server: stage breakdown present."""
+    import subprocess
+    import sys
+
+    import jsonschema
+
+    from tests.server_helpers import Server
+
+    server = Server("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.4", "--num-threads", "2",
+                    log=tmp_path / "server.log")
+    try:
+        jsonl = tmp_path / "p.jsonl"
+        jsonl.write_text('{"prompt": "Name three colors.", "output_len": 8}\n')
+        for dataset in ("random", "mixed:16:0.5,64:0.5", "shared-prefix", f"jsonl:{jsonl}"):
+            out = tmp_path / "result.json"
+            result = subprocess.run([sys.executable, "-m", "duoserve.cli", "bench", "serve", "--base-url", server.url,
+                                     "--dataset", dataset, "--num-prompts", "4", "--input-len", "32",
+                                     "--output-len", "8", "--prefix-len", "64", "--max-concurrency", "2",
+                                     "--result-json", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr
+            data = json.loads(out.read_text())
+            jsonschema.validate(data, report.RESULT_SCHEMA)
+            assert data["completed"] == 4 and data["failed"] == 0, dataset
+            assert data["config"]["model"] == "smollm2-135m"
+            stages = data["server"]
+            assert stages["ttft_queue_mean_ms"] >= 0 and stages["ttft_prefill_mean_ms"] > 0
+            if dataset == "shared-prefix":
+                assert stages["prefix_cache_hit_rate"] > 0.3
+            assert "TTFT" in result.stdout and "ttft_prefill_mean_ms" in result.stdout
+    finally:
+        server.stop()
