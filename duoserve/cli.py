@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI-compatible server and report latency, "
                                           "throughput, goodput and errors"))
+    compare = bench.add_parser("compare", help="several --result-json documents side by side, and one figure")
+    compare.add_argument("results", nargs="+", help="result documents of duoserve bench serve")
+    compare.add_argument("--plot", default=None, metavar="PNG", help="draw them all on one figure here")
     return parser
 
 
@@ -360,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("prefill", "decode"):
             return run_engine(args)
         if args.command == "bench":
-            from duoserve.bench.serve import run_bench_serve
+            from duoserve.bench.serve import run_bench_compare, run_bench_serve
 
-            return run_bench_serve(args)
+            return run_bench_compare(args) if args.bench_command == "compare" else run_bench_serve(args)
     except (ConfigError, DuoserveError) as exc:
         print(f"duoserve: error: {exc}", file=sys.stderr)
         return 2

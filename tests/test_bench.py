@@ -139,12 +139,13 @@ def test_bench_serve_against_duoserve_reports_its_stages(tmp_path):
     try:
         jsonl = tmp_path / "p.jsonl"
         jsonl.write_text('{"prompt": "Name three colors.", "output_len": 8}\n')
-        for dataset in ("random", "mixed:16:0.5,64:0.5", "shared-prefix", f"jsonl:{jsonl}"):
-            out = tmp_path / "result.json"
+        for i, dataset in enumerate(("random", "mixed:16:0.5,64:0.5", "shared-prefix", f"jsonl:{jsonl}")):
+            out = tmp_path / f"run{i}.json"
             result = subprocess.run([sys.executable, "-m", "duoserve.cli", "bench", "serve", "--base-url", server.url,
                                      "--dataset", dataset, "--num-prompts", "4", "--input-len", "32",
                                      "--output-len", "8", "--prefix-len", "64", "--max-concurrency", "2",
-                                     "--result-json", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+                                     "--result-json", str(out), "--quiet", "--plot", str(tmp_path / f"run{i}.png")],
+                                    capture_output=True, text=True, timeout=300)
             assert result.returncode == 0, result.stderr
             data = json.loads(out.read_text())
             jsonschema.validate(data, report.RESULT_SCHEMA)
@@ -155,5 +156,17 @@ def test_bench_serve_against_duoserve_reports_its_stages(tmp_path):
             if dataset == "shared-prefix":
                 assert stages["prefix_cache_hit_rate"] > 0.3
             assert "TTFT" in result.stdout and "ttft_prefill_mean_ms" in result.stdout
+            assert len(data["samples"]["ttft_ms"]) == 4 and len(data["samples"]["token_times_s"]) >= 4
     finally:
         server.stop()
+    import matplotlib.pyplot as plt
+
+    image = plt.imread(tmp_path / "run0.png")
+    assert image.shape[0] > 300 and image.shape[1] > 300 and image.std() > 0.01   # a figure, not a blank
+    compared = subprocess.run([sys.executable, "-m", "duoserve.cli", "bench", "compare", str(tmp_path / "run0.json"),
+                               str(tmp_path / "run2.json"), "--plot", str(tmp_path / "both.png")],
+                              capture_output=True, text=True, timeout=120)
+    assert compared.returncode == 0, compared.stderr
+    header = compared.stdout.splitlines()[0].split()
+    assert header == ["run0", "run2"] and "ttft p99 ms" in compared.stdout
+    assert (tmp_path / "both.png").stat().st_size > 10_000

@@ -37,6 +37,10 @@ RESULT_SCHEMA = {
         "goodput": {"type": ["number", "null"]},
         "ttft_ms": _STATS, "tpot_ms": _STATS, "itl_ms": _STATS, "e2el_ms": _STATS,
         "server": {"type": ["object", "null"]},
+        "samples": {"type": "object", "properties": {
+            "ttft_ms": {"type": "array", "items": {"type": "number"}},
+            "itl_ms": {"type": "array", "items": {"type": "number"}},
+            "token_times_s": {"type": "array", "items": {"type": "number"}}}},
     },
 }
 
@@ -65,6 +69,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 def summarize(records: list[RequestRecord], duration: float, config: dict, goodput: dict[str, float],
               server: dict | None = None) -> dict:
     ok = [r for r in records if r.ok]
+    first_send = min((r.start for r in records), default=0.0)
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
@@ -90,6 +95,9 @@ def summarize(records: list[RequestRecord], duration: float, config: dict, goodp
         "total_token_throughput": (inputs + outputs) / duration, "goodput": good,
         "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl), "e2el_ms": stats(e2el),
         "server": server,
+        # the raw figures the plots draw: per request TTFT, every gap, every content chunk's time
+        "samples": {"ttft_ms": [1000 * t for t in ttft], "itl_ms": [1000 * t for t in itl],
+                    "token_times_s": sorted(t - first_send for r in ok for t in r.chunk_times)},
     }
 
 

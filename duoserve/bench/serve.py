@@ -45,6 +45,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
                         help="bounds a request must meet to count, e.g. ttft:500 tpot:50")
     parser.add_argument("--result-json", default=None, help="write the result here (schema duoserve-bench/1)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="draw TTFT CDF, ITL distribution, throughput over time and TTFT stages here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -164,6 +166,26 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print(report.table(result))
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        from duoserve.bench.plot import draw
+
+        draw({model: result}, args.plot)
+    return 0
+
+
+def run_bench_compare(args: argparse.Namespace) -> int:
+    """Several result documents: their tables side by side, and one figure."""
+    from duoserve.bench.plot import draw, side_by_side
+
+    results = {}
+    for name in args.results:
+        try:
+            results[Path(name).stem] = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError("results", name, f"a result document of duoserve bench serve ({exc})") from None
+    print(side_by_side(results))
+    if args.plot:
+        draw(results, args.plot)
     return 0
 
 
