@@ -165,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI-compatible server and report latency, "
                                           "throughput, goodput and errors"))
+    from duoserve.bench.serve import add_sweep_args
+
+    add_sweep_args(bench.add_parser("sweep", help="a workload at several rates or concurrencies: the highest that "
+                                    "meets the goodput SLO"))
+    prompts = bench.add_parser("prompts", help="the prompt-length histogram of a JSONL of requests, and the "
+                               "settings it suggests")
+    prompts.add_argument("file", help="one JSON object a line, with prompt or messages")
+    prompts.add_argument("--tokenizer", default=None, help="an HF directory or GGUF file (default: the default model)")
+    prompts.add_argument("--output-len", type=int, default=256, help="expected output tokens (default: 256)")
+    prompts.add_argument("--kv-bytes-per-token", type=int, default=46080,
+                         help="the model's KV bytes a token (default: 46080, the default model in fp32)")
     compare = bench.add_parser("compare", help="several --result-json documents side by side, and one figure")
     compare.add_argument("results", nargs="+", help="result documents of duoserve bench serve")
     compare.add_argument("--plot", default=None, metavar="PNG", help="draw them all on one figure here")
@@ -363,9 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("prefill", "decode"):
             return run_engine(args)
         if args.command == "bench":
-            from duoserve.bench.serve import run_bench_compare, run_bench_serve
+            from duoserve.bench import serve as bench
 
-            return run_bench_compare(args) if args.bench_command == "compare" else run_bench_serve(args)
+            return {"serve": bench.run_bench_serve, "sweep": bench.run_bench_sweep, "prompts": bench.run_bench_prompts,
+                    "compare": bench.run_bench_compare}[args.bench_command](args)
     except (ConfigError, DuoserveError) as exc:
         print(f"duoserve: error: {exc}", file=sys.stderr)
         return 2

@@ -170,3 +170,46 @@ def test_bench_serve_against_duoserve_reports_its_stages(tmp_path):
     header = compared.stdout.splitlines()[0].split()
     assert header == ["run0", "run2"] and "ttft p99 ms" in compared.stdout
     assert (tmp_path / "both.png").stat().st_size > 10_000
+
+
+def test_sweep_finds_the_highest_point_that_meets_the_slo(fake, tmp_path):
+    from duoserve.bench import sweep
+
+    requests = [BenchRequest(f"p{i}", 5, 4) for i in range(8)]
+    # first token at 120 ms: a TTFT bound of 200 ms holds while requests do not queue
+    results, best = sweep.sweep(fake, "/v1/completions", "fake-model", requests, [1, 4], "concurrency",
+                                report.parse_goodput(["ttft:200"]), 0.9, False, None, 0)
+    assert [r["config"]["concurrency"] for r in results] == [1, 4]
+    assert all(r["slo_met_fraction"] == 1.0 for r in results) and best == 4
+    results, best = sweep.sweep(fake, "/v1/completions", "fake-model", requests, [1, 4], "concurrency",
+                                report.parse_goodput(["ttft:100"]), 0.9, False, None, 0)
+    assert best is None and all(r["slo_met_fraction"] == 0.0 for r in results)
+    text = sweep.table(results, "concurrency", best)
+    assert "highest concurrency meeting the SLO: none" in text
+    sweep.plot(results, "concurrency", str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_prompts_histogram_and_suggestions(tmp_path):
+    from duoserve.bench.prompts import prompt_lengths, report as prompts_report, suggest
+    from duoserve.bench.serve import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    path = tmp_path / "requests.jsonl"
+    lines = [json.dumps({"prompt": " ".join(["word"] * n)}) for n in (10, 20, 30, 40, 3000)]
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    lengths = prompt_lengths(path, tokenizer)
+    assert lengths[:5] == [10, 20, 30, 40, 3000]     # " word" is one token of this vocabulary
+    assert lengths[5] == len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]),
+                                              add_special_tokens=False))
+    advice = {flag: value for flag, value, _ in suggest(lengths, 256, 46080)}
+    p90 = int(__import__("numpy").percentile(lengths, 90))
+    assert advice["--max-prefill-len"] == str(p90)
+    assert advice["--max-num-batched-tokens"] == str(-(-p90 // 256) * 256)
+    assert advice["--block-size"] == "16"
+    text = prompts_report(path, tokenizer, 256, 46080)
+    assert "6 requests" in text and "2049-4096" in text and "--swap-space" in text
+    path.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ConfigError, match="prompt"):
+        prompt_lengths(path, tokenizer)

@@ -173,6 +173,50 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    add_args(parser)
+    parser.add_argument("--rates", default=None, help="request rates to try, e.g. 0.5,1,2,4")
+    parser.add_argument("--concurrencies", default=None, help="or concurrencies to try, e.g. 1,4,16,32")
+    parser.add_argument("--slo-fraction", type=float, default=0.9,
+                        help="share of requests that must meet every --goodput bound (default: 0.9)")
+
+
+def run_bench_sweep(args: argparse.Namespace) -> int:
+    from duoserve.bench import sweep
+
+    if bool(args.rates) == bool(args.concurrencies):
+        raise ConfigError("rates", args.rates, "one of --rates or --concurrencies, a comma-separated list")
+    if not args.goodput:
+        raise ConfigError("goodput", None, "the SLO to meet, e.g. --goodput ttft:1000 tpot:100")
+    by, text = ("rate", args.rates) if args.rates else ("concurrency", args.concurrencies)
+    try:
+        points = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(by, text, "a comma-separated list of numbers") from None
+    model = args.model or first_model(args.base_url, args.api_key)
+    requests = workloads.build(args.dataset, load_tokenizer(args.tokenizer), args.num_prompts, args.input_len,
+                               args.output_len, args.range_ratio, args.prefix_len, args.seed)
+    results, best = sweep.sweep(args.base_url, args.endpoint, model, requests, points, by,
+                                report.parse_goodput(args.goodput), args.slo_fraction, args.ignore_eos,
+                                args.api_key, args.seed)
+    print(sweep.table(results, by, best))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps({"best": best, "by": by, "runs": results}, indent=2))
+    if args.plot:
+        sweep.plot(results, by, args.plot)
+    return 0
+
+
+def run_bench_prompts(args: argparse.Namespace) -> int:
+    from duoserve.bench.prompts import report as prompts_report
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise ConfigError("file", args.file, "an existing JSONL file")
+    print(prompts_report(path, load_tokenizer(args.tokenizer), args.output_len, args.kv_bytes_per_token))
+    return 0
+
+
 def run_bench_compare(args: argparse.Namespace) -> int:
     """Several result documents: their tables side by side, and one figure."""
     from duoserve.bench.plot import draw, side_by_side
