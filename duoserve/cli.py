@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server and its engine")
     add_server_args(serve)
     add_engine_args(serve)
+    serve.add_argument("--dry-run", action="store_true",
+                       help="print what the engine would allocate (weights, KV pool, swap, prefill scratch) and the "
+                            "largest batch it allows, then exit; refuse a config that cannot fit")
     for role in ("prefill", "decode"):
         engine = commands.add_parser(
             role, help=f"run a {role} engine on its own, for `serve --mode disaggregated --{role}-addrs`")
@@ -369,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve" and args.dry_run:
+            from duoserve.worker.memory import describe_plan, plan
+
+            print(describe_plan(plan(engine_config_from_args(args))))
+            return 0
         if args.command == "serve":
             return run_serve(args)
         if args.command in ("prefill", "decode"):

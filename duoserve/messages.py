@@ -97,6 +97,7 @@ class EngineReady(msgspec.Struct, tag=True):
     bos_token_id: int | None
     add_bos_token: bool
     chat_template: str | None
+    memory: dict = {}              # where the engine's memory goes (EngineCore.memory)
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

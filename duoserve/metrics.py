@@ -67,6 +67,8 @@ class ServerMetrics:
                                 registry=r)
         self.preemptions = Counter("duoserve:num_preemptions", "Requests preempted: their KV swapped out, or "
                                    "dropped to be recomputed", ["kind"], registry=r)
+        self.memory = Gauge("duoserve:memory_bytes", "An engine's memory by kind, from its start-up report "
+                            "(GET /v1/memory)", ["engine", "kind"], registry=r)
         self.store_hits = Counter("duoserve:kv_store_hits", "Blocks found in the shared KV store", registry=r)
         self.store_misses = Counter("duoserve:kv_store_misses", "Blocks looked up in the shared KV store and "
                                     "not found (or not loadable)", registry=r)
@@ -158,6 +160,10 @@ class ServerMetrics:
             self.store_errors.labels(kind).inc(count - before.get(kind, 0))
         self.store_breaker.labels(engine).set(1.0 if stats.kv_store_breaker_open else 0.0)
 
+    def observe_memory(self, engine: str, report: dict) -> None:
+        for kind, value in memory_kinds(report).items():
+            self.memory.labels(engine, kind).set(value)
+
     def engine_down(self, engine: str) -> None:
         """An engine died: what it reported is gone with it."""
         self._engines.pop(engine, None)
@@ -188,3 +194,15 @@ class ServerMetrics:
                         100 * stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), spec)
             self._log_marks[engine] = (now, stats.num_generated_tokens,
                                        (stats.spec_num_steps, stats.spec_num_accepted_tokens))
+
+
+def memory_kinds(report: dict) -> dict[str, int]:
+    """An engine's memory report as flat byte counts: weights_<kind>, kv_pool_reserved,
+    kv_pool_resident, swap, prefill_scratch, runtime, rss (those it measured)."""
+    kinds = {f"weights_{kind.replace(' ', '_')}": size for kind, size in report.get("weights_bytes", {}).items()}
+    pool = report.get("kv_pool", {})
+    flat = {"kv_pool_reserved": pool.get("bytes"), "kv_pool_resident": pool.get("resident_bytes"),
+            "swap": report.get("swap", {}).get("bytes"), "prefill_scratch": report.get("prefill_scratch_bytes"),
+            "runtime": report.get("runtime_bytes"), "rss": report.get("rss_bytes")}
+    kinds.update({kind: value for kind, value in flat.items() if value is not None})
+    return kinds

@@ -29,6 +29,7 @@ from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
+from duoserve.worker.memory import mapping_rss_bytes, measure_prefill_scratch, rss_bytes
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.model_runner import ModelRunner
 
@@ -41,6 +42,7 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         start = time.monotonic()
+        runtime_bytes = rss_bytes() if loaded is None else None  # the process before the model
         self.device = config.model.resolved_device()
         self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device))
         self.arch = self.loaded.arch
@@ -86,10 +88,45 @@ class EngineCore:
         self.num_prompt_tokens = 0
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
         # out of the garbage collector's sight, a collection during a step scans only new ones.
+        self.memory = self._memory_report(runtime_bytes, kv_dtype, budget)
         gc.collect()
         gc.freeze()
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
+
+    def _memory_report(self, runtime_bytes: int | None, kv_dtype: torch.dtype, budget: int) -> dict:
+        """Where this engine's memory goes (``duoserve.worker.memory``), logged once at start;
+        served at ``/v1/memory`` and as ``duoserve:memory_bytes``."""
+        from duoserve.model.loader import weight_bytes
+
+        cache = self.config.cache
+        kv_buffer = self.runner.kv_caches[0][0]
+        per_block = bytes_per_token(self.arch, kv_dtype) * cache.block_size
+        scratch = None
+        if self.device == "cpu":
+            scratch = measure_prefill_scratch(lambda: self.runner.scratch_forward(min(budget, self.max_model_len)),
+                                              kv_buffer)
+        report = {
+            "weights_bytes": {kind: size for kind, size in weight_bytes(self.loaded.model).items() if size},
+            "kv_pool": {"blocks": self.num_blocks, "block_size": cache.block_size,
+                        "tokens": self.num_blocks * cache.block_size, "dtype": str(kv_dtype).removeprefix("torch."),
+                        "bytes": self.num_blocks * per_block,
+                        "resident_bytes": mapping_rss_bytes(kv_buffer) if self.device == "cpu" else None},
+            "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
+            "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": min(budget, self.max_model_len),
+            "runtime_bytes": runtime_bytes, "rss_bytes": rss_bytes() if self.device == "cpu" else None,
+        }
+        if self.draft is not None:
+            report["draft_weights_bytes"] = sum(weight_bytes(self.draft.model).values())
+        mb = 2 ** 20
+        logger.info("memory: weights %.0f MB, KV pool %.0f MB reserved (%d tokens of %s), swap %.0f MB, "
+                    "prefill scratch %s MB (%d tokens), runtime %s MB, resident %s MB",
+                    sum(report["weights_bytes"].values()) / mb, report["kv_pool"]["bytes"] / mb,
+                    report["kv_pool"]["tokens"], report["kv_pool"]["dtype"], report["swap"]["bytes"] / mb,
+                    "?" if scratch is None else f"{scratch / mb:.0f}", report["prefill_scratch_tokens"],
+                    "?" if runtime_bytes is None else f"{runtime_bytes / mb:.0f}",
+                    "?" if report["rss_bytes"] is None else f"{report['rss_bytes'] / mb:.0f}")
+        return report
 
     def _open_kv_store(self, kv_dtype: torch.dtype):
         """The shared KV tier, keyed by this model's fingerprint and KV layout; it extends the prefix

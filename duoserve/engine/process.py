@@ -284,5 +284,5 @@ def _ready(core, fingerprint: dict, instance_id: str):
         tokenizer_json=None if tok is None else tok.backend.to_str(),
         bos_token_id=None if tok is None else tok.bos_token_id,
         add_bos_token=False if tok is None else tok.add_bos_token,
-        chat_template=None if tok is None else tok.chat_template,
+        chat_template=None if tok is None else tok.chat_template, memory=core.memory,
     )

@@ -231,6 +231,17 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
 
     @app.get("/metrics")
     async def prometheus():
+        for client in engine.clients:
+            if client.ready is not None and client.ready.memory:
+                metrics.observe_memory(client.name, client.ready.memory)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/memory")
+    async def memory():
+        """Each engine's start-up memory report, and this API process's resident size."""
+        from duoserve.worker.memory import rss_bytes
+
+        return {"engines": {c.name: c.ready.memory for c in engine.clients if c.ready is not None},
+                "api_process_rss_bytes": rss_bytes()}
 
     return app

@@ -89,13 +89,14 @@ def load_model(config: ModelConfig) -> LoadedModel:
         from duoserve.model.quantized import use_int8_linears
 
         use_int8_linears(model)
-    logger.info("weights in memory: %s", weight_memory(model))
+    logger.info("weights in memory: %s", ", ".join(f"{kind} {size / 2**20:.1f} MB"
+                                                   for kind, size in weight_bytes(model).items() if size))
     label = f"gguf-{config.gguf_mode}" if quantization == "gguf" else quantization
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=label)
 
 
-def weight_memory(model: torch.nn.Module) -> str:
-    """Resident bytes of the weights by kind, e.g. ``packed blocks 66 MB, embedding 30 MB, dense 1 MB``."""
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the weights by kind: packed blocks, int8, embedding (GGUF blocks), dense."""
     from duoserve.model.quantized import GGUFEmbedding, GGUFLinear, Int8Linear
 
     sizes = {"packed blocks": 0, "int8": 0, "embedding": 0, "dense": 0}
@@ -103,8 +104,9 @@ def weight_memory(model: torch.nn.Module) -> str:
     for module in model.modules():
         kind = ("embedding" if isinstance(module, GGUFEmbedding) else "packed blocks" if isinstance(module, GGUFLinear)
                 else "int8" if isinstance(module, Int8Linear) else "dense")
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        plain = (v for v in vars(module).values() if isinstance(v, torch.Tensor))  # e.g. CPULinear's weight
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *plain]:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
                 sizes[kind] += tensor.numel() * tensor.element_size()
-    return ", ".join(f"{kind} {size / 2**20:.1f} MB" for kind, size in sizes.items() if size)
+    return sizes

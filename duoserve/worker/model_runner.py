@@ -175,6 +175,17 @@ class ModelRunner:
             entries: list[TokenLogprobs] = top_logprobs(lp, targets, [request.params.prompt_logprobs] * count)
             output.prompt_logprobs[request.request_id] = entries
 
+    @torch.inference_mode()
+    def scratch_forward(self, num_tokens: int) -> None:
+        """One prefill chunk of ``num_tokens`` into the first blocks (nobody's yet), for measuring
+        its temporary memory at start."""
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], self.block_size, self.device,
+                                       self.model.dtype)
+        hidden = self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                              torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
+        self.model.compute_logits(hidden[-1:])
+
     def load_blocks(self, loads: list[tuple[int, object]]) -> None:
         """Write blocks found in the shared KV store: (block id, (K, V) per layer [block_size, ...])."""
         block_ids = [block_id for block_id, _ in loads]

@@ -1,0 +1,170 @@
+"""Where an engine's memory goes: weights by kind, the KV pool and swap space (reserved and
+resident), the temporary memory of the largest prefill chunk (measured), the runtime around
+them, and the process's resident size.
+
+Resident sizes come from the kernel: ``/proc/self/status`` for the process and
+``/proc/self/smaps`` for the mapping that holds one large buffer (the KV pool, whose pages cost
+memory only once written). The prefill scratch is measured by resetting the process's peak
+(``/proc/self/clear_refs``), running one forward of the step budget's tokens, and taking the
+peak's rise above the resident size before it, less the KV pages that forward wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: the API process reads its own size with rss_bytes
+    import torch
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    return _status_kb("VmRSS") * 1024
+
+
+def mapping_rss_bytes(tensor: "torch.Tensor") -> int:
+    """Resident bytes of the memory mapping that holds ``tensor``'s storage (0 when not found)."""
+    address = tensor.untyped_storage().data_ptr()
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_prefill_scratch(run_forward, kv_buffer: "torch.Tensor") -> int | None:
+    """Peak temporary bytes of ``run_forward()`` (one prefill chunk), or None where the kernel
+    does not let the peak be reset."""
+    before, kv_before = rss_bytes(), mapping_rss_bytes(kv_buffer)
+    if not reset_peak():
+        return None
+    run_forward()
+    peak = _status_kb("VmHWM") * 1024
+    return max(0, peak - before - (mapping_rss_bytes(kv_buffer) - kv_before))
+
+
+def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:
+    """Bytes the weights will take, from the checkpoint's tensor sizes (no weights are read)."""
+    if path.is_file():
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(str(path)).tensors
+        if quantization == "gguf":
+            return sum(int(t.n_bytes) for t in tensors)
+        return sum(int(t.n_elements) for t in tensors) * dtype_bytes
+    from safetensors import safe_open
+
+    elements = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            elements += sum(_product(f.get_slice(name).get_shape()) for name in f.keys())
+    return elements * (1 if quantization == "int8" else dtype_bytes)
+
+
+def _product(shape) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def available_bytes() -> int | None:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+RUNTIME_ESTIMATE = 250 * 2**20   # python, torch and the libraries of an engine process, measured here
+
+
+def plan(config) -> dict:
+    """What an engine of ``config`` would allocate, without loading it: weights (from the
+    checkpoint's tensor sizes), the KV pool (blocks, tokens, the batch it holds at full
+    context), swap, an estimate of the prefill scratch, and the total against the memory
+    available now. Raises ``ConfigError`` (naming the numbers) for a config that cannot fit."""
+    import torch
+
+    from duoserve.errors import ConfigError
+    from duoserve.model.loader import check_max_model_len, resolve_model_path, resolve_quantization
+    from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
+
+    path = resolve_model_path(config.model.model)
+    device = config.model.resolved_device()
+    if path.is_file():
+        from duoserve.model.gguf_loader import open_gguf
+
+        arch = open_gguf(path, config.model.hf_overrides)[2]
+    else:
+        from duoserve.model.hf_loader import read_hf_arch
+
+        arch = read_hf_arch(path, config.model.hf_overrides)
+    dtype = getattr(torch, config.model.torch_dtype_name)
+    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
+    max_model_len = check_max_model_len(arch, config.model.max_model_len)
+    quantization = resolve_quantization(config.model, path, device)
+    weights = _checkpoint_weights(path, quantization, torch.tensor([], dtype=dtype).element_size())
+    blocks = num_kv_blocks(arch, config.cache, kv_dtype, device, max_model_len)  # refuses a pool too small
+    per_token = bytes_per_token(arch, kv_dtype)
+    block_bytes = per_token * config.cache.block_size
+    budget = config.scheduler.token_budget(max_model_len)
+    element = torch.tensor([], dtype=dtype).element_size()
+    # a chunk's live activations: a few hidden-size rows, the MLP's intermediate rows, Q/K/V
+    scratch = budget * element * (6 * arch.hidden_size + 3 * arch.intermediate_size
+                                  + arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads))
+    swap = int(config.cache.swap_space * 2**30) // block_bytes * block_bytes
+    total = RUNTIME_ESTIMATE + weights + blocks * block_bytes + swap + scratch
+    result = {
+        "model": str(path), "quantization": quantization, "dtype": str(dtype).removeprefix("torch."),
+        "weights_bytes": weights, "kv_pool": {"blocks": blocks, "tokens": blocks * config.cache.block_size,
+                                              "bytes": blocks * block_bytes, "bytes_per_token": per_token,
+                                              "dtype": str(kv_dtype).removeprefix("torch.")},
+        "max_model_len": max_model_len, "sequences_at_full_context": blocks * config.cache.block_size // max_model_len,
+        "step_token_budget": budget, "swap_bytes": swap, "prefill_scratch_estimate_bytes": scratch,
+        "runtime_estimate_bytes": RUNTIME_ESTIMATE, "total_bytes": total, "available_bytes": available_bytes(),
+    }
+    if device == "cpu" and result["available_bytes"] is not None and total > result["available_bytes"]:
+        gib = 2 ** 30
+        raise ConfigError("kv_cache_memory", config.cache.kv_cache_memory,
+                          f"a plan that fits: weights {weights / gib:.2f} + KV {blocks * block_bytes / gib:.2f} + swap "
+                          f"{swap / gib:.2f} + scratch {scratch / gib:.2f} + runtime {RUNTIME_ESTIMATE / gib:.2f} = "
+                          f"{total / gib:.2f} GiB, but {result['available_bytes'] / gib:.2f} GiB is available",
+                          "Lower --kv-cache-memory or --swap-space, or quantize the weights")
+    return result
+
+
+def describe_plan(result: dict) -> str:
+    mb = 2 ** 20
+    pool = result["kv_pool"]
+    return "\n".join([
+        f"model          {result['model']} ({result['quantization']}, {result['dtype']})",
+        f"weights        {result['weights_bytes'] / mb:,.0f} MB",
+        f"KV pool        {pool['bytes'] / mb:,.0f} MB: {pool['blocks']} blocks, {pool['tokens']:,} tokens of "
+        f"{pool['dtype']} ({pool['bytes_per_token']:,} bytes a token)",
+        f"largest batch  {result['sequences_at_full_context']} sequences at the full context of "
+        f"{result['max_model_len']:,} tokens; {result['step_token_budget']} tokens a step",
+        f"swap space     {result['swap_bytes'] / mb:,.0f} MB",
+        f"prefill chunk  ~{result['prefill_scratch_estimate_bytes'] / mb:,.0f} MB of temporaries (estimate)",
+        f"runtime        ~{result['runtime_estimate_bytes'] / mb:,.0f} MB",
+        f"total          {result['total_bytes'] / mb:,.0f} MB of {(result['available_bytes'] or 0) / mb:,.0f} MB "
+        "available now",
+    ])

@@ -1,0 +1,55 @@
+"""The memory report: it adds up, it is served, and --dry-run plans (and refuses) without loading."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from duoserve import LLM
+from duoserve.metrics import memory_kinds
+
+
+def test_the_report_adds_up_to_the_resident_size():
+    """runtime (measured before the model) + weights + resident KV pages: within 10 % of the
+    process's resident size; the prefill scratch is measured and positive."""
+    llm = LLM(None, dtype="float32", quantization="none", kv_cache_memory=0.5, enforce_eager=True)
+    report = llm.engine.memory
+    weights = sum(report["weights_bytes"].values())
+    assert 500 * 2**20 < weights < 560 * 2**20                 # 135M parameters in fp32
+    pool = report["kv_pool"]
+    assert pool["bytes"] == pool["blocks"] * 16 * 46080 and pool["tokens"] == pool["blocks"] * 16
+    assert 0 < pool["resident_bytes"] < pool["bytes"]          # pages cost memory once written
+    assert 0 < report["prefill_scratch_bytes"] < 512 * 2**20
+    parts = report["runtime_bytes"] + weights + pool["resident_bytes"]
+    assert abs(report["rss_bytes"] - parts) <= 0.10 * report["rss_bytes"], (parts, report["rss_bytes"])
+    kinds = memory_kinds(report)
+    assert kinds["weights_dense"] == weights and kinds["kv_pool_reserved"] == pool["bytes"]
+
+
+def test_memory_is_served_and_exported(server):
+    from tests.server_helpers import metric
+
+    reply = httpx.get(f"{server.url}/v1/memory", headers=server.headers, timeout=10).json()
+    (report,) = reply["engines"].values()
+    assert report["kv_pool"]["blocks"] > 0 and report["rss_bytes"] > 0 and reply["api_process_rss_bytes"] > 0
+    assert metric(server.url, "duoserve:memory_bytes", {"kind": "kv_pool_reserved"}, server.headers) == \
+        report["kv_pool"]["bytes"]
+
+
+def duoserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "duoserve.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_the_plan_and_refuses_what_cannot_fit():
+    result = duoserve("serve", "--dry-run", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.5")
+    assert result.returncode == 0, result.stderr
+    assert "KV pool        512 MB: 728 blocks, 11,648 tokens of float32 (46,080 bytes a token)" in result.stdout
+    assert "largest batch  1 sequences at the full context of 8,192 tokens" in result.stdout
+    refused = duoserve("serve", "--dry-run", "--kv-cache-memory", "100000")
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("duoserve: error: kv_cache_memory=100000.0 is not allowed: a plan that fits:")
+    assert "GiB is available" in refused.stderr
+    small = duoserve("serve", "--dry-run", "--kv-cache-memory", "0.01")
+    assert small.returncode == 2 and "to hold one sequence of max_model_len=8192 tokens" in small.stderr
