@@ -3,9 +3,9 @@
     python benchmarks/disagg_vs_colocated.py --search-rates 0.2,0.3,0.4,0.5 --num-requests 30
     python benchmarks/disagg_vs_colocated.py --rate 0.3 --num-requests 30
 
-Workload: 80 % short prompts (~64 tokens), 20 % long ones (~1,500 tokens), 128 output
-tokens (``ignore_eos``), Poisson arrivals at ``--rate`` requests/s, the same seed for
-every setup. Setups: colocated (one engine, 2 threads, chunked prefill, budget 512);
+Workload and client: ``duoserve bench``'s (``mixed:64:0.8,1500:0.2``: 80 % short prompts
+of 64 tokens, 20 % long ones of 1,500, 128 output tokens with ``ignore_eos``, Poisson
+arrivals at ``--rate`` requests/s, the same seed for every setup). Setups: colocated (one engine, 2 threads, chunked prefill, budget 512);
 disaggregated with a prefill engine on core 0 and a decode engine on core 1, with
 ``--prefill-device cpu`` and with ``auto``. Reports TTFT p50/p99 for short and long
 prompts, ITL p50/p99 and output throughput, per setup, as JSON.
@@ -20,13 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import statistics
 import subprocess
 import sys
-import time
 
-import httpx
 from _common import wait_healthy
 
 SETUPS = {
@@ -41,60 +37,39 @@ SETUPS = {
 }
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+def workload(args, tokenizer):
+    """The mixed workload as ``duoserve bench`` builds it (the same for every setup)."""
+    from duoserve.bench.workloads import build
+
+    return build(f"mixed:{args.short_len}:0.8,{args.long_len}:0.2", tokenizer, args.num_requests, 0,
+                 args.max_tokens, seed=args.seed)
 
 
-def workload(args) -> list[tuple[float, list[int], str]]:
-    rng = random.Random(args.seed)
-    t, items = 0.0, []
-    for _ in range(args.num_requests):
-        t += rng.expovariate(args.rate)
-        kind = "long" if rng.random() < 0.2 else "short"
-        length = args.long_len if kind == "long" else args.short_len
-        items.append((t, [rng.randrange(1000, 40000) for _ in range(length)], kind))
-    return items
+def drive(port: int, requests, args) -> dict:
+    """One run through ``duoserve bench``'s client; TTFT split by prompt kind (short, long)."""
+    from duoserve.bench.client import run
+    from duoserve.bench.report import summarize
 
-
-async def one(http: httpx.AsyncClient, at: float, prompt: list[int], kind: str, start: float, args) -> dict:
-    await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-    sent = time.monotonic()
-    times = []
-    body = {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                times.append(time.monotonic())
-    return {"kind": kind, "ttft": times[0] - sent, "itl": [b - a for a, b in zip(times, times[1:])],
-            "tokens": len(times), "end": times[-1]}
-
-
-async def drive(port: int, items, args) -> dict:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
-        start = time.monotonic()
-        results = await asyncio.gather(*(one(http, at, p, k, start, args) for at, p, k in items))
-    end = max(r["end"] for r in results)
-    report = {"output_tok_s": sum(r["tokens"] for r in results) / (end - start)}
-    for kind in ("short", "long"):
-        ttfts = [r["ttft"] for r in results if r["kind"] == kind]
-        report[f"ttft_{kind}_p50_ms"] = 1000 * statistics.median(ttfts) if ttfts else None
-        report[f"ttft_{kind}_p99_ms"] = 1000 * percentile(ttfts, 99) if ttfts else None
-    itls = [x for r in results for x in r["itl"]]
-    report["itl_p50_ms"] = 1000 * percentile(itls, 50)
-    report["itl_p99_ms"] = 1000 * percentile(itls, 99)
+    records, seconds = asyncio.run(run(f"http://127.0.0.1:{port}", "/v1/completions", "smollm2-135m", requests,
+                                       args.rate, ignore_eos=True, seed=args.seed))
+    result = summarize(records, seconds, {}, {})
+    report = {"output_tok_s": result["output_throughput"], "failed": result["failed"],
+              "itl_p50_ms": result["itl_ms"]["p50"], "itl_p99_ms": result["itl_ms"]["p99"]}
+    threshold = (args.short_len + args.long_len) / 2
+    for kind, chosen in (("short", [r for r in records if r.ok and r.prompt_len < threshold]),
+                         ("long", [r for r in records if r.ok and r.prompt_len >= threshold])):
+        ttft = summarize(chosen, seconds, {}, {})["ttft_ms"]
+        report[f"ttft_{kind}_p50_ms"], report[f"ttft_{kind}_p99_ms"] = ttft["p50"], ttft["p99"]
     return report
 
 
-def run_setup(name: str, args, items, port: int) -> dict:
+def run_setup(name: str, args, requests, port: int) -> dict:
     cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log",
            "--max-model-len", "2048", *SETUPS[name]]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
-        return asyncio.run(drive(port, items, args))
+        return drive(port, requests, args)
     finally:
         server.terminate()
         server.wait(60)
@@ -112,12 +87,15 @@ def main() -> None:
     parser.add_argument("--search-rates", default=None,
                         help="comma-separated rates: find colocated's highest sustained one, then run at 70%%")
     args = parser.parse_args()
+    from duoserve.bench.serve import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
     results = {"num_requests": args.num_requests}
     if args.search_rates:
         sustained = None
         for rate in sorted(float(r) for r in args.search_rates.split(",")):
             args.rate = rate
-            report = run_setup("colocated", args, workload(args), 8690)
+            report = run_setup("colocated", args, workload(args, tokenizer), 8690)
             offered = rate * args.max_tokens
             report["sustained"] = report["output_tok_s"] >= 0.9 * offered
             results[f"search_colocated_{rate:g}"] = report
@@ -130,9 +108,9 @@ def main() -> None:
         results["max_sustained_rate"] = sustained
         args.rate = round(0.7 * sustained, 3)
     results["rate"] = args.rate
-    items = workload(args)
+    requests = workload(args, tokenizer)
     for i, name in enumerate(args.setups.split(",")):
-        results[name] = run_setup(name, args, items, 8700 + i)
+        results[name] = run_setup(name, args, requests, 8700 + i)
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
     print(json.dumps(results, indent=2))
 
