@@ -213,3 +213,28 @@ def test_prefill_role_reserves_budget_only_below_a_whole_step():
     add(s, "b", 4)  # a + b = 8 = the budget: only a is held back for
     second = s.schedule()
     assert [(x.request.request_id, x.num_new_tokens) for x in second.scheduled] == [("long", 4), ("a", 4)]
+
+
+def test_prefill_role_ages_a_long_prompt_past_a_flood_of_short_ones():
+    """Short prompts keep coming, a step's budget each: without aging the long prompt would only
+    ever get the token it is guaranteed; once it has waited PREFILL_AGING_SECONDS it goes first."""
+    import time
+
+    from duoserve.core import scheduler as scheduler_module
+
+    kv = KVCacheManager(256, 4, True)
+    s = Scheduler(kv, 8, 64, True, "prefill")
+    long = add(s, "long", 40)
+    for i in range(6):                      # young: the flood takes the budget, the long one a token
+        add(s, f"short{i}", 7)
+        plan = s.schedule()
+        got = {x.request.request_id: x.num_new_tokens for x in plan.scheduled}
+        assert got.get("long", 0) <= 1, got
+        s.update(plan, fake_run(plan))
+    long.arrival_time = time.monotonic() - scheduler_module.PREFILL_AGING_SECONDS - 0.1
+    for i in range(6, 12):                  # aged: it takes the budget first, the flood waits
+        add(s, f"short{i}", 7)
+        plan = s.schedule()
+        assert plan.scheduled[0].request is long or long.status is RequestStatus.KV_LEASED
+        s.update(plan, fake_run(plan))
+    assert long.status is RequestStatus.KV_LEASED   # prefilled (40 tokens) within the aged steps

@@ -36,6 +36,7 @@ from duoserve.core.speculation import SpeculationPolicy
 from duoserve.core.swap_space import SwapCost, SwapSpace
 
 S = RequestStatus
+PREFILL_AGING_SECONDS = 5.0   # prefill role: a request waiting longer than this goes first
 
 
 class Scheduler:
@@ -169,17 +170,25 @@ class Scheduler:
 
         Sorts the waiting and prefilling requests; returns the budget to hold back from the
         prefilling ones for the waiting prompts shorter than the longest of them, as many as
-        fit whole (the prefilling ones always keep at least one token: nothing stalls). Long
-        prompts wait while shorter ones keep coming: at the loads a prefill engine is sized
-        for they are a small share of its time.
+        fit whole (the prefilling ones always keep at least one token: nothing stalls).
+
+        Aging bounds every wait: a request that arrived more than ``PREFILL_AGING_SECONDS`` ago
+        goes before every younger one, oldest first, and nothing is held back from it, so a
+        long prompt cannot starve behind a steady stream of short ones.
         """
+        now = time.monotonic()
+
         def remaining(request: Request) -> int:
             return request.num_tokens - request.num_computed_tokens
 
+        def order(request: Request) -> tuple[bool, float]:
+            aged = now - request.arrival_time >= PREFILL_AGING_SECONDS
+            return (not aged, request.arrival_time if aged else remaining(request))
+
         if len(self.waiting) > 1:
-            self.waiting = deque(sorted(self.waiting, key=remaining))
-        self.running.sort(key=remaining)
-        if not self.waiting or not self.running:
+            self.waiting = deque(sorted(self.waiting, key=order))
+        self.running.sort(key=order)
+        if not self.waiting or not self.running or not order(self.running[0])[0]:
             return 0
         longest, reserved = remaining(self.running[-1]), 0
         for request in self.waiting:
