@@ -186,3 +186,38 @@ def test_disaggregated_gauges_fall_back_to_idle(tmp_path):
         assert metric(srv.url, "duoserve:num_requests_kv_leased") == 0
     finally:
         assert srv.stop() in (0, -signal.SIGTERM)
+
+
+def test_a_slow_engine_is_not_a_dead_one(tmp_path, monkeypatch):
+    """A step that sleeps past the silence timeout, with requests in flight: the frontend logs the
+    engine as slow, /health says slow (200), nothing fails, and the engine is never relaunched."""
+    monkeypatch.setenv("DUOSERVE_FAULT_STEP_SLEEP", "4")
+    monkeypatch.setenv("DUOSERVE_SILENCE_TIMEOUT", "1.5")
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "1024", "--dtype", "float32",
+                 "--quantization", "none", log=log)
+    try:
+        (engine_pid,) = engine_children(srv.proc.pid)
+        results: list = []
+
+        def ask(i: int) -> None:
+            body = {"prompt": f"Count to {i}:", "max_tokens": 6, "temperature": 0}
+            results.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2.5)   # inside the 4 s step, past the 1.5 s silence timeout
+        health = httpx.get(f"{srv.url}/health", timeout=5)
+        for t in threads:
+            t.join(60)
+        assert health.status_code == 200 and health.json() == {"status": "slow", "slow_engines": ["engine-0"]}
+        assert [r.status_code for r in results] == [200] * 4
+        assert all(r.json()["usage"]["completion_tokens"] == 6 for r in results)
+        assert httpx.get(f"{srv.url}/health", timeout=5).json() == {"status": "ok"}
+        assert engine_children(srv.proc.pid) == [engine_pid]   # the same engine process: never relaunched
+        text = log.read_text()
+        assert "slow, not down" in text and "answers again" in text
+        assert "is down" not in text and "relaunch" not in text
+    finally:
+        srv.stop()

@@ -160,6 +160,9 @@ class EngineServer:
 
         last_stats, last_signature = 0.0, None
         poller = self._poller()
+        # fault injection for tests (documented in docs/architecture.md): the first step with
+        # work sleeps this many seconds, as a long step on an overloaded machine would
+        fault_sleep = float(os.environ.get("DUOSERVE_FAULT_STEP_SLEEP", "0"))
         while True:
             outputs, self.kv_arrived = [], False
             busy = self.core.has_work()
@@ -177,6 +180,9 @@ class EngineServer:
             # when idle the poll above waited, so leased KV is checked for acks and deadlines
             # once per IDLE_POLL_MS, not in a busy loop
             if self.core.has_unfinished() or self.kv_arrived or any(s in events for s in peer_sockets):
+                if fault_sleep and self.core.has_work():
+                    time.sleep(fault_sleep)
+                    fault_sleep = 0.0
                 outputs += self.core.step()
             now = time.monotonic()
             stats = None

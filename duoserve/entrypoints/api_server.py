@@ -226,6 +226,9 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     @app.get("/health")
     async def health():
         if engine.ready:
+            slow = [c.name for c in engine.clients if c.slow_since is not None]
+            if slow:  # still serving: a long step is not a dead engine
+                return {"status": "slow", "slow_engines": slow}
             return {"status": "ok"}
         return JSONResponse({"status": "unavailable", "reason": engine.not_ready_reason()}, status_code=503)
 

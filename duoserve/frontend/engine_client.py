@@ -7,9 +7,11 @@ itself (``duoserve.engine.process``), and can relaunch it. Then it plays the
 through ``recv``. The tokenizer arrives in ``EngineReady``, so this process never
 loads the model.
 
-An engine is taken for dead when its process exits (launched ones), its connection
-drops (ZeroMQ heartbeats notice a vanished or frozen host within ~4 s), or it sends nothing,
-not even its once-a-second stats, for ``SILENCE_TIMEOUT`` seconds.
+An engine is taken for dead when its process exits (launched ones) or its connection drops
+(ZeroMQ heartbeats, answered by ZeroMQ's I/O thread whatever the engine's step is doing,
+notice a vanished or frozen host within ~4 s). An engine that sends nothing, not even its
+once-a-second stats, for ``SILENCE_TIMEOUT`` seconds while its connection still answers is
+*slow*, not dead: it is logged, ``/health`` says so, and its requests keep waiting.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from duoserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SILENCE_TIMEOUT = 30.0  # an engine that is connected but silent this long (stats come every second) is stuck
+# an engine connected but silent this long (stats come every second) is reported slow
+SILENCE_TIMEOUT = float(os.environ.get("DUOSERVE_SILENCE_TIMEOUT", "30"))
 POLL_S = 0.5
 
 
@@ -64,6 +67,7 @@ class EngineClient:
         self._monitor: zmq.Socket | None = None        # a synchronous view of the monitor socket
         self._monitor_owner: zmq.asyncio.Socket | None = None
         self._lost: str | None = None   # why the connection is gone
+        self.slow_since: float | None = None  # silent past SILENCE_TIMEOUT while its connection answers
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready: msg.EngineReady | None = None
         self.tokenizer: Tokenizer | None = None
@@ -217,12 +221,22 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         while True:
             if await self._sock.poll(timeout=POLL_S * 1000):
+                if self.slow_since is not None:
+                    logger.info("%s answers again after %.0fs of silence", self.name, time.monotonic() - self.slow_since)
+                    self.slow_since = None
                 return msg.decode_from_engine(await self._sock.recv())
             if not self.is_alive():
                 if self._lost is not None:
                     raise EngineDeadError(f"{self.name}: {self._lost} while waiting for {waiting_for}")
                 code = None if self.process is None else self.process.exitcode
                 raise EngineDeadError(f"{self.name} exited (exit code {code}) while waiting for {waiting_for}")
+            if time.monotonic() >= deadline and waiting_for == "outputs":  # alive and connected: slow
+                if self.slow_since is None:
+                    self.slow_since = time.monotonic() - timeout
+                    logger.warning("%s at %s sent nothing for %.0fs, but its connection answers heartbeats: "
+                                   "slow, not down; its requests keep waiting", self.name, self.address, timeout)
+                deadline = time.monotonic() + timeout
+                continue
             if time.monotonic() >= deadline:
                 raise EngineDeadError(f"{self.name} at {self.address} sent nothing for {timeout:.0f}s "
                                       f"while waiting for {waiting_for}")
