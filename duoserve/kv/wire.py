@@ -115,9 +115,9 @@ def decode_header(data: bytes | memoryview, expected_fingerprint: bytes | None =
 def decode(frames: list[bytes | memoryview], expected_fingerprint: bytes, token_ids: list[int] | None = None,
            dtype: torch.dtype | None = None) -> tuple[KVHeader, list[torch.Tensor], list[torch.Tensor]]:
     """Check and read a transfer; K and V per layer [num_tokens, num_kv_heads, head_dim] in ``dtype``."""
+    header = decode_header(frames[0], expected_fingerprint)   # refuses a short one
     if len(frames[0]) != HEADER_SIZE:
         raise KVWireError(f"KV header frame is {len(frames[0])} bytes, expected {HEADER_SIZE}")
-    header = decode_header(frames[0], expected_fingerprint)
     if token_ids is not None and token_hash(token_ids) != header.token_hash:
         raise KVWireError("KV is for other tokens: the token-id hash does not match the request's prompt")
     body = frames[1:]
