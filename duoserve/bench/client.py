@@ -36,6 +36,10 @@ class RequestRecord:
         return self.error is None and bool(self.chunk_times)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _body(request: BenchRequest, endpoint: str, model: str, ignore_eos: bool) -> dict:
     body = {"model": model, "max_tokens": request.output_len, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -87,7 +91,7 @@ async def run(base_url: str, endpoint: str, model: str, requests: list[BenchRequ
               progress=None) -> tuple[list[RequestRecord], float]:
     """Records of every request sent, and the seconds from the first send to the last answer."""
     rng = random.Random(seed)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     records: list[RequestRecord] = []
     url = base_url.rstrip("/") + endpoint

@@ -17,25 +17,20 @@ template); tokens are counted with the benchmark tokenizer. Suggestions, each wi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from duoserve.bench.workloads import read_jsonl
 from duoserve.errors import ConfigError
 
 
 def prompt_lengths(path: Path, tokenizer) -> list[int]:
-    lengths = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-            text = (tokenizer.apply_chat_template(item["messages"]) if "messages" in item else item["prompt"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError("file", f"{path}:{number}", f'JSON objects with "prompt" or "messages" ({exc})') from None
-        lengths.append(len(tokenizer.encode(text, add_special_tokens=False)))
+    def text(item: dict) -> str:
+        return tokenizer.apply_chat_template(item["messages"]) if "messages" in item else item["prompt"]
+
+    lengths = [len(tokenizer.encode(t, add_special_tokens=False))
+               for t in read_jsonl(path, "file", 'JSON objects with "prompt" or "messages"', text)]
     if not lengths:
         raise ConfigError("file", str(path), "at least one request")
     return lengths

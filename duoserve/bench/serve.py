@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from duoserve.bench import report, workloads
-from duoserve.bench.client import run
+from duoserve.bench.client import auth_headers, run
 from duoserve.errors import ConfigError
 
 
@@ -70,7 +70,7 @@ def load_tokenizer(path: str | None):
 
 
 def first_model(base_url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     try:
         models = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"]
         return models[0]["id"]
@@ -143,8 +143,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     requests = workloads.build(args.dataset, tokenizer, args.num_prompts, args.input_len, args.output_len,
                                args.range_ratio, args.prefix_len, args.seed)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    metrics = DuoserveMetrics(args.base_url, headers)
+    metrics = DuoserveMetrics(args.base_url, auth_headers(args.api_key))
     sampler = threading.Thread(target=metrics.sample, daemon=True)
     sampler.start()
     progress = None if args.quiet else tqdm(total=len(requests), desc="requests")

@@ -48,6 +48,20 @@ def _lengths(base: int, ratio: float, count: int, rng: random.Random) -> list[in
     return [rng.randint(low, high) for _ in range(count)]
 
 
+def read_jsonl(path: Path, field: str, wanted: str, parse):
+    """``parse(item)`` for every JSON object a line of ``path`` (blank lines skipped); a line that
+    does not parse is a ``ConfigError`` naming ``field``, the file and line, and what was ``wanted``."""
+    results = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            results.append(parse(json.loads(line)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(field, f"{path}:{number}", f"{wanted} ({exc})") from None
+    return results
+
+
 def parse_mix(text: str) -> list[tuple[int, float]]:
     """``64:0.8,1500:0.2`` -> [(64, 0.8), (1500, 0.2)]; shares must sum to 1."""
     try:
@@ -82,14 +96,7 @@ def build(dataset: str, tokenizer, num_prompts: int, input_len: int, output_len:
         path = Path(dataset[len("jsonl:"):])
         if not path.is_file():
             raise ConfigError("dataset", dataset, "jsonl:FILE with an existing file")
-        requests = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                requests.append(made(item["prompt"], int(item.get("output_len", output_len))))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ConfigError("dataset", f"{path}:{number}", f'a JSON object with "prompt" ({exc})') from None
+        requests = read_jsonl(path, "dataset", 'a JSON object with "prompt"',
+                              lambda item: made(item["prompt"], int(item.get("output_len", output_len))))
         return (requests * (num_prompts // max(len(requests), 1) + 1))[:num_prompts] if requests else []
     raise ConfigError("dataset", dataset, "random, mixed:LEN:SHARE,..., shared-prefix or jsonl:FILE")
