@@ -307,6 +307,8 @@ class EngineCore:
     def _measure_rates(self, plan, seconds: float) -> None:
         """Keep the swap-or-recompute rates current: prefill tokens a second (from steps that are
         mostly prefill) and swap copy bytes a second."""
+        if self.swap is None:  # the rates only choose between swap and recompute
+            return
         cost = self.swap_cost
         prompt_tokens = sum(i.num_known_tokens for i in plan.scheduled if i.num_known_tokens > 1)
         if prompt_tokens >= 64 and not plan.swap_in and not plan.swap_out:

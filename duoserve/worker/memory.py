@@ -11,6 +11,7 @@ peak's rise above the resident size before it, less the KV pages that forward wr
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,15 +77,8 @@ def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:
     elements = 0
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            elements += sum(_product(f.get_slice(name).get_shape()) for name in f.keys())
+            elements += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     return elements * (1 if quantization == "int8" else dtype_bytes)
-
-
-def _product(shape) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def available_bytes() -> int | None:

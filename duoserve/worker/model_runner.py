@@ -51,6 +51,7 @@ class ModelRunner:
     def allocate_swap(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Host-memory blocks of the KV cache's layout for swapped-out requests (pinned for a GPU)."""
         self.swap_caches = allocate_kv_cache(self.arch, num_blocks, block_size, kv_dtype, "cpu")
+        self.block_bytes = sum(2 * k[0].numel() * k.element_size() for k, _ in self.kv_caches)  # K and V, all layers
         if self.device.type == "cuda":
             self.swap_caches = [(k.pin_memory(), v.pin_memory()) for k, v in self.swap_caches]
 
@@ -64,7 +65,7 @@ class ModelRunner:
             for a, b in ((src_k, dst_k), (src_v, dst_v)):
                 b.index_copy_(0, dst.to(b.device), a.index_select(0, src.to(a.device)).to(b.device))
         self.swap_seconds += time.perf_counter() - start
-        self.swap_bytes += sum(k[0].numel() * k.element_size() * 2 for k, _ in self.kv_caches) * len(pairs)
+        self.swap_bytes += self.block_bytes * len(pairs)
 
     def _compile(self, block_size: int) -> None:
         """Compile the model step; on any failure (no C++ compiler, say) say why once and stay eager."""
