@@ -25,17 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import socket
 import subprocess
-import tempfile
 import time
 
 import httpx
 
-from _common import wait_healthy
+from _common import DuoserveServer
 
 PORT = 8321
 
@@ -63,23 +60,6 @@ class Redis:
             self.proc.wait()
 
 
-class Server:
-    def __init__(self, flags: list[str]) -> None:
-        self.url = f"http://127.0.0.1:{PORT}"
-        self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(["duoserve", "serve", "--port", str(PORT), "--no-access-log", *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_healthy(f"{self.url}/health", 600, lambda: self.proc.poll() is None)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(60)
-
-
 def one_request(url: str, request) -> float:
     """TTFT in ms of one request, through ``duoserve bench``'s client."""
     from duoserve.bench.client import run
@@ -99,7 +79,7 @@ def ttft(flags: list[str]) -> dict:
     kv = ["--kv-store", redis.url]
     result = {}
     try:
-        server = Server(flags + kv)
+        server = DuoserveServer(flags + kv, PORT)
         try:
             tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": request.prompt}).json()["count"]
             result["prompt_tokens"] = tokens
@@ -108,7 +88,7 @@ def ttft(flags: list[str]) -> dict:
             result["local_hit_ttft_ms"] = one_request(server.url, request)
         finally:
             server.stop()
-        server = Server(flags + kv)
+        server = DuoserveServer(flags + kv, PORT)
         try:
             result["redis_hit_ttft_ms"] = one_request(server.url, request)
             time.sleep(1.2)
@@ -150,13 +130,13 @@ def outage(flags: list[str]) -> dict:
         return {"failed": result["failed"], "output_tok_s": result["output_throughput"], "tok_s_by_2s": windows}
 
     result = {}
-    server = Server(flags)
+    server = DuoserveServer(flags, PORT)
     try:
         result["no_store"] = asyncio.run(load(server.url, None, None))
     finally:
         server.stop()
     redis = Redis()
-    server = Server(flags + ["--kv-store", redis.url])
+    server = DuoserveServer(flags + ["--kv-store", redis.url], PORT)
     try:
         result["redis_killed_at_4s"] = asyncio.run(load(server.url, 4.0, redis))
         time.sleep(1.2)

@@ -16,9 +16,9 @@ Workloads (``benchmarks/data/spec_prompts.json``): ``chat`` (open questions, one
 concurrent streams of random 128-token prompts, 2N requests: ``c32``; ``c2``, ``c4``... to find
 where speculation stops paying), ``chatN`` (the chat prompts at N streams). Greedy, ``--max-tokens`` new tokens (eos
 ignored, except for ``grounded``, whose answers end when the passage does). Per workload: median TPOT
-(a request's time after its first token over its tokens after the first), output tokens/s,
+(a request's last chunk minus its first, over its tokens after the first), output tokens/s,
 whether each text equals the ``off`` configuration's, and the acceptance read from
-``/metrics``. Prints one JSON document.
+``/metrics``. Requests go through ``duoserve bench``'s client. Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -26,18 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import statistics
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from _common import DuoserveServer
 
-from _common import wait_healthy
+from duoserve.bench.client import run
+from duoserve.bench.report import summarize
+from duoserve.bench.workloads import BenchRequest
 
 CONFIGS = {
     "off": [],
@@ -47,86 +43,39 @@ CONFIGS = {
 PROMPTS = json.loads((Path(__file__).parent / "data" / "spec_prompts.json").read_text())
 
 
-class Server:
-    def __init__(self, flags: list[str], port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-        cmd = ["duoserve", "serve", "--port", str(port), "--no-access-log", "--max-model-len", "2048", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self.startup_s = wait_healthy(f"{self.url}/health", 900, lambda: self.proc.poll() is None)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; log: {self.log.name}") from None
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(60)
-
-
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    start = time.perf_counter()
-    first = None
-    text, count = [], 0
-    endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    async with client.stream("POST", url + endpoint, json={**body, "stream": True,
-                                                            "stream_options": {"include_usage": True}}) as reply:
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                count = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-    end = time.perf_counter()
-    tpot = (end - first) / (count - 1) if first and count > 1 else None
-    return {"text": "".join(text), "tokens": count, "tpot": tpot, "seconds": end - start}
-
-
-async def run_load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
-    semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
-        async def limited(body):
-            async with semaphore:
-                return await one_request(client, url, body)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(limited(b) for b in bodies))
-        return results, time.perf_counter() - start
-
-
-def workload(name: str, max_tokens: int) -> tuple[list[dict], int]:
-    # a copied passage ends where the model says it does; the others generate max_tokens exactly
-    common = {"model": "smollm2-135m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": name != "grounded"}
+def workload(name: str, max_tokens: int) -> tuple[list[BenchRequest], str, int]:
+    """(requests, endpoint, streams) of a workload."""
     kind = name.rstrip("0123456789")
     if kind in ("chat", "grounded"):  # chatN: the chat prompts at N streams, 2N requests
         streams = int(name[len(kind):] or 1)
         prompts = PROMPTS[kind] * (2 * streams // len(PROMPTS[kind]) + 1) if streams > 1 else PROMPTS[kind]
-        return [{**common, "messages": [{"role": "user", "content": p}]} for p in prompts[:max(2 * streams, 8)]], streams
+        return ([BenchRequest(p, 0, max_tokens) for p in prompts[:max(2 * streams, 8)]], "/v1/chat/completions",
+                streams)
     streams = int(name[1:])  # cN: N streams of random 128-token prompts (as vllm bench serve's), 2N requests
     rng = random.Random(0)
-    return [{**common, "prompt": [rng.randrange(100, 49000) for _ in range(128)]} for _ in range(2 * streams)], streams
+    return ([BenchRequest([rng.randrange(100, 49000) for _ in range(128)], 128, max_tokens) for _ in range(2 * streams)],
+            "/v1/completions", streams)
 
 
-def measure(server: Server, name: str, max_tokens: int) -> dict:
-    bodies, concurrency = workload(name, max_tokens)
-    asyncio.run(run_load(server.url, bodies[:2], concurrency))  # warm: first compiles, caches
+def measure(server: DuoserveServer, name: str, max_tokens: int) -> dict:
+    requests, endpoint, streams = workload(name, max_tokens)
+    # a copied passage ends where the model says it does; the others generate max_tokens exactly
+    ignore_eos = name != "grounded"
+
+    def load(chosen):
+        return asyncio.run(run(server.url, endpoint, "smollm2-135m", chosen, float("inf"), max_concurrency=streams,
+                               ignore_eos=ignore_eos))
+
+    load(requests[:2])  # warm: first compiles, caches
     drafts = server.metric("duoserve:spec_decode_num_draft_tokens_total")
     accepted = server.metric("duoserve:spec_decode_num_accepted_tokens_total")
-    results, seconds = asyncio.run(run_load(server.url, bodies, concurrency))
+    records, seconds = load(requests)
     drafts = server.metric("duoserve:spec_decode_num_draft_tokens_total") - drafts
     accepted = server.metric("duoserve:spec_decode_num_accepted_tokens_total") - accepted
-    tokens = sum(r["tokens"] for r in results)
-    return {"median_tpot_ms": 1000 * statistics.median(r["tpot"] for r in results if r["tpot"]),
-            "output_tok_s": tokens / seconds, "tokens": tokens,
-            "acceptance": accepted / drafts if drafts else None, "texts": [r["text"] for r in results]}
+    result = summarize(records, seconds, {}, {})
+    return {"median_tpot_ms": result["tpot_ms"]["p50"], "output_tok_s": result["output_throughput"],
+            "tokens": result["total_output_tokens"], "acceptance": accepted / drafts if drafts else None,
+            "texts": [r.text for r in records]}
 
 
 def main() -> None:
@@ -142,7 +91,7 @@ def main() -> None:
     results: dict = {}
     for config in args.configs.split(","):
         flags = args.serve_args.split() + CONFIGS[config] + (args.spec_args.split() if CONFIGS[config] else [])
-        server = Server(flags, 8311)
+        server = DuoserveServer(["--max-model-len", "2048", *flags], 8311)
         try:
             results[config] = {"startup_s": server.startup_s, "flags": " ".join(flags)}
             for name in args.workloads.split(","):

@@ -30,6 +30,11 @@ class RequestRecord:
     end: float = 0.0
     output_tokens: int = 0          # the server's usage count (or the chunks, without usage)
     error: str | None = None        # kind: http_4xx, http_5xx, timeout, connection, stream
+    text_parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     @property
     def ok(self) -> bool:
@@ -73,6 +78,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, record: Request
                     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                     if text:
                         record.chunk_times.append(time.perf_counter())
+                        record.text_parts.append(text)
     except httpx.TimeoutException:
         record.error = "timeout"
     except httpx.HTTPError:

@@ -23,8 +23,8 @@ from duoserve.errors import ConfigError
 
 @dataclass(frozen=True)
 class BenchRequest:
-    prompt: str
-    prompt_len: int       # tokens, by the benchmark's tokenizer
+    prompt: str | list[int]   # text, or token ids (the completions endpoint takes both)
+    prompt_len: int           # tokens, by the benchmark's tokenizer
     output_len: int
 
 
