@@ -169,14 +169,12 @@ class DraftRunner:
         for item, _, end in catch_up:
             item.request.num_draft_computed = end
         probs: dict[str, list[torch.Tensor]] = {}
+        # the slots come empty from the scheduler; num_spec_tokens says how many to fill
         guessing = [(i, item) for i, (item, _, _) in enumerate(catch_up) if item.num_spec_tokens]
-        wanted = {id(item): item.num_spec_tokens for _, item in guessing}
-        for item in spec:
-            item.spec_token_ids.clear()
         if guessing:
             self._draw([item for _, item in guessing], hidden[[i for i, _ in guessing]], 0, probs)
         step = 1
-        active = [item for _, item in guessing if wanted[id(item)] > 1]
+        active = [item for _, item in guessing if item.num_spec_tokens > 1]
         while active:
             seqs = [(item, item.request.num_tokens + step - 1, item.request.num_tokens + step) for item in active]
             hidden = self._run(seqs, [[item.spec_token_ids[-1]] for item in active])
@@ -184,5 +182,5 @@ class DraftRunner:
                 item.request.num_draft_computed = end
             self._draw(active, hidden, step, probs)
             step += 1
-            active = [item for item in active if wanted[id(item)] > step]
+            active = [item for item in active if item.num_spec_tokens > step]
         return {request_id: torch.stack(rows) for request_id, rows in probs.items()}
