@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -132,12 +133,12 @@ class EngineCore:
         """The shared KV tier, keyed by this model's fingerprint and KV layout; it extends the prefix
         cache, whose block hashes it uses."""
         from duoserve.kv.store import BlockStore
-        from duoserve.model.fingerprint import describe, fingerprint
+        from duoserve.model.fingerprint import fingerprint
 
         if not self.config.cache.enable_prefix_caching:
             raise ConfigError("enable_prefix_caching", False, "on with --kv-store (the store keeps the prefix "
                               "cache's blocks)")
-        digest = fingerprint(describe(self.arch, self.tokenizer, self.loaded.path, self.loaded.quantization))
+        digest = fingerprint(self.fingerprint_values)
         layout = {"dtype": str(kv_dtype), "block_size": self.config.cache.block_size,
                   "num_layers": self.arch.num_layers, "num_kv_heads": self.arch.num_kv_heads,
                   "head_dim": self.arch.head_dim}
@@ -163,6 +164,14 @@ class EngineCore:
     def close(self) -> None:
         if self.kv_store is not None:
             self.kv_store.close()
+
+    @functools.cached_property
+    def fingerprint_values(self) -> dict:
+        """What this engine's model fingerprint covers (``describe``), computed once: the KV store's
+        keys and the handshake between prefill and decode engines both start from it."""
+        from duoserve.model.fingerprint import describe
+
+        return describe(self.arch, self.tokenizer, self.loaded.path, self.loaded.quantization)
 
     @property
     def vocab_size(self) -> int:

@@ -140,9 +140,9 @@ class EngineServer:
         role = core.config.role
         if role != "colocated":
             from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
-            from duoserve.model.fingerprint import describe, fingerprint
+            from duoserve.model.fingerprint import fingerprint
 
-            self.fingerprint_values = describe(core.arch, core.tokenizer, core.loaded.path, core.loaded.quantization)
+            self.fingerprint_values = core.fingerprint_values
             digest = fingerprint(self.fingerprint_values)
             core.attach_connector(PrefillConnector(digest, self.fingerprint_values) if role == "prefill" else
                                   DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))
