@@ -35,6 +35,7 @@ RESULT_SCHEMA = {
         "request_throughput": {"type": "number"}, "output_throughput": {"type": "number"},
         "total_token_throughput": {"type": "number"},
         "goodput": {"type": ["number", "null"]},
+        "goodput_requests": {"type": ["integer", "null"]},
         "ttft_ms": _STATS, "tpot_ms": _STATS, "itl_ms": _STATS, "e2el_ms": _STATS,
         "server": {"type": ["object", "null"]},
         "samples": {"type": "object", "properties": {
@@ -79,20 +80,21 @@ def summarize(records: list[RequestRecord], duration: float, config: dict, goodp
     tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     e2el = [r.end - r.start for r in ok]
-    good = None
+    good = None   # requests that met every bound
     if goodput:
         def meets(r: RequestRecord) -> bool:
             values = {"ttft": r.chunk_times[0] - r.start, "e2el": r.end - r.start,
                       "tpot": (r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0}
             return all(values[name] <= bound for name, bound in goodput.items())
-        good = sum(1 for r in ok if meets(r)) / duration
+        good = sum(1 for r in ok if meets(r))
     inputs, outputs = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
     return {
         "schema": SCHEMA, "config": config, "duration_s": duration, "num_requests": len(records),
         "completed": len(ok), "failed": len(records) - len(ok), "errors": errors,
         "total_input_tokens": inputs, "total_output_tokens": outputs,
         "request_throughput": len(ok) / duration, "output_throughput": outputs / duration,
-        "total_token_throughput": (inputs + outputs) / duration, "goodput": good,
+        "total_token_throughput": (inputs + outputs) / duration,
+        "goodput": None if good is None else good / duration, "goodput_requests": good,
         "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl), "e2el_ms": stats(e2el),
         "server": server,
         # the raw figures the plots draw: per request TTFT, every gap, every content chunk's time

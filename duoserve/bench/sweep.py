@@ -20,7 +20,7 @@ def sweep(base_url: str, endpoint: str, model: str, requests, points: list[float
         records, seconds = asyncio.run(run(base_url, endpoint, model, requests, rate, max_concurrency=concurrency,
                                            ignore_eos=ignore_eos, api_key=api_key, seed=seed))
         result = report.summarize(records, seconds, {by: point}, goodput)
-        met = (result["goodput"] or 0.0) * seconds / max(len(records), 1)
+        met = (result["goodput_requests"] or 0) / max(len(records), 1)
         result["slo_met_fraction"] = met
         results.append(result)
         if met >= slo_fraction:
