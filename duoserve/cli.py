@@ -161,7 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "prefill":
             engine.add_argument("--kv-lease-timeout", type=float, default=30.0,
                                 help="seconds KV waits for the decode engine's acknowledgement (default: 30)")
+        add_auth_args(engine)
         add_engine_args(engine)
+    keygen = commands.add_parser("keygen", help="write a new deployment auth key (CURVE secret) to a file, "
+                                                "for --auth-key-file on every frontend and engine")
+    keygen.add_argument("path", help="the file to create (mode 0600; an existing file is not overwritten)")
     bench = commands.add_parser("bench", help="measure a server").add_subparsers(dest="bench_command",
                                                                                metavar="BENCH", required=True)
     from duoserve.bench.serve import add_args as add_bench_serve_args
@@ -183,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("results", nargs="+", help="result documents of duoserve bench serve")
     compare.add_argument("--plot", default=None, metavar="PNG", help="draw them all on one figure here")
     return parser
+
+
+def add_auth_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    g = parser.add_argument_group(
+        "authentication", "Frontends and engines of one deployment share a key (ZeroMQ CURVE): a peer without it "
+        "cannot connect, and the traffic is encrypted. Engines a frontend launches get a fresh key when none is given.")
+    g.add_argument("--auth-key-file", default=None,
+                   help="the deployment key, made by `duoserve keygen FILE` (default: $DUOSERVE_AUTH_KEY_FILE, "
+                        "or the key itself in $DUOSERVE_AUTH_KEY)")
+    g.add_argument("--insecure-no-auth", action="store_true",
+                   help="listen beyond loopback without a key: anyone who reaches the port may connect")
+    return g
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +248,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--engine-host", default="127.0.0.1",
                    help="where launched engines listen when they use TCP; must be reachable from remote "
                         "engines (default: 127.0.0.1)")
+    auth = add_auth_args(parser)
+    auth.add_argument("--allow-takeover", action="store_true",
+                      help="take running engines (--prefill-addrs/--decode-addrs) over from another frontend that "
+                           "is still connected to them, aborting its requests (default: refuse to start)")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="requests in flight beyond which new ones get 429 (default: no limit)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -322,7 +342,8 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
                         num_decode_engines=1 if args.num_decode_engines is None else args.num_decode_engines,
                         prefill_addrs=parse_address_list(args.prefill_addrs, "prefill_addrs"),
                         decode_addrs=parse_address_list(args.decode_addrs, "decode_addrs"),
-                        engine_host=args.engine_host)
+                        engine_host=args.engine_host, auth_key_file=args.auth_key_file,
+                        insecure_no_auth=args.insecure_no_auth, allow_takeover=args.allow_takeover)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -334,18 +355,35 @@ def run_engine(args: argparse.Namespace) -> int:
     import msgspec
 
     from duoserve.config import check_engine_address
+    from duoserve.engine.auth import check_listen, load_key
     from duoserve.engine.process import engine_main
 
     check_engine_address(args.listen, "listen")
+    key = load_key(args.auth_key_file)
+    check_listen(args.listen, key, args.insecure_no_auth)
     config = dataclasses.replace(engine_config_from_args(args), role=args.command,
                                  cpus=parse_cpu_list(args.cpus, "cpus"),
                                  kv_lease_timeout=getattr(args, "kv_lease_timeout", 30.0))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like on Ctrl-C
     try:
-        return engine_main(msgspec.msgpack.encode(config), args.listen, logging.INFO)
+        return engine_main(msgspec.msgpack.encode(config), args.listen, logging.INFO,
+                           auth_secret=None if key is None else key.secret)
     except KeyboardInterrupt:  # before the engine was up (engine_main logs a stop once it serves)
         logging.getLogger("duoserve").info("%s engine stopped while starting", args.command)
         return 0
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from duoserve.engine.auth import AuthKey
+
+    key = AuthKey.generate()
+    try:
+        key.save(args.path)
+    except OSError as exc:
+        raise ConfigError("path", args.path, f"a new file that can be created ({exc.strerror})") from None
+    print(f"wrote a deployment key to {args.path} (public part {key.public.decode()}); give every frontend and "
+          "engine --auth-key-file with a copy of it")
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -381,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command in ("prefill", "decode"):
             return run_engine(args)
+        if args.command == "keygen":
+            return run_keygen(args)
         if args.command == "bench":
             from duoserve.bench import serve as bench
 

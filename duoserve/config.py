@@ -319,6 +319,9 @@ class DisaggConfig:
     prefill_addrs: tuple[str, ...] = ()   # engines already running (duoserve prefill --listen ADDR)
     decode_addrs: tuple[str, ...] = ()
     engine_host: str = "127.0.0.1"    # where launched engines listen when they use TCP
+    auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.engine.auth); None: $DUOSERVE_AUTH_KEY*
+    insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
+    allow_takeover: bool = False      # take running engines from another frontend still connected
 
     def __post_init__(self) -> None:
         for name in ("num_prefill_engines", "num_decode_engines"):

@@ -21,6 +21,8 @@ class Hello(msgspec.Struct, tag=True):
     """A frontend introduces itself; a prefill engine gets the decode engines to hand KV to."""
     name: str                                  # what the frontend calls this engine (logs, errors)
     peers: dict[str, str] = {}                 # decode engine name -> its address (prefill role)
+    frontend_id: str = ""                      # the frontend process: its reconnects are not takeovers
+    allow_takeover: bool = False               # take the engine from another frontend still connected
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -108,6 +110,7 @@ class EngineOutputs(msgspec.Struct, tag=True):
 class EngineFailed(msgspec.Struct, tag=True):
     error: str
     config_error: bool = False     # refused a configuration value (the error names it): not a fault
+    owned: bool = False            # refused a hello: another frontend owns the engine and is still connected
 
 
 # ---- engine <-> engine (the KV handoff) -----------------------------------------------------

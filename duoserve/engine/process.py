@@ -11,8 +11,11 @@ to its frontend. It blocks on its socket only while idle. It pushes stats every
 goes idle), so the frontend's gauges fall back to idle values as soon as the work is done.
 
 A launched engine exits on ``Shutdown`` or when its parent is gone. A standalone one
-outlives its frontends and serves one at a time: a new frontend's hello takes it over
-and aborts the previous one's requests.
+outlives its frontends and serves one at a time, its owner: the first frontend to say
+hello, until it says ``Shutdown`` or its connection drops. Another frontend's hello is
+refused while the owner is connected, unless it asks to take the engine over
+(``--allow-takeover``), which aborts the owner's requests. With a key
+(``duoserve.engine.auth``) only holders of the deployment key get a hello through at all.
 """
 
 from __future__ import annotations
@@ -31,15 +34,17 @@ FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tel
 
 
 def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO,
-                parent_pid: int | None = None) -> int:
+                parent_pid: int | None = None, auth_secret: bytes | None = None) -> int:
     """Process entry point (import-light: torch and the model load after the socket is bound).
 
     ``parent_pid``: the launcher's pid; the engine stops when that process is gone.
+    ``auth_secret``: the deployment's CURVE secret key; None accepts any peer.
     Returns an exit status: 0 after a shutdown, 1 when the engine could not start.
     """
     import zmq
 
     from duoserve import messages as msg
+    from duoserve.engine.auth import AuthKey, Gatekeeper, restrict_ipc
     from duoserve.engine.heartbeat import keep_alive
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
@@ -51,10 +56,13 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _pin(config_bytes)
     ctx = zmq.Context.instance()
-    sock = keep_alive(ctx.socket(zmq.ROUTER))
+    key = None if auth_secret is None else AuthKey.from_secret(auth_secret, "auth_key")
+    gate = Gatekeeper(ctx, key)
+    sock = gate.guard(keep_alive(ctx.socket(zmq.ROUTER)))
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting frontend or peer takes over its identity
     sock.setsockopt(zmq.SNDHWM, 0)            # a ROUTER drops what exceeds its limit: never drop outputs
     sock.bind(address)
+    restrict_ipc(address)
     try:
         try:
             core = _start_core(config_bytes)
@@ -69,7 +77,7 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
                 _refuse(sock, msg.EngineFailed(str(exc) if config_error else f"{type(exc).__name__}: {exc}",
                                                config_error))
             return 1
-        server = EngineServer(core, sock, parent_pid)
+        server = EngineServer(core, sock, parent_pid, key)
         log.info("%s engine listening on %s", core.config.role, address)
         try:
             server.run()
@@ -85,6 +93,7 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
         return 0
     finally:
         sock.close(linger=1000)
+        gate.close()
         ctx.term()
 
 
@@ -127,11 +136,12 @@ def _refuse(sock, failure) -> None:
 class EngineServer:
     """One engine's message loop: a frontend, and for prefill/decode roles the KV peers."""
 
-    def __init__(self, core, sock, parent_pid: int | None) -> None:
+    def __init__(self, core, sock, parent_pid: int | None, key=None) -> None:
         self.core = core
         self.sock = sock
         self.parent_pid = parent_pid
-        self.frontend: bytes | None = None   # the socket identity of the frontend that said hello last
+        self.frontend: bytes | None = None   # the socket identity of the owner (the frontend that said hello)
+        self.frontend_id = ""                # ... and the process it named in its hello
         self.name = f"{core.config.role}-engine"
         self.instance_id = uuid.uuid4().hex
         self.fingerprint_values: dict = {}
@@ -144,7 +154,7 @@ class EngineServer:
 
             self.fingerprint_values = core.fingerprint_values
             digest = fingerprint(self.fingerprint_values)
-            core.attach_connector(PrefillConnector(digest, self.fingerprint_values) if role == "prefill" else
+            core.attach_connector(PrefillConnector(digest, self.fingerprint_values, key) if role == "prefill" else
                                   DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))
 
     def send(self, message) -> None:
@@ -234,7 +244,7 @@ class EngineServer:
             if self.parent_pid is not None:
                 return None
             self.log.info("the frontend left: aborted its %d requests", self.core.reset())
-            self.frontend = None
+            self.frontend, self.frontend_id = None, ""
             return []
         try:
             return self._apply(message)
@@ -245,9 +255,23 @@ class EngineServer:
     def _hello(self, identity: bytes, hello) -> None:
         from duoserve import messages as msg
 
-        if self.frontend is not None and identity != self.frontend and self.core.has_unfinished():
-            self.log.warning("a new frontend said hello: aborted the previous one's %d requests", self.core.reset())
-        self.frontend, self.name = identity, hello.name
+        if self.frontend is not None and identity != self.frontend:
+            reconnect = bool(hello.frontend_id) and hello.frontend_id == self.frontend_id
+            if not (reconnect or hello.allow_takeover) and self._owner_connected():
+                self.log.warning("refused frontend %s: frontend %s owns this engine and is connected",
+                                 hello.frontend_id or "(unnamed)", self.frontend_id or "(unnamed)")
+                refusal = msg.EngineFailed(
+                    f"{self.core.config.role} engine is in use by frontend {self.frontend_id or '(unnamed)'}, "
+                    "still connected: stop that frontend, or start this one with --allow-takeover to take "
+                    "the engine over (the other frontend's requests are aborted)", config_error=True, owned=True)
+                self.sock.send_multipart([identity, msg.encode(refusal)])
+                return
+            if not reconnect:   # the previous owner hears it at once (and fails its requests)
+                self.send(msg.EngineFailed(f"frontend {hello.frontend_id or '(unnamed)'} took this engine over"))
+            if self.core.has_unfinished():
+                self.log.warning("frontend %s took this engine over: aborted the previous one's %d requests",
+                                 hello.frontend_id or "(unnamed)", self.core.reset())
+        self.frontend, self.frontend_id, self.name = identity, hello.frontend_id, hello.name
         if self.core.config.role == "decode":
             self.core.connector.name = hello.name
         if self.core.config.role == "prefill":
@@ -258,6 +282,22 @@ class EngineServer:
                 self.send(msg.EngineFailed(str(exc)))
                 return
         self.send(_ready(self.core, self.fingerprint_values, self.instance_id))
+
+    def _owner_connected(self) -> bool:
+        """Whether the owner's connection is still up: a send to a vanished identity fails
+        under ``ROUTER_MANDATORY`` (ZeroMQ drops a connection once its heartbeats go unanswered)."""
+        import zmq
+
+        from duoserve import messages as msg
+
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.sock.send_multipart([self.frontend, msg.encode(msg.EngineOutputs([]))], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:   # EHOSTUNREACH: gone
+            return False
+        finally:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
     def _apply(self, message) -> list:
         from duoserve.core.request import Request

@@ -12,6 +12,10 @@ An engine is taken for dead when its process exits (launched ones) or its connec
 notice a vanished or frozen host within ~4 s). An engine that sends nothing, not even its
 once-a-second stats, for ``SILENCE_TIMEOUT`` seconds while its connection still answers is
 *slow*, not dead: it is logged, ``/health`` says so, and its requests keep waiting.
+
+Every connection proves the deployment key when there is one (``duoserve.engine.auth``);
+an engine that refuses it fails the start at once, naming the key. An engine owned by
+another frontend that is still connected refuses the hello (``--allow-takeover`` takes it).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import socket
 import time
+import uuid
 
 import msgspec
 import zmq
@@ -30,6 +36,8 @@ from zmq.utils.monitor import parse_monitor_message
 from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve import messages as msg
+from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
+from duoserve.engine.heartbeat import HEARTBEAT_TIMEOUT_MS
 from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
 from duoserve.engine.heartbeat import keep_alive
@@ -40,6 +48,8 @@ logger = logging.getLogger(__name__)
 # an engine connected but silent this long (stats come every second) is reported slow
 SILENCE_TIMEOUT = float(os.environ.get("DUOSERVE_SILENCE_TIMEOUT", "30"))
 POLL_S = 0.5
+# this frontend process, named in its hellos: an engine tells its owner's reconnects from another frontend
+FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 class EngineDeadError(DuoserveError):
@@ -57,9 +67,13 @@ class EngineStartError(EngineDeadError):
 
 class EngineClient:
     def __init__(self, name: str, address: str, config: EngineConfig | None = None,
-                 peers: dict[str, str] | None = None) -> None:
+                 peers: dict[str, str] | None = None, key: AuthKey | None = None,
+                 allow_takeover: bool = False, frontend_id: str = FRONTEND_ID) -> None:
         self.name = name
         self.address = address
+        self.key = key                  # the deployment's CURVE key (a launched engine gets it too)
+        self.allow_takeover = allow_takeover
+        self.frontend_id = frontend_id
         self.config = config            # set: this frontend launches (and relaunches) the engine
         self.peers = peers or {}        # prefill engines: decode engine name -> address
         self._ctx = zmq.asyncio.Context()
@@ -67,6 +81,7 @@ class EngineClient:
         self._monitor: zmq.Socket | None = None        # a synchronous view of the monitor socket
         self._monitor_owner: zmq.asyncio.Socket | None = None
         self._lost: str | None = None   # why the connection is gone
+        self._refused = False           # ... because the engine refused this side's key
         self.slow_since: float | None = None  # silent past SILENCE_TIMEOUT while its connection answers
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready: msg.EngineReady | None = None
@@ -85,11 +100,24 @@ class EngineClient:
             self.process = spawn.Process(
                 target=engine_main, name=f"duoserve-{self.name}", daemon=True,
                 args=(msgspec.msgpack.encode(self.config), self.address,
-                      logging.getLogger().getEffectiveLevel() or logging.INFO, os.getpid()))
+                      logging.getLogger().getEffectiveLevel() or logging.INFO, os.getpid(),
+                      None if self.key is None else self.key.secret))
             self.process.start()
         self._connect()
-        self._send(msg.Hello(self.name, self.peers))
-        message = await self._recv(timeout, waiting_for="EngineReady")
+        # a previous owner that vanished without a word is dropped by the engine within a heartbeat
+        # timeout: until then the engine refuses this hello as a takeover
+        owner_gone_by = time.monotonic() + HEARTBEAT_TIMEOUT_MS / 1000 + 1
+        while True:
+            self._send(msg.Hello(self.name, self.peers, self.frontend_id, self.allow_takeover))
+            try:
+                message = await self._recv(timeout, waiting_for="EngineReady")
+            except EngineDeadError as exc:
+                if self._refused:   # another key: a configuration error, said in one line
+                    raise EngineStartError(f"{self.name}: {self._lost}", config_error=True) from None
+                raise exc
+            if not (isinstance(message, msg.EngineFailed) and message.owned and time.monotonic() < owner_gone_by):
+                break
+            await asyncio.sleep(POLL_S)
         if isinstance(message, msg.EngineFailed):
             if message.config_error:
                 raise EngineStartError(message.error, config_error=True)
@@ -114,13 +142,13 @@ class EngineClient:
     def _connect(self) -> None:
         """A fresh socket: nothing queued for a dead engine reaches its successor."""
         self._close_sockets()
-        sock = keep_alive(self._ctx.socket(zmq.DEALER))
+        sock = secure_client(limit_messages(keep_alive(self._ctx.socket(zmq.DEALER))), self.key)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self._monitor = zmq.Socket.shadow(monitor.underlying)   # read synchronously from is_alive()
         self._monitor_owner = monitor
         sock.connect(self.address)
-        self._sock, self._lost = sock, None
+        self._sock, self._lost, self._refused = sock, None, False
 
     def _close_sockets(self) -> None:
         if self._sock is not None:
@@ -139,7 +167,9 @@ class EngineClient:
         if self._monitor is not None:
             while self._monitor.poll(0):
                 event = parse_monitor_message(self._monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                if event["event"] & HANDSHAKE_FAILED:
+                    self._lost, self._refused = handshake_refused(self.address, self.key), True
+                elif event["event"] == zmq.EVENT_DISCONNECTED and self._lost is None:
                     self._lost = f"the connection to {self.address} dropped"
         if self._lost is not None:
             return False

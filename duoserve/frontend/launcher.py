@@ -7,6 +7,9 @@ launched here. Launched engines listen on ``ipc://`` paths (KV then moves throug
 shared memory), or on TCP ports of ``engine_host`` with ``--kv-transport tcp`` or when
 any engine is remote (a remote engine cannot reach an ``ipc://`` path).
 
+Every engine gets the deployment's auth key (``--auth-key-file``); when none is given and
+every engine is launched here, they share a fresh key that never leaves this process tree.
+
 Engines launched on one host share its cores. Unless a ``--prefill-*``/``--decode-*``
 threads or CPUs flag says otherwise, the cores this process may use are split between
 the roles (see ``split_cores``): two engines spinning OpenMP threads on the same cores
@@ -22,6 +25,7 @@ import tempfile
 import uuid
 
 from duoserve.config import DisaggConfig, EngineConfig
+from duoserve.engine.auth import AuthKey, check_listen, load_key
 from duoserve.frontend.engine_client import EngineClient
 
 
@@ -59,10 +63,19 @@ def _pinned(config: EngineConfig, cpus: tuple[int, ...], oversubscribed: bool) -
     return dataclasses.replace(config, num_threads=len(cpus), cpus=cpus)
 
 
+def deployment_key(disagg: DisaggConfig | None) -> AuthKey | None:
+    """The key given (file or environment); else a fresh one when every engine is launched here."""
+    key = load_key(disagg.auth_key_file if disagg else None)
+    if key is None and not (disagg and (disagg.prefill_addrs or disagg.decode_addrs)):
+        key = AuthKey.generate()
+    return key
+
+
 def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[list[EngineClient], list[EngineClient]]:
     """(decode engines, prefill engines) as clients, not yet started."""
+    key = deployment_key(disagg)
     if disagg is None:
-        return [EngineClient("engine-0", _ipc_address("engine-0"), config)], []
+        return [EngineClient("engine-0", _ipc_address("engine-0"), config, key=key)], []
     prefill_config, decode_config = disagg.engine_configs(config)
     tcp = disagg.kv_transport == "tcp" or bool(disagg.prefill_addrs or disagg.decode_addrs)
     num_prefill = 0 if disagg.prefill_addrs else disagg.num_prefill_engines
@@ -76,16 +89,22 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[lis
         decode_configs = [_pinned(decode_config, c, oversubscribed) for c in decode_cpus]
 
     def address(name: str) -> str:
-        return _tcp_address(disagg.engine_host) if tcp else _ipc_address(name)
+        if not tcp:
+            return _ipc_address(name)
+        check_listen(f"tcp://{disagg.engine_host}:0", key, disagg.insecure_no_auth)
+        return _tcp_address(disagg.engine_host)
+
+    def client(name: str, addr: str, launch: EngineConfig | None = None, **kw) -> EngineClient:
+        return EngineClient(name, addr, launch, key=key, allow_takeover=disagg.allow_takeover, **kw)
 
     if disagg.decode_addrs:
-        decode = [EngineClient(f"decode-{i}", a) for i, a in enumerate(disagg.decode_addrs)]
+        decode = [client(f"decode-{i}", a) for i, a in enumerate(disagg.decode_addrs)]
     else:
-        decode = [EngineClient(f"decode-{i}", address(f"decode-{i}"), c) for i, c in enumerate(decode_configs)]
+        decode = [client(f"decode-{i}", address(f"decode-{i}"), c) for i, c in enumerate(decode_configs)]
     peers = {c.name: c.address for c in decode}
     if disagg.prefill_addrs:
-        prefill = [EngineClient(f"prefill-{i}", a, peers=peers) for i, a in enumerate(disagg.prefill_addrs)]
+        prefill = [client(f"prefill-{i}", a, peers=peers) for i, a in enumerate(disagg.prefill_addrs)]
     else:
-        prefill = [EngineClient(f"prefill-{i}", address(f"prefill-{i}"), c, peers=peers)
+        prefill = [client(f"prefill-{i}", address(f"prefill-{i}"), c, peers=peers)
                    for i, c in enumerate(prefill_configs)]
     return decode, prefill

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from duoserve import messages as msg
+from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
 from duoserve.engine.heartbeat import keep_alive
 from duoserve.errors import DuoserveError
 from duoserve.kv import wire
@@ -79,10 +80,11 @@ def _read_shm(name: str, sizes: list[int]) -> list[bytes]:
 class PrefillConnector:
     """A prefill engine's end: a DEALER socket per decode engine; sends KV, takes acks."""
 
-    def __init__(self, fingerprint: bytes, values: dict) -> None:
+    def __init__(self, fingerprint: bytes, values: dict, key: AuthKey | None = None) -> None:
         self.ctx = zmq.Context.instance()
         self.fingerprint = fingerprint
         self.values = values
+        self.key = key
         self.peers: dict[str, zmq.Socket] = {}
         self.addresses: dict[str, str] = {}
         self.last_transfer: tuple[int, float] = (0, 0.0)   # bytes, seconds
@@ -91,7 +93,7 @@ class PrefillConnector:
         """Connect to every decode engine and have each accept this engine's model."""
         self.close()
         for peer, address in peers.items():
-            sock = keep_alive(self.ctx.socket(zmq.DEALER))
+            sock = secure_client(limit_messages(keep_alive(self.ctx.socket(zmq.DEALER))), self.key)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
@@ -99,13 +101,25 @@ class PrefillConnector:
             self.peers[peer], self.addresses[peer] = sock, address
         deadline = time.monotonic() + timeout
         for peer, sock in self.peers.items():
-            if not sock.poll(max(deadline - time.monotonic(), 0) * 1000):
-                raise PeerRefusedError(f"decode engine {peer} at {self.addresses[peer]} did not answer "
-                                       f"{name}'s hello within {timeout:g} s")
+            self._await_answer(sock, peer, name, deadline, timeout)
             reply = msg.decode_at_prefill_peer(sock.recv())
             if isinstance(reply, msg.PeerRefused):
                 raise PeerRefusedError(reply.error)
         logger.info("%s connected to decode engines %s", name, ", ".join(f"{p} ({a})" for p, a in self.addresses.items()))
+
+    def _await_answer(self, sock: zmq.Socket, peer: str, name: str, deadline: float, timeout: float) -> None:
+        """Wait for a decode engine's answer; a refused handshake (another key) fails at once."""
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        try:
+            while not sock.poll(100):
+                if monitor.poll(0):
+                    raise PeerRefusedError(f"decode engine {peer}: {handshake_refused(self.addresses[peer], self.key)}")
+                if time.monotonic() >= deadline:
+                    raise PeerRefusedError(f"decode engine {peer} at {self.addresses[peer]} did not answer "
+                                           f"{name}'s hello within {timeout:g} s")
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
 
     def sockets(self) -> list[zmq.Socket]:
         return list(self.peers.values())
