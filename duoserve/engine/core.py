@@ -235,6 +235,7 @@ class EngineCore:
             for request_id in self.connector.poll_acks():
                 self.scheduler.acknowledge(request_id)
             outputs += self.scheduler.expire_leases(time.monotonic())
+            self.connector.sweep(self.config.kv_lease_timeout)
         elif self.config.role == "decode":
             for transfer in self.connector.poll_transfers():
                 ended = (transfer.request_id.partition("/")[0] in self.aborted_early

@@ -149,8 +149,10 @@ class EngineServer:
         self.log = logging.getLogger(__name__)
         role = core.config.role
         if role != "colocated":
-            from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
+            from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector, sweep_orphaned_segments
             from duoserve.model.fingerprint import fingerprint
+
+            sweep_orphaned_segments()
 
             self.fingerprint_values = core.fingerprint_values
             digest = fingerprint(self.fingerprint_values)

@@ -33,6 +33,27 @@ def _ipc_address(name: str) -> str:
     return f"ipc://{os.path.join(tempfile.gettempdir(), f'duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}')}"
 
 
+def sweep_orphaned_sockets(directory: str | None = None) -> list[str]:
+    """Remove the ``ipc://`` socket files of frontends that died without shutting down."""
+    import stat
+
+    directory = directory or tempfile.gettempdir()
+    swept = []
+    for name in os.listdir(directory):
+        pid = name[len("duoserve-"):].partition("-")[0] if name.startswith("duoserve-") else ""
+        path = os.path.join(directory, name)
+        try:
+            if not pid.isdigit() or not stat.S_ISSOCK(os.lstat(path).st_mode) or os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            os.unlink(path)
+            swept.append(name)
+        except OSError:
+            continue
+    return swept
+
+
 def _tcp_address(host: str) -> str:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -74,6 +95,7 @@ def deployment_key(disagg: DisaggConfig | None) -> AuthKey | None:
 def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[list[EngineClient], list[EngineClient]]:
     """(decode engines, prefill engines) as clients, not yet started."""
     key = deployment_key(disagg)
+    sweep_orphaned_sockets()
     if disagg is None:
         return [EngineClient("engine-0", _ipc_address("engine-0"), config, key=key)], []
     prefill_config, decode_config = disagg.engine_configs(config)

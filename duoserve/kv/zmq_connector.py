@@ -8,7 +8,10 @@ followed by the wire frames (``duoserve.kv.wire``), answered by a ``TransferAck`
 
 - to a ``tcp://`` peer the frames travel as ZeroMQ frames, sent without copying;
 - to an ``ipc://`` peer (same host) they are written once into a shared-memory
-  segment and only its name travels; the receiver reads them and unlinks it.
+  segment and only its name travels; the receiver reads them and unlinks it. A segment
+  whose receiver never acknowledges it (it died) is unlinked by the sender when the
+  transfer's lease ends; segments left by a process that died (``duoserve-kv-PID-*``
+  of a PID no longer running) are unlinked when an engine starts.
 
 A transfer reports its bytes and seconds (``last_transfer``) for the metrics.
 """
@@ -16,6 +19,8 @@ A transfer reports its bytes and seconds (``last_transfer``) for the metrics.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import time
 from multiprocessing import shared_memory
 
@@ -53,8 +58,55 @@ def _untrack(segment: shared_memory.SharedMemory) -> None:
         pass
 
 
+SEGMENT_PREFIX = "duoserve-kv-"
+SHM_DIR = "/dev/shm"
+
+
+def _segment_name() -> str:
+    return f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _unlink_segment(name: str) -> bool:
+    """Unlink a segment this side created; False if it is gone already (the receiver took it)."""
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return False
+    segment.close()
+    segment.unlink()
+    return True
+
+
+def sweep_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
+    """Unlink this user's KV segments whose creating process is gone; returns their names."""
+    swept = []
+    try:
+        names = os.listdir(directory)
+    except OSError:   # no /dev/shm here: nothing to sweep
+        return swept
+    for name in names:
+        if not name.startswith(SEGMENT_PREFIX):
+            continue
+        pid = name[len(SEGMENT_PREFIX):].partition("-")[0]
+        try:
+            if not pid.isdigit() or os.stat(os.path.join(directory, name)).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+            continue   # its creator still runs: its lease decides
+        except ProcessLookupError:
+            pass
+        except OSError:   # gone meanwhile, or a process of another user (alive): leave it
+            continue
+        if _unlink_segment(name):
+            swept.append(name)
+    if swept:
+        logger.warning("unlinked %d shared-memory KV segment(s) left by processes that died: %s",
+                       len(swept), ", ".join(swept))
+    return swept
+
+
 def _write_shm(frames: list, sizes: list[int]) -> str:
-    segment = shared_memory.SharedMemory(create=True, size=max(sum(sizes), 1))
+    segment = shared_memory.SharedMemory(name=_segment_name(), create=True, size=max(sum(sizes), 1))
     _untrack(segment)
     offset = 0
     for frame, size in zip(frames, sizes):
@@ -88,6 +140,7 @@ class PrefillConnector:
         self.peers: dict[str, zmq.Socket] = {}
         self.addresses: dict[str, str] = {}
         self.last_transfer: tuple[int, float] = (0, 0.0)   # bytes, seconds
+        self.segments: dict[str, tuple[str, float]] = {}  # request id -> its unacknowledged segment, sent at
 
     def connect(self, name: str, peers: dict[str, str], timeout: float = 300.0) -> None:
         """Connect to every decode engine and have each accept this engine's model."""
@@ -139,6 +192,7 @@ class PrefillConnector:
                                 sent_at=transfer.sent_at)
         if self.addresses[transfer.peer].startswith("ipc://"):
             meta.shm_name = _write_shm(frames, sizes)
+            self.segments[transfer.request_id] = (meta.shm_name, time.monotonic())
             sock.send(msg.encode(meta))
         else:
             sock.send_multipart([msg.encode(meta), *frames], copy=False)
@@ -151,12 +205,27 @@ class PrefillConnector:
                 message = msg.decode_at_prefill_peer(sock.recv())
                 if isinstance(message, msg.TransferAck):
                     acks.append(message.request_id)
+                    self.segments.pop(message.request_id, None)   # the receiver unlinked it
         return acks
+
+    def sweep(self, max_age: float) -> int:
+        """Unlink segments unacknowledged for ``max_age`` seconds (their lease is over)."""
+        now, swept = time.monotonic(), 0
+        for request_id, (name, sent_at) in list(self.segments.items()):
+            if now - sent_at >= max_age:
+                del self.segments[request_id]
+                swept += _unlink_segment(name)
+        if swept:
+            logger.warning("unlinked %d shared-memory KV segment(s) that no decode engine took", swept)
+        return swept
 
     def close(self) -> None:
         for sock in self.peers.values():
             sock.close(linger=0)
         self.peers, self.addresses = {}, {}
+        for name, _ in self.segments.values():   # this engine stops: nobody will take them now
+            _unlink_segment(name)
+        self.segments = {}
 
 
 class DecodeConnector:
