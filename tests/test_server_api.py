@@ -30,6 +30,24 @@ def test_completion_greedy_stream_equals_non_stream(client):
     assert finish == full.choices[0].finish_reason
 
 
+def test_chat_stream_carries_every_tokens_logprobs(client):
+    """A token whose text is held back (it might start a stop string) still gets its
+    log-probabilities, in the chunk that carries its text."""
+    messages = [{"role": "user", "content": "Describe the sea in one sentence."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2,
+              stop=[" the", "."])
+    full = client.chat.completions.create(**kw)
+    want = [entry.token for entry in full.choices[0].logprobs.content]
+    assert len(want) == full.usage.completion_tokens
+    got, text = [], []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            got += [entry.token for entry in (choice.logprobs.content if choice.logprobs else [])]
+    assert "".join(text) == full.choices[0].message.content
+    assert got == want
+
+
 def test_completion_matches_offline_engine_and_usage(client, smol_llm):
     from duoserve import SamplingParams
 

@@ -71,6 +71,7 @@ class ChatServing:
         started: set[int] = set()
         num_prompt = num_cached = 0
         counts: dict[int, int] = {}
+        logged: dict[int, int] = {}   # per choice, tokens whose log-probabilities went out
         try:
             async for _, out in streams.merged():
                 num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
@@ -83,8 +84,10 @@ class ChatServing:
                         continue
                     counts[c.index] = len(c.token_ids)
                     lp = None
-                    if body.logprobs and c.logprobs:
-                        lp = _chat_logprobs(self.engine.tokenizer, c.logprobs[len(c.token_ids) - len(c.delta_token_ids):])
+                    if body.logprobs and c.logprobs:   # tokens whose text was held back (a stop string's
+                        # possible start) went out with no chunk: their entries go with this one
+                        lp = _chat_logprobs(self.engine.tokenizer, c.logprobs[logged.get(c.index, 0):len(c.token_ids)])
+                        logged[c.index] = len(c.token_ids)
                     chunk = {**head, "choices": [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text
                                                   else {}, "logprobs": lp, "finish_reason": c.finish_reason}]}
                     if opts is not None and opts.continuous_usage_stats:
