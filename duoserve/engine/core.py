@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 import time
 
 import torch
@@ -116,6 +117,7 @@ class EngineCore:
             "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
             "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": min(budget, self.max_model_len),
             "runtime_bytes": runtime_bytes, "rss_bytes": rss_bytes() if self.device == "cpu" else None,
+            "pid": os.getpid(),   # which process this is (operators, the chaos tests)
         }
         if self.draft is not None:
             report["draft_weights_bytes"] = sum(weight_bytes(self.draft.model).values())

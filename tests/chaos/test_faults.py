@@ -1,0 +1,122 @@
+"""Faults under load: an engine of a disaggregated server killed (SIGKILL) or frozen
+(SIGSTOP) while requests stream through it. Only the requests it held fail, each within
+5 s and naming it; the service takes new requests again within 30 s; every answer that
+completes is right; afterwards nothing is left over. (An engine restarted on the same
+port and a frontend restarted while standalone engines run on: test_disagg_topology.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.chaos.harness import FULL, check_answers, kv_segments, make_specs, reference, report, send
+from tests.chaos.test_soak import MODEL, server_args
+from tests.server_helpers import Server, alive, engine_children, wait_gauges_idle
+
+SCENARIOS = [("decode", "SIGKILL"), ("prefill", "SIGKILL"), ("decode", "SIGSTOP")]
+if FULL:
+    SCENARIOS += [("prefill", "SIGSTOP"), ("prefill+decode", "SIGKILL")]
+
+
+def engine_pids(url: str) -> dict[str, int]:
+    engines = httpx.get(f"{url}/v1/memory", timeout=10).json()["engines"]
+    return {name: memory["pid"] for name, memory in engines.items()}
+
+
+async def _load(url: str, specs, until: float, concurrency: int) -> list:
+    """Requests back to back from ``concurrency`` clients until ``until``; (start, end, outcome)."""
+    done: list = []
+    async with httpx.AsyncClient() as client:
+        async def worker(i: int) -> None:
+            k = i
+            while time.monotonic() < until:
+                spec = specs[k % len(specs)]
+                k += concurrency
+                start = time.monotonic()
+                outcome = await send(client, url, MODEL, spec, stream=k % 2 == 0)
+                done.append((start, time.monotonic(), outcome))
+                if outcome.status == 503:   # refused while no engine of a role is up: retry shortly
+                    await asyncio.sleep(0.2)
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return done
+
+
+async def _down_then_healthy(url: str, since: float, within: float) -> tuple[float, float]:
+    """Seconds from ``since`` until /health first says the engine is down, then until it is ok again."""
+    down = None
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() - since < within:
+            try:
+                r = await client.get(f"{url}/health", timeout=2)
+                healthy = r.status_code == 200 and r.json().get("status") == "ok"
+            except httpx.HTTPError:
+                healthy = False
+            if not healthy and down is None:
+                down = time.monotonic() - since
+            if healthy and down is not None:
+                return down, time.monotonic() - since
+            await asyncio.sleep(0.05)
+    return float("inf") if down is None else down, float("inf")
+
+
+@pytest.mark.parametrize("victims,how", SCENARIOS)
+def test_a_killed_or_frozen_engine_fails_only_its_requests(victims, how, tmp_path):
+    sig = getattr(signal, how)
+    specs = make_specs(12)
+    segments_before = kv_segments()
+    srv = Server(*server_args("disaggregated"), log=tmp_path / "log")
+    try:
+        pids = engine_pids(srv.url)
+        answers = asyncio.run(reference(srv.url, MODEL, specs))
+        roles = victims.split("+")
+        targets = [next(name for name in sorted(pids) if name.startswith(role)) for role in roles]
+
+        async def scenario():
+            start = time.monotonic()
+            load = asyncio.create_task(_load(srv.url, specs, start + (30 if len(roles) > 1 else 14), 8))
+            events = []
+            await asyncio.sleep(3)
+            for target in targets:   # in turn: the next once the service is whole again
+                killed_at = time.monotonic()
+                os.kill(pids[target], sig)
+                events.append((target, killed_at, *await _down_then_healthy(srv.url, killed_at, 60)))
+            return events, await load
+
+        events, done = asyncio.run(scenario())
+        wait_gauges_idle(srv.url, within=10)
+        after = engine_pids(srv.url)
+        stuck = [pid for pid in (pids[t] for t in targets) if alive(pid)]
+        children = engine_children(srv.proc.pid)
+    finally:
+        srv.stop()
+        for target in targets:
+            if alive(pids[target]):
+                os.kill(pids[target], signal.SIGKILL)
+
+    doomed = [(s, e, o) for s, e, o in done if o.status not in (200, 503, None) or (o.status is None and o.error)]
+    refused = [o for _, _, o in done if o.status == 503]
+    ok = [o for _, _, o in done if o.status == 200 and not o.error]
+    # each failure names a killed engine and came within 5 s of its death
+    for start, end, outcome in doomed:
+        assert any(t in (outcome.error or "") for t in targets), f"a request failed that no dead engine held: {outcome.error}"
+        killed_at = max(k for _, k, _, _ in events if k <= end)
+        assert end - killed_at < 5.0, f"a doomed request took {end - killed_at:.1f}s to fail"
+    assert all("unavailable" in (o.error or "") or "down" in (o.error or "") for o in refused)
+    check_answers([o for _, _, o in done if o.status == 200], answers)
+    noticed = [round(seconds, 2) for _, _, seconds, _ in events]
+    healthy_after = [round(seconds, 2) for _, _, _, seconds in events]
+    assert all(seconds < 5 for seconds in noticed), f"/health noticed the dead engine after {noticed} s"
+    assert all(seconds < 30 for seconds in healthy_after), f"service healthy again after {healthy_after} s"
+    assert not stuck, "a frozen engine is killed before it is replaced"
+    assert all(after[t] != pids[t] for t in targets) and len(children) == len(pids), "each one relaunched"
+    assert kv_segments() <= segments_before
+    fail_s = [round(e - max(k for _, k, _, _ in events if k <= e), 2) for _, e, _ in doomed]
+    report(f"fault-{victims}-{how}", {"completed": len(ok), "doomed": len(doomed), "refused_503": len(refused),
+                                      "max_time_to_fail_s": max(fail_s, default=0.0),
+                                      "noticed_s": noticed, "healthy_again_s": healthy_after})
