@@ -24,7 +24,10 @@ class ConfigError(DuoserveError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        message = f"{field}={value!r} is not allowed: {allowed}"
+        shown = repr(value)
+        if len(shown) > 200:   # a hostile request's megabyte value is not echoed back
+            shown = f"{shown[:120]}... ({len(shown)} characters)"
+        message = f"{field}={shown} is not allowed: {allowed}"
         if hint:
             message += f". {hint}"
         super().__init__(message)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from duoserve.errors import ConfigError
 
 MAX_LOGPROBS = 20
+MAX_N = 128        # samples per prompt (OpenAI's limit): a request cannot ask for unbounded work
+MAX_STOP = 256     # stop strings, each checked against every new token's text
+INT64 = 2 ** 63
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")    # integers cross process boundaries as msgpack's 64-bit ones
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,15 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        for name in FLOAT_FIELDS:   # a subnormal reads as 0 in a process whose CPU flushes denormals
+            value = getattr(self, name)  # (the engine's C kernels set FTZ/DAZ): 0 everywhere, then
+            if isinstance(value, float) and value != 0 and abs(value) < sys.float_info.min:
+                object.__setattr__(self, name, 0.0)   # every process checks the same value
         self._validate()
 
     def _validate(self) -> None:
         checks = [
-            ("n", self.n, isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("n", self.n, isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]"),
             ("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
@@ -70,7 +79,15 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs,
              self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"an integer in [0, {MAX_LOGPROBS}]"),
-            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("seed", self.seed, self.seed is None or -INT64 <= self.seed < INT64, "a 64-bit signed integer, or None"),
+            ("top_k", self.top_k, self.top_k < INT64, "a 64-bit integer"),
+            ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens < INT64, "a 64-bit integer"),
+            ("min_tokens", self.min_tokens, self.min_tokens < INT64, "a 64-bit integer"),
+            ("stop_token_ids", self.stop_token_ids, len(self.stop_token_ids) <= MAX_STOP and all(
+                isinstance(t, int) and 0 <= t < 2 ** 31 for t in self.stop_token_ids),
+             f"at most {MAX_STOP} token ids, each in [0, 2^31)"),
+            ("stop", self.stop, len(self.stop) <= MAX_STOP and all(isinstance(s, str) and s for s in self.stop),
+             f"at most {MAX_STOP} non-empty strings"),
             ("cache_salt", self.cache_salt, self.cache_salt is None or (isinstance(self.cache_salt, str)
                                                                           and self.cache_salt != ""),
              "a non-empty string, or None"),

@@ -13,6 +13,7 @@ import sys
 import pytest
 import zmq
 
+from duoserve import SamplingParams
 from duoserve import messages as msg
 from duoserve.cli import main as cli_main
 from duoserve.engine import auth
@@ -204,3 +205,33 @@ def test_launched_engines_get_a_key_of_their_own():
 def test_hello_fields_default_for_older_frontends():
     hello = msg.decode_at_engine(msg.encode(msg.Hello("decode-0")))
     assert hello.frontend_id == "" and hello.allow_takeover is False
+
+
+def test_a_request_the_engine_cannot_read_fails_at_once(tiny_dir):
+    """A message that passed the frontend but not the engine's decoder (here: top_p out of
+    range) fails its request with the reason, instead of leaving it waiting forever."""
+    import msgspec
+
+    from duoserve.config import CacheConfig, EngineConfig, ModelConfig
+    from duoserve.frontend.launcher import _ipc_address
+
+    config = EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama")), dtype="float32"),
+                          cache=CacheConfig(kv_cache_memory=0.01), num_threads=1)
+    client = EngineClient("engine-0", _ipc_address("engine-0"), config, key=AuthKey.generate())
+
+    async def main():
+        await client.start(timeout=120)
+        try:
+            good = msgspec.msgpack.decode(msg.encode(msg.AddRequest("bad-1", [1, 2, 3], SamplingParams(max_tokens=2),
+                                                                    [0], 16, 0.0)))
+            good["params"]["top_p"] = 5.0
+            client._sock.send(msgspec.msgpack.encode(good))
+            for _ in range(20):
+                for out in (await client.recv()).outputs:
+                    if out.request_id == "bad-1":
+                        return out
+        finally:
+            await client.shutdown()
+
+    out = asyncio.run(main())
+    assert out.finish_reason == "error" and "could not read this request" in out.error and "top_p" in out.error

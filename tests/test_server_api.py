@@ -152,7 +152,7 @@ def test_errors_have_openai_shape_and_status(server):
 
 def test_sdk_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", top_p=0)
+        client.completions.create(model=MODEL, prompt="x", top_p=1.5)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
 

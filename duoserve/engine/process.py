@@ -226,9 +226,9 @@ class EngineServer:
         identity = identity.bytes
         try:
             message = msg.decode_at_engine(payload.bytes)
-        except Exception as exc:  # a malformed message is dropped, never fatal
+        except Exception as exc:  # a malformed message is dropped, never fatal...
             self.log.error("dropped a malformed message: %s", exc)
-            return []
+            return self._refuse_request(identity, payload.bytes, exc)
         if isinstance(message, (msg.PeerHello, msg.TransferMeta)):
             if self.core.config.role != "decode":
                 self.log.error("a %s engine got %s: dropped", self.core.config.role, type(message).__name__)
@@ -253,6 +253,24 @@ class EngineServer:
         except Exception as exc:
             self.log.error("cannot apply %s: %s", type(message).__name__, exc)
             return []
+
+    def _refuse_request(self, identity: bytes, payload: bytes, exc: Exception) -> list:
+        """...but a request the engine cannot read fails at once, so that nobody waits for it."""
+        import msgspec
+
+        from duoserve.core.outputs import EngineCoreOutput
+
+        try:
+            raw = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError:
+            return []
+        if identity != self.frontend or not isinstance(raw, dict) or raw.get("type") != "AddRequest":
+            return []
+        request_id = raw.get("request_id")
+        if not isinstance(request_id, str):
+            return []
+        return [EngineCoreOutput(request_id, [], finish_reason="error",
+                                 error=f"the engine could not read this request: {exc}")]
 
     def _hello(self, identity: bytes, hello) -> None:
         from duoserve import messages as msg

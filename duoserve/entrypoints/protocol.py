@@ -7,15 +7,27 @@ accepted and reported in a log warning, never refused.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import sys
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from duoserve.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's schema lets most fields be null, meaning "the default": an explicit null
+        for a field that has no null value of its own takes the default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and type(None) not in get_args(fields[k].annotation))}
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -51,10 +63,16 @@ class SamplingFields(_Body):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        stop = [s for s in stop if s != ""]   # an empty stop string matches nothing: ignored
+        top_p, top_k = (1.0 if self.top_p is None else self.top_p), self.top_k or 0
+        seed = None if self.seed is None else (self.seed + 2 ** 63) % 2 ** 64 - 2 ** 63   # any integer: 64 bits of it
+        if abs(top_p) < sys.float_info.min:   # 0 (OpenAI's API allows it; a subnormal is 0 too): the
+            # smallest nucleus, the most likely token alone
+            top_p, top_k = 1.0, 1
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+            top_p=top_p, top_k=top_k,
+            min_p=self.min_p or 0.0, seed=seed, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
@@ -66,15 +84,16 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None   # required; null: OpenAI's default, a new document
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None   # only best_of == n: ranking extra samples is not implemented
 
     def prompts(self) -> list[str | list[int]]:
         """The four OpenAI prompt forms, as a list of text or token-id prompts."""
-        p = self.prompt
+        p = "<|endoftext|>" if self.prompt is None else self.prompt
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
@@ -82,13 +101,18 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
+class ContentPart(_Body):
+    type: str
+    text: str | None = None    # text parts; the model reads no other kind
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]   # function: deprecated tool
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
 
 

@@ -148,6 +148,9 @@ class OpenAIServing:
         self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, f"best_of={body.best_of} with n={body.n} is not supported: best_of may only equal n "
+                                "(ranking extra samples is not implemented)", param="best_of")
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")

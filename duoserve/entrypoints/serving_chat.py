@@ -20,7 +20,7 @@ def _chat_logprobs(tokenizer, entries: list) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+                        for e in entries], "refusal": None}
 
 
 class ChatServing:

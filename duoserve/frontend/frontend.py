@@ -83,7 +83,11 @@ class Frontend:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidInputError("prompt", "this model has no tokenizer: send token ids instead of text")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:   # "" (OpenAI's API allows it): the model starts a new document
+                start = self.tokenizer.bos_token_id
+                ids = [start if start is not None else self.engine.eos_token_ids[0]]
+            return prompt, ids
         ids = list(prompt)
         vocab = self.engine.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]

@@ -1,0 +1,154 @@
+"""Hostile HTTP input: schemathesis against OpenAI's own OpenAPI description (the paths
+duoserve serves), then hand-made cases at and past every limit. Each bad request gets a
+4xx in OpenAI's error shape naming the parameter; the server is unharmed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.chaos.harness import FULL, report
+from tests.server_helpers import Server
+
+SPEC = Path(__file__).parent.parent / "conformance" / "openai-subset.json"
+KEY = "sk-hostile"
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server("--quantization", "gguf", "--max-model-len", "2048", "--max-request-bytes", str(1 << 20),
+                 api_key=KEY, log=tmp_path_factory.mktemp("hostile") / "log")
+    yield srv
+    srv.stop()
+
+
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, tmp_path):
+    """Every check but two: the description documents only 200 (and 429) where OpenAI answers
+    400s too (status_code_conformance), and duoserve accepts what OpenAI would refuse
+    (negative_data_rejection: a missing model means the served one, unknown fields are
+    logged, not refused) — the refusals it does make are the hand cases below."""
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.conformance.schemathesis_hooks",
+           "DUOSERVE_CONFORMANCE_MODEL": MODEL}
+    done = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", str(SPEC), "--url", f"{server.url}/v1",
+         "-H", f"Authorization: Bearer {KEY}", "--checks", "all",
+         "--exclude-checks", "status_code_conformance,negative_data_rejection",
+         "--max-examples", "500" if FULL else "60", "--seed", "1", "--request-timeout", "60", "--workers", "1",
+         "--no-color", "--report", "junit", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=1200)
+    summary = done.stdout[-3000:]
+    assert done.returncode == 0, summary
+    cases = next((line for line in done.stdout.splitlines() if "generated" in line), "").strip()
+    report("schemathesis", {"cases": cases})
+    assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok"}
+
+
+def _post(server, body=None, raw: bytes | None = None, path="/v1/completions") -> httpx.Response:
+    headers = {**server.headers, "content-type": "application/json"}
+    if raw is None:
+        raw = json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=60)
+
+
+def _refused(r: httpx.Response, status: int, param: str | None, *words: str) -> None:
+    assert r.status_code == status, r.text[:300]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert all(w in error["message"] for w in words), error["message"]
+    assert len(error["message"]) < 600, "a hostile value is not echoed back whole"
+
+
+HAND_CASES = [
+    ({"prompt": [1, 2, 49152]}, 400, "prompt", "token id 49152 is out of range"),
+    ({"prompt": [-1]}, 400, "prompt", "token id -1"),
+    ({"prompt": "hi", "n": 0}, 400, "n", "[1, 128]"),
+    ({"prompt": "hi", "n": 129}, 400, "n", "[1, 128]"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "best_of may only equal n"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ({"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "an integer >= 0"),
+    ({"prompt": "hi", "max_tokens": 2048}, 400, "max_tokens", "context length is 2048"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature", ">= 0"),
+    ({"prompt": "hi", "stop": ["x"] * 257}, 400, "stop", "at most 256"),
+    ({"prompt": "hi", "stop": ["stop"] * 100_000}, 400, "stop", "at most 256"),
+    ({"prompt": [7] * 2048}, 400, "prompt", "at most 2047 prompt tokens fit"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix", "not supported"),
+    ({"prompt": "hi", "n": "two"}, 400, "n", "integer"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", HAND_CASES, ids=[str(i) for i in range(len(HAND_CASES))])
+def test_each_bad_parameter_is_a_4xx_naming_it(server, body, status, param, words):
+    _refused(_post(server, {"model": MODEL, **body}), status, param, words)
+
+
+def test_bodies_that_are_not_requests(server):
+    _refused(_post(server, raw=b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}'), 400, None)
+    _refused(_post(server, raw=b'{"model": "smollm2-135m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+             400, None)
+    _refused(_post(server, raw=b'{"model": '), 400, None, "not valid JSON")
+    _refused(_post(server, raw=b'{"model": "smollm2-135m", "prompt": "' + b"a" * (1 << 20) + b'"}'), 413, None,
+             "--max-request-bytes")
+    _refused(_post(server, {"model": MODEL, "messages": []}, path="/v1/chat/completions"), 400, "messages")
+    _refused(_post(server, {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
+                   path="/v1/chat/completions"), 400, "messages.0.role")
+    nul = _post(server, {"model": MODEL, "prompt": "a\u0000b\u0000", "max_tokens": 2})
+    assert nul.status_code == 200 and nul.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok"}
+
+
+def _nullable(node):
+    """OpenAPI 3.0's ``nullable: true`` (some of the description's schemas still use it) as JSON Schema."""
+    if isinstance(node, list):
+        return [_nullable(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _nullable(v) for k, v in node.items()}
+    if node.pop("nullable", False):
+        if isinstance(node.get("enum"), list):
+            node["enum"] = [*node["enum"], None]
+        if isinstance(node.get("type"), str):
+            node["type"] = [node["type"], "null"]
+        else:
+            node = {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    spec = json.loads(SPEC.read_text())
+    return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
+                                            "components": _nullable(spec["components"])})
+
+
+def test_streamed_chunks_follow_the_stream_schemas(server):
+    """schemathesis reads an event stream's envelope, not its JSON: chunks are checked here."""
+    chat = _validator("CreateChatCompletionStreamResponse")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "n": 2, "stream_options": {"include_usage": True}}
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers,
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert len(chunks) > 3
+    for chunk in chunks:
+        chat.validate(chunk)
+    final = _validator("CreateChatCompletionResponse")
+    final.validate(_post(server, {**body, "stream": False}, path="/v1/chat/completions").json())
+    completion = _validator("CreateCompletionResponse")
+    completion.validate(_post(server, {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "logprobs": 2}).json())
+    # the one known departure: with echo the first prompt token's log-probability is null, as in
+    # OpenAI's own answers (the description allows numbers only)
+    echoed = _post(server, {"model": MODEL, "prompt": "Hello there", "max_tokens": 2, "logprobs": 1, "echo": True})
+    lp = echoed.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and all(isinstance(x, float) for x in lp["token_logprobs"][1:])
