@@ -37,10 +37,9 @@ from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve import messages as msg
 from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
-from duoserve.engine.heartbeat import HEARTBEAT_TIMEOUT_MS
+from duoserve.engine.heartbeat import HEARTBEAT_TIMEOUT_MS, keep_alive
 from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
-from duoserve.engine.heartbeat import keep_alive
 from duoserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -35,15 +35,17 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, tmp_
     400s too (status_code_conformance), and duoserve accepts what OpenAI would refuse
     (negative_data_rejection: a missing model means the served one, unknown fields are
     logged, not refused) — the refusals it does make are the hand cases below."""
+    root = Path(__file__).parents[2]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.conformance.schemathesis_hooks",
-           "DUOSERVE_CONFORMANCE_MODEL": MODEL}
+           "DUOSERVE_CONFORMANCE_MODEL": MODEL,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", str(SPEC), "--url", f"{server.url}/v1",
          "-H", f"Authorization: Bearer {KEY}", "--checks", "all",
          "--exclude-checks", "status_code_conformance,negative_data_rejection",
          "--max-examples", "500" if FULL else "60", "--seed", "1", "--request-timeout", "60", "--workers", "1",
          "--no-color", "--report", "junit", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=1200)
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)   # its cache stays out of the tree
     summary = done.stdout[-3000:]
     assert done.returncode == 0, summary
     cases = next((line for line in done.stdout.splitlines() if "generated" in line), "").strip()
