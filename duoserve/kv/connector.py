@@ -61,6 +61,9 @@ class InProcessConnector:
         acks, self._acks = list(self._acks), deque()
         return acks
 
+    def sweep(self, max_age: float) -> int:
+        return 0   # nothing outlives a transfer here (the ZeroMQ connector's segments can)
+
     # decode end
     def poll_transfers(self) -> list[KVTransfer]:
         transfers, self._transfers = list(self._transfers), deque()
