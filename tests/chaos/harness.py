@@ -157,7 +157,9 @@ async def _exchange(client: httpx.AsyncClient, url: str, model: str, spec: Spec,
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                outcome.status, outcome.error = chunk["error"].get("code", 500), chunk["error"]["message"]
+                code = str(chunk["error"].get("code") or 500)   # the error event's code: "503"
+                outcome.status = int(code) if code.isdigit() else 500
+                outcome.error = chunk["error"]["message"]
                 return
             for choice in chunk["choices"]:
                 _parse_choice(spec.endpoint, choice, outcome.answer, True)
