@@ -277,7 +277,8 @@ class EngineServer:
 
         if self.frontend is not None and identity != self.frontend:
             reconnect = bool(hello.frontend_id) and hello.frontend_id == self.frontend_id
-            if not (reconnect or hello.allow_takeover) and self._owner_connected():
+            owner_connected = not reconnect and self._owner_connected()
+            if owner_connected and not hello.allow_takeover:
                 self.log.warning("refused frontend %s: frontend %s owns this engine and is connected",
                                  hello.frontend_id or "(unnamed)", self.frontend_id or "(unnamed)")
                 refusal = msg.EngineFailed(
@@ -286,11 +287,12 @@ class EngineServer:
                     "the engine over (the other frontend's requests are aborted)", config_error=True, owned=True)
                 self.sock.send_multipart([identity, msg.encode(refusal)])
                 return
-            if not reconnect:   # the previous owner hears it at once (and fails its requests)
+            if owner_connected:   # a takeover: the previous owner hears it at once (and fails its requests)
                 self.send(msg.EngineFailed(f"frontend {hello.frontend_id or '(unnamed)'} took this engine over"))
             if self.core.has_unfinished():
-                self.log.warning("frontend %s took this engine over: aborted the previous one's %d requests",
-                                 hello.frontend_id or "(unnamed)", self.core.reset())
+                how = "took this engine over from" if owner_connected else "replaced the vanished frontend"
+                self.log.warning("frontend %s %s %s: aborted its %d requests", hello.frontend_id or "(unnamed)",
+                                 how, self.frontend_id or "(unnamed)", self.core.reset())
         self.frontend, self.frontend_id, self.name = identity, hello.frontend_id, hello.name
         if self.core.config.role == "decode":
             self.core.connector.name = hello.name

@@ -1,8 +1,8 @@
 """Faults under load: an engine of a disaggregated server killed (SIGKILL) or frozen
 (SIGSTOP) while requests stream through it. Only the requests it held fail, each within
 5 s and naming it; the service takes new requests again within 30 s; every answer that
-completes is right; afterwards nothing is left over. (An engine restarted on the same
-port and a frontend restarted while standalone engines run on: test_disagg_topology.py.)"""
+completes is right; afterwards nothing is left over. (A frontend killed under load:
+test_frontend_restart.py; an engine restarted on the same port: test_disagg_topology.py.)"""
 
 from __future__ import annotations
 

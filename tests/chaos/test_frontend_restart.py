@@ -1,0 +1,75 @@
+"""A frontend killed under load while its standalone engines (keyed, on TCP) run on: the
+engines drop its requests, a new frontend started on the same engines is admitted at once
+(the dead one's connection is gone, so this is no takeover), serves right answers, and the
+engines' pools come back whole. A third frontend, while the second is connected, is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from duoserve.engine.auth import AuthKey
+from tests.chaos.harness import check_answers, make_specs, reference, report, soak
+from tests.chaos.test_soak import MODEL
+from tests.server_helpers import Server, alive, free_port, wait_gauges_idle
+
+ENGINE_ARGS = ("--dtype", "float32", "--quantization", "none", "--max-model-len", "2048", "--kv-cache-memory", "0.25",
+               "--num-threads", "1")
+
+
+def _engine(role: str, port: int, key_file, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "duoserve.cli", role, "--listen", f"tcp://127.0.0.1:{port}",
+                             "--auth-key-file", str(key_file), *ENGINE_ARGS], stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_a_frontend_killed_under_load_is_replaced_on_the_same_engines(tmp_path):
+    key_file = tmp_path / "deploy.key"
+    AuthKey.generate().save(str(key_file))
+    ports = {"prefill": free_port(), "decode": free_port()}
+    engine_log = open(tmp_path / "engines.log", "w")
+    engines = {role: _engine(role, port, key_file, engine_log) for role, port in ports.items()}
+    args = ("--mode", "disaggregated", "--served-model-name", MODEL, "--auth-key-file", str(key_file),
+            "--prefill-addrs", f"tcp://127.0.0.1:{ports['prefill']}",
+            "--decode-addrs", f"tcp://127.0.0.1:{ports['decode']}", "--max-model-len", "2048")
+    specs = make_specs(12)
+    first = Server(*args, log=tmp_path / "first.log")
+    second = third = None
+    try:
+        answers = asyncio.run(reference(first.url, MODEL, specs))
+        load = threading.Thread(target=lambda: asyncio.run(soak(first.url, MODEL, specs, 400, 16, 0.0)), daemon=True)
+        load.start()
+        time.sleep(3)
+        first.proc.kill()   # no drain, no Shutdown: the engines see the connection drop
+        first.proc.wait()
+        killed_at = time.monotonic()
+        second = Server(*args, log=tmp_path / "second.log")
+        healthy_after = time.monotonic() - killed_at
+        outcomes = asyncio.run(soak(second.url, MODEL, specs, 48, 8, 0.0))
+        figures = check_answers(outcomes, answers)
+        idle = wait_gauges_idle(second.url, within=10)   # the dead frontend's requests were dropped
+        third = Server(*args, log=tmp_path / "third.log", wait_healthy=False)
+        time.sleep(8)   # its hello is refused, retried for a heartbeat timeout, then it gives up
+        third_health = httpx.get(f"{third.url}/health", timeout=5)
+        still_serving = httpx.get(f"{second.url}/health", timeout=5).json()
+        engines_alive = all(p.poll() is None for p in engines.values())
+    finally:
+        for srv in (first, second, third):
+            if srv is not None:
+                srv.stop()
+        for proc in engines.values():
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=30) for proc in engines.values()]
+    assert healthy_after < 20, f"the new frontend served after {healthy_after:.1f} s"
+    assert figures["failed"] == 0 and figures["wrong"] == 0
+    assert third_health.status_code == 503 and still_serving == {"status": "ok"}
+    assert "in use by frontend" in (tmp_path / "third.log").read_text()
+    assert engines_alive and codes == [0, 0], "the engines outlive every frontend and stop cleanly"
+    assert not any(alive(p.pid) for p in engines.values())
+    report("frontend-restart", {"healthy_after_s": round(healthy_after, 2), "idle_after_s": round(idle, 2),
+                                **figures})
