@@ -14,7 +14,7 @@ part" is judged by the whole prompt's length.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from duoserve.core.request import Request
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
@@ -36,8 +36,14 @@ class Router:
 class Placement:
     decode: str
     prefill: str | None = None
+    samples: int = 1          # n: each sample is handed over on its own
     prefilled: bool = False   # the prefill engine has reported (its first token)
-    decoding: bool = False    # the decode engine has reported: the request lives there now
+    handed_over: set[int] = field(default_factory=set)   # samples the decode engine has reported
+
+    @property
+    def decoding(self) -> bool:
+        """Every sample lives on the decode engine now (a prefill engine that dies loses none)."""
+        return len(self.handed_over) >= self.samples
 
 
 class EngineGroup:
@@ -106,7 +112,8 @@ class EngineGroup:
             prefill.add_request(request, kv_peer=decode.name, kv_peer_instance=decode.ready.instance_id)
         else:
             decode.add_request(request)
-        self.placements[request.request_id] = Placement(decode.name, prefill.name if prefill else None)
+        self.placements[request.request_id] = Placement(decode.name, prefill.name if prefill else None,
+                                                        samples=request.params.n)
         logger.debug("request %s: prefill on %s, decode on %s", request.request_id,
                      prefill.name if prefill else decode.name, decode.name)
         for hook in self.on_place:
@@ -115,16 +122,18 @@ class EngineGroup:
     def note_outputs(self, client: EngineClient, request_ids) -> None:
         """Outputs came from ``client``: a prefill engine is done with those requests."""
         for request_id in request_ids:
-            placement = self.placements.get(request_id.partition("/")[0])
+            parent, _, index = request_id.partition("/")
+            placement = self.placements.get(parent)
             if placement is None:
                 continue
             if client.name == placement.decode:
-                placement.decoding = True
+                placement.handed_over.add(int(index) if index.isdigit() else 0)
             elif client.name == placement.prefill:
                 placement.prefilled = True
 
     def stranded_by(self, client: EngineClient) -> list[str]:
-        """The requests that die with ``client``: all it decodes, and those it prefills not yet handed over."""
+        """The requests that die with ``client``: all it decodes, and those it prefills with a sample
+        not yet handed over."""
         return [rid for rid, p in self.placements.items()
                 if p.decode == client.name or (p.prefill == client.name and not p.decoding)]
 
