@@ -85,8 +85,9 @@ def test_latencies_throughput_goodput_and_errors_come_out_right(fake):
     assert result["completed"] == 16 and result["failed"] == 3
     assert result["errors"] == {"http_5xx": 2, "stream": 1}
     assert result["total_output_tokens"] == 16 * TOKENS
-    # timer noise on a loaded 2-core machine: a few milliseconds, more at p99
-    assert FIRST_MS <= result["ttft_ms"]["p50"] < FIRST_MS + 25
+    # timer noise on a loaded 2-core machine: a few milliseconds, more at p99; the first token
+    # also waits for the fake server's thread to be scheduled (53 ms late once in a full CI run)
+    assert FIRST_MS <= result["ttft_ms"]["p50"] < FIRST_MS + 60
     assert EVERY_MS <= result["itl_ms"]["p50"] < EVERY_MS + 10
     assert EVERY_MS - 2 <= result["tpot_ms"]["mean"] < EVERY_MS + 10
     expected_e2e = FIRST_MS + (TOKENS - 1) * EVERY_MS

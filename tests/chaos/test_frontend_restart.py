@@ -47,6 +47,7 @@ def test_a_frontend_killed_under_load_is_replaced_on_the_same_engines(tmp_path):
         time.sleep(3)
         first.proc.kill()   # no drain, no Shutdown: the engines see the connection drop
         first.proc.wait()
+        load.join(timeout=60)   # its remaining requests fail at once: nobody is listening
         killed_at = time.monotonic()
         second = Server(*args, log=tmp_path / "second.log")
         healthy_after = time.monotonic() - killed_at
