@@ -90,20 +90,20 @@ class EngineCore:
         self.num_prompt_tokens = 0
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
         # out of the garbage collector's sight, a collection during a step scans only new ones.
-        self.memory = self._memory_report(runtime_bytes, kv_dtype, budget)
+        self.memory = self._memory_report(runtime_bytes, kv_dtype, block_bytes, budget)
         gc.collect()
         gc.freeze()
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
 
-    def _memory_report(self, runtime_bytes: int | None, kv_dtype: torch.dtype, budget: int) -> dict:
+    def _memory_report(self, runtime_bytes: int | None, kv_dtype: torch.dtype, per_block: int,
+                       budget: int) -> dict:
         """Where this engine's memory goes (``duoserve.worker.memory``), logged once at start;
         served at ``/v1/memory`` and as ``duoserve:memory_bytes``."""
         from duoserve.model.loader import weight_bytes
 
         cache = self.config.cache
         kv_buffer = self.runner.kv_caches[0][0]
-        per_block = bytes_per_token(self.arch, kv_dtype) * cache.block_size
         scratch = None
         if self.device == "cpu":
             scratch = measure_prefill_scratch(lambda: self.runner.scratch_forward(min(budget, self.max_model_len)),
