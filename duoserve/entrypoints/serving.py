@@ -204,13 +204,16 @@ class OpenAIServing:
     def _logprob_lists(self, ids: list[int], entries: list, start_offset: int) -> dict:
         """tokens, token_logprobs (None for a first prompt token), top_logprobs and text_offset."""
         tok = self.engine.tokenizer
-        tokens = [tok.decode([i], skip_special_tokens=False) for i in ids]
+
+        def spelled(token_id: int) -> str:   # a model without a tokenizer: vLLM's "token_id:N"
+            return f"token_id:{token_id}" if tok is None else tok.decode([token_id], skip_special_tokens=False)
+
+        tokens = [spelled(i) for i in ids]
         offsets, position = [], start_offset
         for text in tokens:
             offsets.append(position)
             position += len(text)
-        top = [None if e is None else {tok.decode([t], skip_special_tokens=False): lp for t, lp in e.top}
-               for e in entries]
+        top = [None if e is None else {spelled(t): lp for t, lp in e.top} for e in entries]
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
                 "top_logprobs": top, "text_offset": offsets}
 
