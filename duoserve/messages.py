@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, and its encoding (msgpack via msgspec).
 
-Frontend -> engine: ``Hello`` first (it makes the sender the engine's frontend), then
+Frontend -> engine: ``Hello`` first (it makes the sender one of the engine's frontends), then
 ``AddRequest``, ``AbortRequest``, ``FinishStopped``, ``ReleaseRequest``, ``Shutdown``.
 Engine -> frontend: ``EngineReady`` in answer to ``Hello``, then ``EngineOutputs`` (token
 deltas, and engine stats every second), or ``EngineFailed`` if it cannot serve.
@@ -18,11 +18,13 @@ from duoserve.sampling_params import SamplingParams
 
 
 class Hello(msgspec.Struct, tag=True):
-    """A frontend introduces itself; a prefill engine gets the decode engines to hand KV to."""
+    """A frontend introduces itself; a prefill engine gets the decode engines to hand KV to
+    (said again on the same connection: the decode engines changed)."""
     name: str                                  # what the frontend calls this engine (logs, errors)
     peers: dict[str, str] = {}                 # decode engine name -> its address (prefill role)
-    frontend_id: str = ""                      # the frontend process: its reconnects are not takeovers
-    allow_takeover: bool = False               # take the engine from another frontend still connected
+    frontend_id: str = ""                      # the frontend: its requests are kept apart under this tag
+    connection: int = 0                        # counts the frontend's connections to this engine: a hello
+                                               # from an earlier one, read late, is ignored
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -110,7 +112,6 @@ class EngineOutputs(msgspec.Struct, tag=True):
 class EngineFailed(msgspec.Struct, tag=True):
     error: str
     config_error: bool = False     # refused a configuration value (the error names it): not a fault
-    owned: bool = False            # refused a hello: another frontend owns the engine and is still connected
 
 
 # ---- engine <-> engine (the KV handoff) -----------------------------------------------------

@@ -1,5 +1,5 @@
-"""Engines talk only to their own: the deployment key (ZeroMQ CURVE), ownership by one
-frontend at a time, and the size limit on every message."""
+"""Engines talk only to their own: the deployment key (ZeroMQ CURVE), several frontends on
+one engine kept apart, and the size limit on every message."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ import zmq
 from duoserve import SamplingParams
 from duoserve import messages as msg
 from duoserve.cli import main as cli_main
+from duoserve.core.request import Request
 from duoserve.engine import auth
 from duoserve.engine.auth import AuthKey, Gatekeeper, check_listen, is_loopback, load_key, secure_client
 from duoserve.errors import ConfigError
-from duoserve.frontend.engine_client import EngineClient, EngineDeadError, EngineStartError
+from duoserve.frontend.engine_client import EngineClient, EngineStartError
 from duoserve.kv.zmq_connector import PeerRefusedError, PrefillConnector
 from tests.server_helpers import free_port
 
@@ -140,7 +141,27 @@ def _start_engine(path, port: int, key_file) -> subprocess.Popen:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_a_keyed_engine_refuses_strangers_and_serves_one_frontend_at_a_time(tiny_dir, tmp_path):
+async def _run(client: EngineClient, request_id: str, prompt: list[int], abort_after: int | None = None,
+               max_tokens: int = 12) -> tuple[list[int], str]:
+    """One greedy request on ``client``: its tokens and finish reason (aborted after
+    ``abort_after`` tokens when given)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    client.add_request(Request(request_id, prompt, params, client.eos_token_ids, len(prompt) + max_tokens))
+    tokens: list[int] = []
+    while True:
+        batch = await client.recv()
+        for out in batch.outputs:
+            assert out.request_id == request_id, "an engine sends a frontend only its own requests"
+            tokens += out.new_token_ids[max(0, len(tokens) - out.position):]
+            if out.finish_reason is not None:
+                client.release(request_id)
+                return tokens, out.finish_reason
+        if abort_after is not None and len(tokens) >= abort_after:
+            client.abort(request_id)
+            abort_after = None
+
+
+def test_a_keyed_engine_refuses_strangers_and_keeps_its_frontends_apart(tiny_dir, tmp_path):
     path = tiny_dir(kind="llama")
     key_file = tmp_path / "deploy.key"
     key = AuthKey.generate()
@@ -158,33 +179,41 @@ def test_a_keyed_engine_refuses_strangers_and_serves_one_frontend_at_a_time(tiny
     async def main():
         wrong = await refused(EngineClient("decode-0", address, key=AuthKey.generate(), frontend_id="mallory"))
         none = await refused(EngineClient("decode-0", address, frontend_id="mallory"))
-        owner = EngineClient("decode-0", address, key=key, frontend_id="alice")
-        await owner.start(timeout=120)
-        second = await refused(EngineClient("decode-0", address, key=key, frontend_id="bob"))
-        taker = EngineClient("decode-0", address, key=key, frontend_id="carol", allow_takeover=True)
-        await taker.start(timeout=30)
-        with pytest.raises(EngineDeadError, match="frontend carol took this engine over"):
-            for _ in range(100):   # after the probes of bob's hellos (empty outputs)
-                await owner.recv()
-        await owner.shutdown()
-        taker._close_sockets()   # vanishes without a Shutdown: its connection drops
-        after_vanish = EngineClient("decode-0", address, key=key, frontend_id="dave")
-        await after_vanish.start(timeout=30)
-        await after_vanish.shutdown()
-        return wrong, none, second, after_vanish.ready
+        alice = EngineClient("decode-0", address, key=key, frontend_id="alice")
+        bob = EngineClient("decode-0", address, key=key, frontend_id="bob")
+        await alice.start(timeout=120)
+        await bob.start(timeout=30)
+        alone, _ = await _run(bob, "solo", [5, 6, 7])
+        # the same request id from both at once: alice aborts hers, bob's runs to the end
+        (aborted, a_reason), (together, b_reason) = await asyncio.gather(
+            _run(alice, "same", [5, 6, 7], abort_after=2, max_tokens=200), _run(bob, "same", [5, 6, 7]))
+        # alice vanishes without a Shutdown, a request running: the engine drops it, bob serves on
+        alice.add_request(Request("left", [5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True),
+                                  alice.eos_token_ids, 2003))
+        await asyncio.sleep(0.3)
+        alice._close_sockets()
+        idle = None
+        for _ in range(100):   # the engine's stats probe notices within a second or two
+            batch = await bob.recv()
+            if batch.stats is not None and batch.stats.num_running == 0 and batch.stats.num_waiting == 0:
+                idle = batch.stats
+                break
+        after, _ = await _run(bob, "after", [5, 6, 7])
+        await bob.shutdown()
+        return wrong, none, alone, (aborted, a_reason), (together, b_reason), idle, after
 
     try:
-        wrong, none, second, ready = asyncio.run(main())
+        wrong, none, alone, (aborted, a_reason), (together, b_reason), idle, after = asyncio.run(main())
         alive = engine.poll() is None
     finally:
         engine.send_signal(signal.SIGTERM)
         code = engine.wait(timeout=20)
     assert wrong.config_error and "refused this side's auth key in the handshake" in str(wrong)
     assert none.config_error and "refused a connection without an auth key" in str(none)
-    assert second.config_error and "in use by frontend alice, still connected" in str(second)
-    assert "--allow-takeover" in str(second)
-    assert ready is not None and ready.role == "decode"
-    assert alive and code == 0, "refusals never harm the engine"
+    assert a_reason == "abort" and 2 <= len(aborted) < 200
+    assert b_reason == "length" and together == alone == after and len(alone) == 12
+    assert idle is not None and idle.kv_cache_usage == 0.0, "the vanished frontend's request was dropped"
+    assert alive and code == 0, "refusals and departures never harm the engine"
 
 
 def test_launched_engines_get_a_key_of_their_own():
@@ -204,7 +233,7 @@ def test_launched_engines_get_a_key_of_their_own():
 
 def test_hello_fields_default_for_older_frontends():
     hello = msg.decode_at_engine(msg.encode(msg.Hello("decode-0")))
-    assert hello.frontend_id == "" and hello.allow_takeover is False
+    assert hello.frontend_id == "" and hello.connection == 0
 
 
 def test_a_request_the_engine_cannot_read_fails_at_once(tiny_dir):

@@ -209,13 +209,16 @@ class EngineCore:
         self.scheduler.forget(request_id)
         self.kv_destinations.pop(request_id, None)
 
-    def reset(self) -> int:
-        """Abort and forget every request (their frontend is gone); returns how many there were."""
-        request_ids = [rid for rid in self.scheduler.requests if "/" not in rid]
+    def reset(self, prefix: str = "") -> int:
+        """Abort and forget every request whose id starts with ``prefix`` (their frontend is
+        gone; "" = all); returns how many requests (not samples) there were."""
+        request_ids = [rid for rid in self.scheduler.requests if rid.startswith(prefix)]
+        parents = {rid.partition("/")[0] for rid in request_ids}
         for request_id in request_ids:
             self.abort(request_id)
-            self.release(request_id)
-        return len(request_ids)
+        for parent in parents:
+            self.release(parent)
+        return len(parents)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

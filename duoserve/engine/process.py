@@ -11,10 +11,14 @@ to its frontend. It blocks on its socket only while idle. It pushes stats every
 goes idle), so the frontend's gauges fall back to idle values as soon as the work is done.
 
 A launched engine exits on ``Shutdown`` or when its parent is gone. A standalone one
-outlives its frontends and serves one at a time, its owner: the first frontend to say
-hello, until it says ``Shutdown`` or its connection drops. Another frontend's hello is
-refused while the owner is connected, unless it asks to take the engine over
-(``--allow-takeover``), which aborts the owner's requests. With a key
+outlives its frontends and serves any number of them at once (several API servers behind
+a load balancer): each frontend names itself in its hello (``frontend_id``), and the engine
+keeps their requests apart by prefixing every request id with the frontend's tag
+(``TAG|request id``). A prefill engine hands that tagged id to the decode engine with the
+KV, so the decode engine routes the outputs to the same frontend, whichever engine it said
+hello to first. A frontend's aborts reach only its own requests. A frontend that says
+``Shutdown``, whose connection drops (a send to it fails) or that says hello again on a
+new connection loses its requests; the others never notice. With a key
 (``duoserve.engine.auth``) only holders of the deployment key get a hello through at all.
 """
 
@@ -26,19 +30,26 @@ import signal
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 
 STATS_INTERVAL = 1.0        # stats go out at least this often (a heartbeat of the application)...
 STATS_ON_CHANGE_S = 0.25    # ...and within this long of a change in the counts, at once when idle
 IDLE_POLL_MS = 100
+TAG_SEP = "|"                # between a frontend's tag and its request id, inside the engine
 FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tell a frontend why
 
 
-def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO,
-                parent_pid: int | None = None, auth_secret: bytes | None = None) -> int:
+def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = logging.INFO,
+                parent_pid: int | None = None, auth_secret: bytes | None = None,
+                on_start_failure: Callable[[str, bool], None] | None = None) -> int:
     """Process entry point (import-light: torch and the model load after the socket is bound).
 
+    ``address``: where to listen, or several (a Ray engine listens on TCP for frontends on
+    other hosts and on ``ipc://`` for KV from prefill engines on its own).
     ``parent_pid``: the launcher's pid; the engine stops when that process is gone.
     ``auth_secret``: the deployment's CURVE secret key; None accepts any peer.
+    ``on_start_failure``: called with (reason, is a config error) when the engine cannot start;
+    the first hello is then answered with the reason, as it is for a launched engine.
     Returns an exit status: 0 after a shutdown, 1 when the engine could not start.
     """
     import zmq
@@ -55,14 +66,17 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _pin(config_bytes)
+    addresses = [address] if isinstance(address, str) else list(address)
     ctx = zmq.Context.instance()
     key = None if auth_secret is None else AuthKey.from_secret(auth_secret, "auth_key")
     gate = Gatekeeper(ctx, key)
     sock = gate.guard(keep_alive(ctx.socket(zmq.ROUTER)))
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting frontend or peer takes over its identity
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished frontend fails: it is dropped, not waited for
     sock.setsockopt(zmq.SNDHWM, 0)            # a ROUTER drops what exceeds its limit: never drop outputs
-    sock.bind(address)
-    restrict_ipc(address)
+    for each in addresses:
+        sock.bind(each)
+        restrict_ipc(each)
     try:
         try:
             core = _start_core(config_bytes)
@@ -70,19 +84,22 @@ def engine_main(config_bytes: bytes, address: str, log_level: int = logging.INFO
             from duoserve.errors import ConfigError, ModelLoadError
 
             config_error = isinstance(exc, (ConfigError, ModelLoadError))
+            told = parent_pid is not None or on_start_failure is not None
             # a frontend that launched it prints the reason as its own one-line error
-            log.log(logging.DEBUG if parent_pid is not None and config_error else logging.ERROR,
-                    "engine failed to start: %s", exc)
-            if parent_pid is not None:
-                _refuse(sock, msg.EngineFailed(str(exc) if config_error else f"{type(exc).__name__}: {exc}",
-                                               config_error))
+            log.log(logging.DEBUG if told and config_error else logging.ERROR, "engine failed to start: %s", exc)
+            reason = str(exc) if config_error else f"{type(exc).__name__}: {exc}"
+            if on_start_failure is not None:
+                on_start_failure(reason, config_error)
+            if told:
+                _refuse(sock, msg.EngineFailed(reason, config_error))
             return 1
         server = EngineServer(core, sock, parent_pid, key)
-        log.info("%s engine listening on %s", core.config.role, address)
+        log.info("%s engine listening on %s", core.config.role, ", ".join(addresses))
         try:
             server.run()
         except KeyboardInterrupt:  # a standalone engine: SIGINT or SIGTERM (see duoserve.cli)
-            log.info("%s engine on %s stopping: aborted its %d requests", core.config.role, address, core.reset())
+            log.info("%s engine on %s stopping: aborted its %d requests", core.config.role, addresses[0],
+                     core.reset())
         except Exception:
             server.send(msg.EngineFailed(traceback.format_exc(limit=5)))
             raise
@@ -129,19 +146,20 @@ def _refuse(sock, failure) -> None:
             if isinstance(msg.decode_at_engine(payload), msg.Hello):
                 sock.send_multipart([identity, msg.encode(failure)])
                 return
-        except Exception:  # not a frontend's message: keep waiting
+        except Exception:  # not a frontend's message, or it left meanwhile: keep waiting
             continue
 
 
 class EngineServer:
-    """One engine's message loop: a frontend, and for prefill/decode roles the KV peers."""
+    """One engine's message loop: its frontends, and for prefill/decode roles the KV peers."""
 
     def __init__(self, core, sock, parent_pid: int | None, key=None) -> None:
         self.core = core
         self.sock = sock
         self.parent_pid = parent_pid
-        self.frontend: bytes | None = None   # the socket identity of the owner (the frontend that said hello)
-        self.frontend_id = ""                # ... and the process it named in its hello
+        self.frontends: dict[bytes, str] = {}   # socket identity of each frontend that said hello -> its tag
+        self.routes: dict[str, bytes] = {}      # tag -> the identity of that frontend's latest connection
+        self.connection_of: dict[str, int] = {}  # tag -> the number of that connection (Hello.connection)
         self.name = f"{core.config.role}-engine"
         self.instance_id = uuid.uuid4().hex
         self.fingerprint_values: dict = {}
@@ -160,15 +178,50 @@ class EngineServer:
                                   DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))
 
     def send(self, message) -> None:
-        from duoserve import messages as msg
+        """To every frontend (a failure of the whole engine)."""
+        for identity in list(self.frontends):
+            self._send_to(identity, message)
 
-        if self.frontend is not None:
-            self.sock.send_multipart([self.frontend, msg.encode(message)])
-
-    def run(self) -> None:
+    def _send_to(self, identity: bytes, message) -> bool:
+        """False, and the frontend's requests aborted, when its connection is gone."""
         import zmq
 
         from duoserve import messages as msg
+
+        try:
+            self.sock.send_multipart([identity, msg.encode(message)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:   # EHOSTUNREACH under ROUTER_MANDATORY: ZeroMQ dropped the connection
+            self._forget_frontend(identity, "its connection dropped")
+            return False
+
+    def _forget_frontend(self, identity: bytes, why: str) -> None:
+        tag = self.frontends.pop(identity, None)
+        if tag is None or self.routes.get(tag) != identity:   # not its current connection
+            return
+        del self.routes[tag]
+        aborted = self.core.reset(tag + TAG_SEP)
+        self.log.info("frontend %s left (%s): aborted its %d requests", tag, why, aborted)
+
+    def _deliver(self, outputs: list, stats) -> None:
+        """Each frontend gets its own requests' outputs (untagged), and every frontend the stats."""
+        from duoserve import messages as msg
+
+        by_tag: dict[str, list] = {}
+        for output in outputs:
+            tag, _, request_id = output.request_id.partition(TAG_SEP)
+            output.request_id = request_id
+            by_tag.setdefault(tag, []).append(output)
+        for identity, tag in list(self.frontends.items()):
+            mine = by_tag.pop(tag, []) if self.routes.get(tag) == identity else []
+            if mine or stats is not None:
+                self._send_to(identity, msg.EngineOutputs(mine, stats))
+        for tag in by_tag:   # requests of a frontend that is not connected here (any more): nobody waits
+            aborted = self.core.reset(tag + TAG_SEP)
+            self.log.warning("frontend %s is not connected to this engine: aborted its %d requests", tag, aborted)
+
+    def run(self) -> None:
+        import zmq
 
         last_stats, last_signature = 0.0, None
         poller = self._poller()
@@ -202,12 +255,13 @@ class EngineServer:
             changed = signature != last_signature and (not self.core.has_work() or
                                                        now - last_stats >= STATS_ON_CHANGE_S)
             if changed or now - last_stats >= STATS_INTERVAL:
+                # the stats double as a probe: a frontend whose connection is gone is dropped here
                 stats, last_stats, last_signature = self.core.stats(), now, signature
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self.log.warning("the process that launched this engine is gone: stopping")
                     return
             if outputs or stats is not None:
-                self.send(msg.EngineOutputs(outputs, stats))
+                self._deliver(outputs, stats)
 
     def _poller(self):
         import zmq
@@ -239,17 +293,17 @@ class EngineServer:
         if isinstance(message, msg.Hello):
             self._hello(identity, message)
             return "rewired"
-        if identity != self.frontend:
+        tag = self.frontends.get(identity)
+        if tag is None:
             self.log.error("dropped %s from a frontend that has not said hello", type(message).__name__)
             return []
         if isinstance(message, msg.Shutdown):
             if self.parent_pid is not None:
                 return None
-            self.log.info("the frontend left: aborted its %d requests", self.core.reset())
-            self.frontend, self.frontend_id = None, ""
+            self._forget_frontend(identity, "it said Shutdown")
             return []
         try:
-            return self._apply(message)
+            return self._apply(tag, message)
         except Exception as exc:
             self.log.error("cannot apply %s: %s", type(message).__name__, exc)
             return []
@@ -264,36 +318,35 @@ class EngineServer:
             raw = msgspec.msgpack.decode(payload)
         except msgspec.DecodeError:
             return []
-        if identity != self.frontend or not isinstance(raw, dict) or raw.get("type") != "AddRequest":
+        tag = self.frontends.get(identity)
+        if tag is None or not isinstance(raw, dict) or raw.get("type") != "AddRequest":
             return []
         request_id = raw.get("request_id")
         if not isinstance(request_id, str):
             return []
-        return [EngineCoreOutput(request_id, [], finish_reason="error",
+        return [EngineCoreOutput(tag + TAG_SEP + request_id, [], finish_reason="error",
                                  error=f"the engine could not read this request: {exc}")]
 
     def _hello(self, identity: bytes, hello) -> None:
+        """A frontend joins (or says hello again: a prefill engine then takes the decode engines
+        it names, e.g. one that came back at another address)."""
         from duoserve import messages as msg
 
-        if self.frontend is not None and identity != self.frontend:
-            reconnect = bool(hello.frontend_id) and hello.frontend_id == self.frontend_id
-            owner_connected = not reconnect and self._owner_connected()
-            if owner_connected and not hello.allow_takeover:
-                self.log.warning("refused frontend %s: frontend %s owns this engine and is connected",
-                                 hello.frontend_id or "(unnamed)", self.frontend_id or "(unnamed)")
-                refusal = msg.EngineFailed(
-                    f"{self.core.config.role} engine is in use by frontend {self.frontend_id or '(unnamed)'}, "
-                    "still connected: stop that frontend, or start this one with --allow-takeover to take "
-                    "the engine over (the other frontend's requests are aborted)", config_error=True, owned=True)
-                self.sock.send_multipart([identity, msg.encode(refusal)])
+        tag = (hello.frontend_id or identity.hex()).replace(TAG_SEP, "_")
+        previous = self.routes.get(tag)
+        if previous is not None and previous != identity:   # the same frontend on a new connection...
+            if hello.connection < self.connection_of.get(tag, 0):   # ...or a hello of an older one, read late
+                self.log.info("ignored a hello from an earlier connection of frontend %s", tag)
                 return
-            if owner_connected:   # a takeover: the previous owner hears it at once (and fails its requests)
-                self.send(msg.EngineFailed(f"frontend {hello.frontend_id or '(unnamed)'} took this engine over"))
-            if self.core.has_unfinished():
-                how = "took this engine over from" if owner_connected else "replaced the vanished frontend"
-                self.log.warning("frontend %s %s %s: aborted its %d requests", hello.frontend_id or "(unnamed)",
-                                 how, self.frontend_id or "(unnamed)", self.core.reset())
-        self.frontend, self.frontend_id, self.name = identity, hello.frontend_id, hello.name
+            self.frontends.pop(previous, None)
+            aborted = self.core.reset(tag + TAG_SEP)
+            if aborted:
+                self.log.warning("frontend %s reconnected: aborted the %d requests of its previous connection",
+                                 tag, aborted)
+        if identity not in self.frontends:
+            self.log.info("frontend %s connected (%d connected)", tag, len(self.frontends) + 1)
+        self.frontends[identity], self.routes[tag], self.name = tag, identity, hello.name
+        self.connection_of[tag] = hello.connection
         if self.core.config.role == "decode":
             self.core.connector.name = hello.name
         if self.core.config.role == "prefill":
@@ -301,43 +354,28 @@ class EngineServer:
                 self.core.connector.connect(hello.name, hello.peers)
             except Exception as exc:
                 self.log.error("%s", exc)
-                self.send(msg.EngineFailed(str(exc)))
+                self._send_to(identity, msg.EngineFailed(str(exc)))
                 return
-        self.send(_ready(self.core, self.fingerprint_values, self.instance_id))
+        self._send_to(identity, _ready(self.core, self.fingerprint_values, self.instance_id))
 
-    def _owner_connected(self) -> bool:
-        """Whether the owner's connection is still up: a send to a vanished identity fails
-        under ``ROUTER_MANDATORY`` (ZeroMQ drops a connection once its heartbeats go unanswered)."""
-        import zmq
-
-        from duoserve import messages as msg
-
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            self.sock.send_multipart([self.frontend, msg.encode(msg.EngineOutputs([]))], flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:   # EHOSTUNREACH: gone
-            return False
-        finally:
-            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-
-    def _apply(self, message) -> list:
+    def _apply(self, tag: str, message) -> list:
         from duoserve.core.request import Request
         from duoserve import messages as msg
 
         core = self.core
+        request_id = tag + TAG_SEP + message.request_id
         if isinstance(message, msg.AddRequest):
-            request = Request(message.request_id, message.prompt_token_ids, message.params,
+            request = Request(request_id, message.prompt_token_ids, message.params,
                               tuple(message.eos_token_ids), message.max_total_tokens,
                               arrival_time=message.arrival_time)
             core.add_request(request, message.kv_peer, message.kv_peer_instance)
             return []
         if isinstance(message, msg.AbortRequest):
-            return core.abort(message.request_id)
+            return core.abort(request_id)
         if isinstance(message, msg.FinishStopped):
-            core.finish_stopped(message.request_id)
+            core.finish_stopped(request_id)
         elif isinstance(message, msg.ReleaseRequest):
-            core.release(message.request_id)
+            core.release(request_id)
         return []
 
 

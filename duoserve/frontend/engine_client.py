@@ -14,8 +14,8 @@ once-a-second stats, for ``SILENCE_TIMEOUT`` seconds while its connection still 
 *slow*, not dead: it is logged, ``/health`` says so, and its requests keep waiting.
 
 Every connection proves the deployment key when there is one (``duoserve.engine.auth``);
-an engine that refuses it fails the start at once, naming the key. An engine owned by
-another frontend that is still connected refuses the hello (``--allow-takeover`` takes it).
+an engine that refuses it fails the start at once, naming the key. An engine serves several
+frontends at once, each under its own ``frontend_id`` (``duoserve.engine.process``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve import messages as msg
 from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
-from duoserve.engine.heartbeat import HEARTBEAT_TIMEOUT_MS, keep_alive
+from duoserve.engine.heartbeat import keep_alive
 from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
 from duoserve.model.tokenizer import Tokenizer
@@ -47,8 +47,14 @@ logger = logging.getLogger(__name__)
 # an engine connected but silent this long (stats come every second) is reported slow
 SILENCE_TIMEOUT = float(os.environ.get("DUOSERVE_SILENCE_TIMEOUT", "30"))
 POLL_S = 0.5
-# this frontend process, named in its hellos: an engine tells its owner's reconnects from another frontend
-FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def new_frontend_id() -> str:
+    """A frontend's name in its hellos: the engines keep each frontend's requests apart under it."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+FRONTEND_ID = new_frontend_id()   # the default for clients made outside an AsyncEngine
 
 
 class EngineDeadError(DuoserveError):
@@ -67,11 +73,10 @@ class EngineStartError(EngineDeadError):
 class EngineClient:
     def __init__(self, name: str, address: str, config: EngineConfig | None = None,
                  peers: dict[str, str] | None = None, key: AuthKey | None = None,
-                 allow_takeover: bool = False, frontend_id: str = FRONTEND_ID) -> None:
+                 frontend_id: str = FRONTEND_ID) -> None:
         self.name = name
         self.address = address
         self.key = key                  # the deployment's CURVE key (a launched engine gets it too)
-        self.allow_takeover = allow_takeover
         self.frontend_id = frontend_id
         self.config = config            # set: this frontend launches (and relaunches) the engine
         self.peers = peers or {}        # prefill engines: decode engine name -> address
@@ -81,6 +86,7 @@ class EngineClient:
         self._monitor_owner: zmq.asyncio.Socket | None = None
         self._lost: str | None = None   # why the connection is gone
         self._refused = False           # ... because the engine refused this side's key
+        self._connections = 0           # sockets made so far (told in each hello: a late one is ignored)
         self.slow_since: float | None = None  # silent past SILENCE_TIMEOUT while its connection answers
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready: msg.EngineReady | None = None
@@ -89,6 +95,15 @@ class EngineClient:
     @property
     def launched(self) -> bool:
         return self.config is not None
+
+    @property
+    def managed(self) -> bool:
+        """This frontend brings the engine up (launches or places it): a failure fails the start."""
+        return self.launched
+
+    def current_peers(self) -> dict[str, str]:
+        """The decode engines a prefill engine should hand KV to now."""
+        return self.peers
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -103,20 +118,13 @@ class EngineClient:
                       None if self.key is None else self.key.secret))
             self.process.start()
         self._connect()
-        # a previous owner that vanished without a word is dropped by the engine within a heartbeat
-        # timeout: until then the engine refuses this hello as a takeover
-        owner_gone_by = time.monotonic() + HEARTBEAT_TIMEOUT_MS / 1000 + 1
-        while True:
-            self._send(msg.Hello(self.name, self.peers, self.frontend_id, self.allow_takeover))
-            try:
-                message = await self._recv(timeout, waiting_for="EngineReady")
-            except EngineDeadError as exc:
-                if self._refused:   # another key: a configuration error, said in one line
-                    raise EngineStartError(f"{self.name}: {self._lost}", config_error=True) from None
-                raise exc
-            if not (isinstance(message, msg.EngineFailed) and message.owned and time.monotonic() < owner_gone_by):
-                break
-            await asyncio.sleep(POLL_S)
+        self._send(self._hello())
+        try:
+            message = await self._recv(timeout, waiting_for="EngineReady")
+        except EngineDeadError as exc:
+            if self._refused:   # another key: a configuration error, said in one line
+                raise EngineStartError(f"{self.name}: {self._lost}", config_error=True) from None
+            raise exc
         if isinstance(message, msg.EngineFailed):
             if message.config_error:
                 raise EngineStartError(message.error, config_error=True)
@@ -131,6 +139,18 @@ class EngineClient:
                                        bos_token_id=message.bos_token_id,
                                        eos_token_ids=tuple(message.eos_token_ids),
                                        chat_template=message.chat_template, add_bos_token=message.add_bos_token)
+
+    def tell_peers(self, peers: dict[str, str]) -> None:
+        """A prefill engine: hand KV to these decode engines from now on (one came back elsewhere)."""
+        self.peers = dict(peers)
+        self._send(self._hello())   # answered by an EngineReady, ignored
+
+    def _hello(self) -> msg.Hello:
+        return msg.Hello(self.name, self.peers, self.frontend_id, self._connections)
+
+    def kv_address_for(self, prefill: "EngineClient") -> str:
+        """Where ``prefill`` should send this decode engine KV."""
+        return self.address
 
     async def restart(self, timeout: float = 300.0) -> None:
         """Relaunch a launched engine, or reconnect to a remote one (it must be running again)."""
@@ -148,6 +168,7 @@ class EngineClient:
         self._monitor_owner = monitor
         sock.connect(self.address)
         self._sock, self._lost, self._refused = sock, None, False
+        self._connections += 1
 
     def _close_sockets(self) -> None:
         if self._sock is not None:

@@ -26,7 +26,7 @@ import uuid
 
 from duoserve.config import DisaggConfig, EngineConfig
 from duoserve.engine.auth import AuthKey, check_listen, load_key
-from duoserve.frontend.engine_client import EngineClient
+from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient
 
 
 def _ipc_address(name: str) -> str:
@@ -92,12 +92,13 @@ def deployment_key(disagg: DisaggConfig | None) -> AuthKey | None:
     return key
 
 
-def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[list[EngineClient], list[EngineClient]]:
+def plan_engines(config: EngineConfig, disagg: DisaggConfig | None,
+                 frontend_id: str = FRONTEND_ID) -> tuple[list[EngineClient], list[EngineClient]]:
     """(decode engines, prefill engines) as clients, not yet started."""
     key = deployment_key(disagg)
     sweep_orphaned_sockets()
     if disagg is None:
-        return [EngineClient("engine-0", _ipc_address("engine-0"), config, key=key)], []
+        return [EngineClient("engine-0", _ipc_address("engine-0"), config, key=key, frontend_id=frontend_id)], []
     prefill_config, decode_config = disagg.engine_configs(config)
     tcp = disagg.kv_transport == "tcp" or bool(disagg.prefill_addrs or disagg.decode_addrs)
     num_prefill = 0 if disagg.prefill_addrs else disagg.num_prefill_engines
@@ -117,7 +118,7 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None) -> tuple[lis
         return _tcp_address(disagg.engine_host)
 
     def client(name: str, addr: str, launch: EngineConfig | None = None, **kw) -> EngineClient:
-        return EngineClient(name, addr, launch, key=key, allow_takeover=disagg.allow_takeover, **kw)
+        return EngineClient(name, addr, launch, key=key, frontend_id=frontend_id, **kw)
 
     if disagg.decode_addrs:
         decode = [client(f"decode-{i}", a) for i, a in enumerate(disagg.decode_addrs)]

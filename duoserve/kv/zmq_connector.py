@@ -143,22 +143,41 @@ class PrefillConnector:
         self.segments: dict[str, tuple[str, float]] = {}  # request id -> its unacknowledged segment, sent at
 
     def connect(self, name: str, peers: dict[str, str], timeout: float = 300.0) -> None:
-        """Connect to every decode engine and have each accept this engine's model."""
-        self.close()
+        """Connect to each decode engine of ``peers`` not yet connected at that address, and have
+        each accept this engine's model. Every frontend's hello names the peers: one already
+        connected stays as it is (transfers in flight go on), one at a new address (it came
+        back elsewhere) is connected afresh."""
+        fresh: dict[str, zmq.Socket] = {}
         for peer, address in peers.items():
+            if self.addresses.get(peer) == address:
+                continue
+            self._drop(peer)
             sock = secure_client(limit_messages(keep_alive(self.ctx.socket(zmq.DEALER))), self.key)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(address)
             sock.send(msg.encode(msg.PeerHello(name, self.values)))
             self.peers[peer], self.addresses[peer] = sock, address
+            fresh[peer] = sock
         deadline = time.monotonic() + timeout
-        for peer, sock in self.peers.items():
-            self._await_answer(sock, peer, name, deadline, timeout)
-            reply = msg.decode_at_prefill_peer(sock.recv())
-            if isinstance(reply, msg.PeerRefused):
-                raise PeerRefusedError(reply.error)
-        logger.info("%s connected to decode engines %s", name, ", ".join(f"{p} ({a})" for p, a in self.addresses.items()))
+        for peer, sock in fresh.items():
+            try:
+                self._await_answer(sock, peer, name, deadline, timeout)
+                reply = msg.decode_at_prefill_peer(sock.recv())
+                if isinstance(reply, msg.PeerRefused):
+                    raise PeerRefusedError(reply.error)
+            except PeerRefusedError:
+                self._drop(peer)   # a later hello tries it again
+                raise
+        if fresh:
+            logger.info("%s connected to decode engines %s", name,
+                        ", ".join(f"{p} ({self.addresses[p]})" for p in fresh))
+
+    def _drop(self, peer: str) -> None:
+        sock = self.peers.pop(peer, None)
+        self.addresses.pop(peer, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def _await_answer(self, sock: zmq.Socket, peer: str, name: str, deadline: float, timeout: float) -> None:
         """Wait for a decode engine's answer; a refused handshake (another key) fails at once."""
@@ -274,7 +293,7 @@ class DecodeConnector:
         else:
             logger.error("refused prefill engine %s: a different model (%s)", hello.name, difference)
             reply = msg.PeerRefused(f"{hello.name} and {self.name} serve different models ({difference})")
-        self.sock.send_multipart([identity, msg.encode(reply)])
+        self._send_to(identity, reply)
 
     def poll_transfers(self) -> list[KVTransfer]:
         arrived, self._arrived = self._arrived, []
@@ -283,4 +302,10 @@ class DecodeConnector:
     def acknowledge(self, request_id: str) -> None:
         identity = self._senders.pop(request_id, None)
         if identity is not None:
-            self.sock.send_multipart([identity, msg.encode(msg.TransferAck(request_id))])
+            self._send_to(identity, msg.TransferAck(request_id))
+
+    def _send_to(self, identity: bytes, message) -> None:
+        try:
+            self.sock.send_multipart([identity, msg.encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:   # the prefill engine is gone (its lease ends on its own side, if it comes back)
+            logger.info("a prefill engine left before %s reached it", type(message).__name__)
