@@ -14,8 +14,8 @@ from duoserve import __version__
 from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MODEL_ALIAS, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                              DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_KV_STORE_TIMEOUT_MS, DEFAULT_KV_STORE_TTL, KVStoreConfig, DEFAULT_SPEC_DISABLE_BATCH_SIZE,
-                             GGUF_MODES, QUANTIZATIONS, SPEC_METHODS, CacheConfig, DisaggConfig, EngineConfig,
-                             ModelConfig, eager_by_default, SchedulerConfig, SpeculativeConfig, parse_address_list,
+                             GGUF_MODES, QUANTIZATIONS, SPEC_METHODS, CacheConfig, ClusterConfig, DisaggConfig,
+                             EngineConfig, ModelConfig, eager_by_default, SchedulerConfig, SpeculativeConfig, parse_address_list,
                              parse_cpu_list)
 from duoserve.errors import ConfigError, DuoserveError
 
@@ -166,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = commands.add_parser("keygen", help="write a new deployment auth key (CURVE secret) to a file, "
                                                 "for --auth-key-file on every frontend and engine")
     keygen.add_argument("path", help="the file to create (mode 0600; an existing file is not overwritten)")
+    node = commands.add_parser(
+        "ray-node", help="start a Ray node for duoserve engines on this host: `ray start` with the resources of the "
+                         "role (prints the command; the rest of the arguments go to ray start)")
+    node.add_argument("--role", required=True, choices=["prefill", "decode", "both"],
+                      help="which engines this host runs (both: one of each)")
+    node.add_argument("--engines", type=int, default=1, help="engines of the role this host runs (default: 1)")
+    node.add_argument("--address", default=None, help="the head node to join, HOST:PORT (default: start a head)")
+    stop = commands.add_parser("ray-stop", help="remove the engine actors of a --cluster ray deployment")
+    stop.add_argument("--ray-address", default="auto", help="the cluster (default: auto, the one running here)")
+    stop.add_argument("--ray-namespace", default="duoserve", help="the deployment's namespace (default: duoserve)")
     bench = commands.add_parser("bench", help="measure a server").add_subparsers(dest="bench_command",
                                                                                metavar="BENCH", required=True)
     from duoserve.bench.serve import add_args as add_bench_serve_args
@@ -248,10 +258,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--engine-host", default="127.0.0.1",
                    help="where launched engines listen when they use TCP; must be reachable from remote "
                         "engines (default: 127.0.0.1)")
-    auth = add_auth_args(parser)
-    auth.add_argument("--allow-takeover", action="store_true",
-                      help="take running engines (--prefill-addrs/--decode-addrs) over from another frontend that "
-                           "is still connected to them, aborting its requests (default: refuse to start)")
+    add_auth_args(parser)
+    r = parser.add_argument_group(
+        "cluster (--cluster ray)",
+        "Engines as Ray actors, placed on the nodes that advertise duoserve_prefill / duoserve_decode resources "
+        "(`duoserve ray-node`), found again by name by every frontend, restarted by Ray when a node dies. "
+        "They outlive the frontends: `duoserve ray-stop` removes them.")
+    r.add_argument("--cluster", default="local", choices=["local", "ray"],
+                   help="launch the engines on this host, or place them on a Ray cluster (default: local)")
+    r.add_argument("--ray-address", default=None,
+                   help="the cluster to join: HOST:PORT, or auto for the one `ray start` runs here (default: start "
+                        "a Ray instance on this host with the resources of the engines asked for)")
+    r.add_argument("--ray-namespace", default="duoserve",
+                   help="one deployment's engines are the named actors of this namespace (default: duoserve)")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="requests in flight beyond which new ones get 429 (default: no limit)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -291,14 +310,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     disagg = disagg_config_from_args(args)
     engine_config = engine_config_from_args(args)
+    cluster = cluster_config_from_args(args)
     check_port(args.host, args.port)
-    if not (disagg and disagg.decode_addrs and disagg.prefill_addrs):
+    if not (disagg and disagg.decode_addrs and disagg.prefill_addrs) and cluster.kind == "local":
         resolve_model_path(args.model)   # a launched engine loads it: refuse a wrong path now
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
     server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                           max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
-    app = create_app(engine_config, server, disagg)
+    app = create_app(engine_config, server, disagg, cluster)
     engine = app.state.engine
     # uvicorn cancels what still runs a little after the engine ended it with a final event
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -318,6 +338,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it drained on: a clean stop
         pass
     return 0
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(kind=args.cluster, ray_address=args.ray_address, ray_namespace=args.ray_namespace,
+                         auth_key_file=args.auth_key_file)
 
 
 def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
@@ -343,7 +368,7 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
                         prefill_addrs=parse_address_list(args.prefill_addrs, "prefill_addrs"),
                         decode_addrs=parse_address_list(args.decode_addrs, "decode_addrs"),
                         engine_host=args.engine_host, auth_key_file=args.auth_key_file,
-                        insecure_no_auth=args.insecure_no_auth, allow_takeover=args.allow_takeover)
+                        insecure_no_auth=args.insecure_no_auth)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -386,6 +411,26 @@ def run_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_ray_node(args: argparse.Namespace, ray_args: list[str]) -> int:
+    import subprocess
+
+    from duoserve.frontend.ray_cluster import ray_start_command
+
+    if args.engines < 1:
+        raise ConfigError("engines", args.engines, "a positive number of engines")
+    command = ray_start_command(args.role, args.engines, args.address, ray_args)
+    print(" ".join(command), flush=True)
+    return subprocess.call(command)
+
+
+def run_ray_stop(args: argparse.Namespace) -> int:
+    from duoserve.frontend.ray_cluster import stop_engines
+
+    stopped = stop_engines(ClusterConfig(kind="ray", ray_address=args.ray_address, ray_namespace=args.ray_namespace))
+    print(f"stopped {len(stopped)} engine actor(s) in namespace {args.ray_namespace}: {', '.join(stopped) or 'none'}")
+    return 0
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from duoserve.engine.core import EngineCore
     from duoserve.entrypoints.llm import LLM
@@ -403,7 +448,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, ray_args = parser.parse_known_args(argv)
+    if ray_args and args.command != "ray-node":
+        parser.parse_args(argv)   # the usual error for unknown arguments
     if args.command is None:
         parser.print_help()
         return 0
@@ -421,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_engine(args)
         if args.command == "keygen":
             return run_keygen(args)
+        if args.command == "ray-node":
+            return run_ray_node(args, ray_args)
+        if args.command == "ray-stop":
+            return run_ray_stop(args)
         if args.command == "bench":
             from duoserve.bench import serve as bench
 

@@ -321,7 +321,6 @@ class DisaggConfig:
     engine_host: str = "127.0.0.1"    # where launched engines listen when they use TCP
     auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.engine.auth); None: $DUOSERVE_AUTH_KEY*
     insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
-    allow_takeover: bool = False      # take running engines from another frontend still connected
 
     def __post_init__(self) -> None:
         for name in ("num_prefill_engines", "num_decode_engines"):
@@ -368,3 +367,25 @@ class DisaggConfig:
                                       scheduler=scheduler, speculative=None)  # first tokens only
         decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus)
         return prefill, decode
+
+
+CLUSTERS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where a frontend's engines run (``--cluster``): launched on this host (or joined at
+    ``--prefill-addrs``/``--decode-addrs``), or Ray actors placed on a cluster's nodes by their
+    ``duoserve_prefill``/``duoserve_decode`` resources (``duoserve.frontend.ray_cluster``)."""
+    kind: str = "local"
+    ray_address: str | None = None    # None: start a Ray instance here; "auto": the running one; or HOST:PORT
+    ray_namespace: str = "duoserve"   # one deployment's engines are the named actors of this namespace
+    auth_key_file: str | None = None  # the deployment key; None: $DUOSERVE_AUTH_KEY*, else the engines' own
+
+    def __post_init__(self) -> None:
+        if self.kind not in CLUSTERS:
+            raise ConfigError("cluster", self.kind, f"one of {', '.join(CLUSTERS)}")
+        if not self.ray_namespace or not self.ray_namespace.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError("ray_namespace", self.ray_namespace, "letters, digits, '-' and '_'")
+        if self.kind == "local" and self.ray_address is not None:
+            raise ConfigError("ray_address", self.ray_address, "only with --cluster ray")

@@ -23,6 +23,7 @@ def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
     assert len(engine_pids) == 1, "the engine runs in a child process"
     maps = open(f"/proc/{srv.proc.pid}/maps").read()
     assert "libtorch" not in maps, "the API process must not load torch (it would cost ~250 MB)"
+    assert "_raylet" not in maps, "without --cluster ray, Ray is not imported"
     result = {}
 
     def request() -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from duoserve.config import DisaggConfig, EngineConfig
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.errors import APIError, error_response
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            GenerateRequest, TokenizeRequest)
@@ -124,8 +124,9 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None) -> FastAPI:
-    engine = AsyncEngine(engine_config, server.max_queue_len, disagg)
+def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None,
+               cluster: ClusterConfig | None = None) -> FastAPI:
+    engine = AsyncEngine(engine_config, server.max_queue_len, disagg, cluster)
     metrics = ServerMetrics()
     engine.on_output.append(metrics.observe_output)
     engine.on_stats.append(metrics.observe_stats)

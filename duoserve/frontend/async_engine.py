@@ -18,9 +18,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from duoserve.config import DisaggConfig, EngineConfig
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.errors import DuoserveError
-from duoserve.frontend.engine_client import EngineClient, EngineDeadError
+from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id
 from duoserve.frontend.frontend import Frontend
 from duoserve.frontend.launcher import plan_engines
 from duoserve.frontend.router import EngineGroup, Router, model_difference
@@ -58,11 +58,17 @@ class AsyncEngine:
     """The engines of one deployment (``duoserve.frontend.launcher``) behind one ``Frontend``."""
 
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None,
-                 disagg: DisaggConfig | None = None) -> None:
+                 disagg: DisaggConfig | None = None, cluster: ClusterConfig | None = None) -> None:
         self.config = config
         self.max_queue_len = max_queue_len
         self.disagg = disagg
-        self.decode_clients, self.prefill_clients = plan_engines(config, disagg)
+        self.frontend_id = new_frontend_id()   # engines keep this frontend's requests apart from others'
+        if cluster is not None and cluster.kind == "ray":
+            from duoserve.frontend.ray_cluster import plan_ray_engines
+
+            self.decode_clients, self.prefill_clients = plan_ray_engines(config, disagg, cluster, self.frontend_id)
+        else:
+            self.decode_clients, self.prefill_clients = plan_engines(config, disagg, self.frontend_id)
         self.clients = [*self.prefill_clients, *self.decode_clients]
         self.handle: EngineGroup | None = None
         self.frontend: Frontend | None = None
@@ -81,12 +87,12 @@ class AsyncEngine:
     # ---- start --------------------------------------------------------------------------
 
     async def start(self, wait: bool = True) -> None:
-        """Start the engines this frontend launches (a failure is raised) and connect to the
-        others; with ``wait``, return once every engine is up, else at once."""
+        """Start the engines this frontend launches or places (a failure is raised) and connect
+        to the others; with ``wait``, return once every engine is up, else at once."""
         if self._started:
             return
         self._started = True
-        launched = [c for c in self.clients if c.launched]
+        launched = [c for c in self.clients if c.managed]
         try:
             await asyncio.gather(*(client.start() for client in launched))
             for client in launched:
@@ -118,6 +124,20 @@ class AsyncEngine:
             self.frontend = Frontend(self.handle)
         elif self.handle is not None:
             self.handle.engine_up(client)
+        if client in self.decode_clients:
+            self._refresh_peers()
+
+    def _refresh_peers(self) -> None:
+        """A decode engine came (back) up, maybe at another address: prefill engines hear of it."""
+        for prefill in self.prefill_clients:
+            peers = prefill.current_peers()
+            if peers != prefill.peers and prefill.is_up():
+                logger.info("%s hands KV to %s from now on", prefill.name,
+                            ", ".join(f"{n} at {a}" for n, a in peers.items()))
+                try:
+                    prefill.tell_peers(peers)
+                except EngineDeadError:   # it went down meanwhile: it gets the peers when it comes back
+                    pass
 
     # ---- state --------------------------------------------------------------------------
 
