@@ -418,7 +418,7 @@ def run_ray_node(args: argparse.Namespace, ray_args: list[str]) -> int:
 
     if args.engines < 1:
         raise ConfigError("engines", args.engines, "a positive number of engines")
-    command = ray_start_command(args.role, args.engines, args.address, ray_args)
+    command = ray_start_command(args.role, args.engines, args.address, [a for a in ray_args if a != "--"])
     print(" ".join(command), flush=True)
     return subprocess.call(command)
 
