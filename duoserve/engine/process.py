@@ -332,7 +332,8 @@ class EngineServer:
         it names, e.g. one that came back at another address)."""
         from duoserve import messages as msg
 
-        tag = (hello.frontend_id or identity.hex()).replace(TAG_SEP, "_")
+        # neither separator in a tag: "|" ends it, "/" starts a sample's index
+        tag = (hello.frontend_id or identity.hex()).replace(TAG_SEP, "_").replace("/", "_")
         previous = self.routes.get(tag)
         if previous is not None and previous != identity:   # the same frontend on a new connection...
             if hello.connection < self.connection_of.get(tag, 0):   # ...or a hello of an older one, read late
