@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from duoserve.model.attention import AttentionMetadata, _decode_attention, kv_head_slots
-from duoserve.model.cpu_kernels import c_decode_attention, paged_decode_kernel
+from duoserve.model import attention
+from duoserve.model.attention import AttentionMetadata, _decode_attention, kv_head_slots, paged_attention
+from duoserve.model.cpu_kernels import c_decode_attention, decode_attention_op, paged_decode_kernel
 
 
 def _setup(dtype, num_seqs=5, num_heads=8, num_kv_heads=2, head_dim=32, block_size=4, num_blocks=64):
@@ -55,6 +56,25 @@ def test_c_decode_kernel_matches_reference(dtype, num_seqs, heads):
     got = c_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, 0.2)
     assert got is not None
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(decode_attention_op() is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_op_writes_and_attends_as_the_python_path(monkeypatch, dtype, q_dtype):
+    """A decode step's attention in one C++ call (duoserve::decode_attention) leaves the caches and
+    returns the output exactly as the Python path (write_kv, then the C kernel through ctypes)."""
+    q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_heads=9, num_kv_heads=3, head_dim=64)
+    q = q.to(q_dtype)
+    k, v = torch.randn(5, 3, 64).to(q_dtype), torch.randn(5, 3, 64).to(q_dtype)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    by_op = paged_attention(q, k, v, *caches[0], meta, 0.125, kv_head_slots(9, 3))
+    monkeypatch.setattr(attention, "decode_attention_op", lambda: None)
+    by_python = paged_attention(q, k, v, *caches[1], meta, 0.125, kv_head_slots(9, 3))
+    assert by_op.dtype == q_dtype and torch.equal(by_op, by_python)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    slot = int(meta.slot_mapping[0])   # the new keys really were written
+    assert torch.equal(caches[0][0].view(-1, 3, 64)[slot], k[0].to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

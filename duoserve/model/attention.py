@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duoserve.model.cpu_kernels import c_decode_attention
+from duoserve.model.cpu_kernels import c_decode_attention, decode_attention_op
 
 
 @dataclass(slots=True)
@@ -196,6 +196,9 @@ def _prefill_by_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return c_decode_attention(q, k_cache, v_cache, seq.token_block_tables, seq.token_seq_lens, scale)
 
 
+C_CACHE_DTYPES = (torch.float32, torch.bfloat16)   # what the C decode kernel reads
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, head_slot: torch.Tensor) -> torch.Tensor:
@@ -204,9 +207,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Writes k, v into the cache, then returns the attention output [num_tokens, num_heads * head_dim].
     ``head_slot`` [num_heads, num_kv_heads] bool marks each query head's KV head (see ``kv_head_slots``).
     """
+    num_decodes = meta.num_decode_tokens
+    if num_decodes and not meta.prefills and q.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES:
+        op = decode_attention_op()   # a decode step: one C++ call instead of ~8 torch ops from Python
+        if op is not None:
+            return op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                      scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
-    num_decodes = meta.num_decode_tokens
     if num_decodes:
         out = c_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
                                  meta.decode_seq_lens, scale)

@@ -76,7 +76,8 @@ def _build(source: Path) -> Path | None:
 
 
 @lru_cache(maxsize=None)
-def load_torch_op_library(name: str = "cpu_ops", c_sources: tuple[str, ...] = ("small_m_linear", "gguf_linear")) -> bool:
+def load_torch_op_library(name: str = "cpu_ops",
+                          c_sources: tuple[str, ...] = ("small_m_linear", "gguf_linear", "paged_decode")) -> bool:
     """Build ``csrc/<name>.cpp`` with ``csrc/<c_sources>.c`` into one library against this torch and
     load it (it registers op kernels); False, with one log line, where it cannot be."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":
@@ -132,6 +133,17 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 def paged_decode_kernel():
     return _load("paged_decode", "paged_decode_attention",
                  (_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I))
+
+
+@lru_cache(maxsize=1)
+def decode_attention_op():
+    """``duoserve::decode_attention`` with its C++ kernel (csrc/cpu_ops.cpp), or None without it."""
+    from duoserve.model.custom_ops import define_ops
+
+    define_ops()
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("duoserve::decode_attention", "CPU"):
+        return None
+    return torch.ops.duoserve.decode_attention.default
 
 
 def small_m_linear_kernel():

@@ -50,6 +50,10 @@ def define_ops() -> torch.library.Library:
     lib = torch.library.Library("duoserve", "DEF")
     lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
     lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
+    # a decode step's attention of one layer, KV written in place: C++ only (csrc/cpu_ops.cpp);
+    # without it paged_attention makes the same calls from Python
+    lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+               "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
 
     def attention(q, k, v, context, layer):
         ctx = _CONTEXTS[context]
@@ -63,7 +67,7 @@ def define_ops() -> torch.library.Library:
     lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
     from duoserve.model.cpu_kernels import load_torch_op_library
 
-    if not load_torch_op_library():  # csrc/cpu_ops.cpp registers the C++ kernels of both linears
+    if not load_torch_op_library():  # csrc/cpu_ops.cpp registers the C++ kernels of the linears and decode attention
         lib.impl("linear", linear_any_m, "CPU")
         lib.impl("gguf_linear", packed_linear, "CPU")
     lib.impl("gguf_linear", lambda x, blocks, type_id, cols, mode: x.new_empty((*x.shape[:-1], blocks.shape[0])),

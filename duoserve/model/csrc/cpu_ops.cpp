@@ -1,13 +1,18 @@
-// The CPU kernels of the ops duoserve::linear and duoserve::gguf_linear in C++, over the C
-// functions of small_m_linear.c and gguf_linear.c.
+// The CPU kernels of the ops duoserve::linear, duoserve::gguf_linear and
+// duoserve::decode_attention in C++, over the C functions of small_m_linear.c, gguf_linear.c
+// and paged_decode.c.
 //
 // Each computes what its Python kernel computes (`linear_any_m` in cpu_linear.py,
 // `packed_linear` in quantized.py; those are registered when this file cannot be built):
 // - linear: up to SMALL_M rows with the bandwidth-bound C kernel, more with oneDNN's linear;
 // - gguf_linear: up to DIRECT_ROWS rows straight from the blocks, more rows dequantized a
 //   slice at a time into a reused buffer and multiplied by oneDNN.
-// What they save is Python: a decode step calls one of them for every linear layer, and each
-// call through Python costs ~5 us, 1-2 ms a step for the default model.
+// - decode_attention: a decode step's attention of one layer (`paged_attention` in attention.py
+//   when every sequence decodes one token): the new keys and values written to their slots,
+//   then the C decode kernel over each sequence's blocks.
+// What they save is Python: a decode step calls one of them for every linear layer and every
+// layer's attention, and each call through Python costs ~5 us per torch op it makes, 1-2 ms a
+// step for the default model.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -26,6 +31,10 @@ int gguf_linear_fast(const void *x, const uint8_t *w, int type, int m, int n, in
                      int num_threads);
 int small_m_linear(const void *x, const void *w, const void *bias, void *y, int is_bf16, int m, int n, int k,
                    int num_threads);
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                           float scale, int num_threads);
 }
 
 namespace {
@@ -106,9 +115,37 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t ty
     return y.view(sizes);
 }
 
+// q: [num_seqs, num_heads, head_dim]; k, v: [num_seqs, num_kv_heads, head_dim] (one new token a
+// sequence), written into the caches [num_blocks, block_size, num_kv_heads, head_dim] at
+// slot_mapping; -> [num_seqs, num_heads * head_dim] in q's dtype
+at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor &slot_mapping, const at::Tensor &block_tables,
+                            const at::Tensor &seq_lens, double scale) {
+    const at::ScalarType cache_dtype = k_cache.scalar_type();
+    TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16, "decode_attention: a float32 or "
+                "bfloat16 cache");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
+                seq_lens.is_contiguous() && block_tables.scalar_type() == at::kLong &&
+                seq_lens.scalar_type() == at::kLong, "decode_attention: contiguous caches, int64 tables and lengths");
+    const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+    const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    k_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k.to(cache_dtype));
+    v_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v.to(cache_dtype));
+    const at::Tensor q32 = q.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty_like(q32);
+    const int status = paged_decode_attention(
+        q32.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), cache_dtype == at::kBFloat16,
+        block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), (int)num_seqs,
+        (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), (float)scale,
+        at::get_num_threads());
+    TORCH_CHECK(status == 0, "decode_attention: out of memory for the kernel's scratch");
+    return out.view({num_seqs, num_heads * head_dim}).to(q.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("linear", &linear);
     m.impl("gguf_linear", &gguf_linear);
+    m.impl("decode_attention", &decode_attention);
 }
