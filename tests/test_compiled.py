@@ -29,6 +29,7 @@ SETTINGS = dict(dtype="float32", kv_cache_memory=40 * 4 * 512 / 2**30, max_model
 def compiled_llm(tiny_dir):
     llm = LLM(str(tiny_dir(kind="llama")), enforce_eager=False, **SETTINGS)
     assert type(llm.engine.runner.forward).__name__ == "CompiledModel", "the step must be compiled here"
+    assert llm.engine.runner.forward._direct is not None, "warm, the step runs without Dynamo's guards"
     return llm
 
 
@@ -91,9 +92,11 @@ def test_compiled_speculation_with_a_compiled_gguf_draft(tiny_dir, tmp_path_fact
     assert_pool_whole(llm)
 
 
-def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir):
+def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir, monkeypatch):
     """64 prompts of 1..64 tokens, whole prompts in one step (budget 64): steps carry from 1 to
-    64 sequences and prefill chunks of every length, all on the one graph, never a recompile."""
+    64 sequences and prefill chunks of every length, all on the one graph, never a recompile
+    (Dynamo's guards checked at every step here, so a recompile would be seen)."""
+    monkeypatch.setenv("DUOSERVE_COMPILED_GUARDS", "1")
     llm = LLM(str(tiny_dir(kind="llama")), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64,
               enforce_eager=False)
     runner = llm.engine.runner
@@ -102,7 +105,7 @@ def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir):
     params = [SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True) for i in range(64)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert runner.forward.num_compiles == 1
+    assert runner.forward.num_compiles == 1 and runner.forward._direct is None
     assert_pool_whole(llm)
 
 
