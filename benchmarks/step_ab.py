@@ -1,0 +1,59 @@
+"""Decode steps before and after the guard-free step and the C++ decode attention, paired.
+
+    python benchmarks/step_ab.py --dtype bfloat16
+
+Two engines in one process (the default model's dense weights, compiled, 2 threads), their
+steps alternated so that the machine's drift hits both alike: "before" checks Dynamo's guards
+at every step (``DUOSERVE_COMPILED_GUARDS=1``) and runs a decode step's attention from Python
+(write_kv, then the C kernel through ctypes); "after" is the default. Batch 1 and 32, prompts
+of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    from duoserve import LLM, SamplingParams
+    from duoserve.core.request import Request
+    from duoserve.model import attention
+
+    engines, real_op = {}, attention.decode_attention_op
+    for name, guards in (("before", "1"), ("after", "0")):
+        os.environ["DUOSERVE_COMPILED_GUARDS"] = guards
+        engines[name] = LLM(dtype=args.dtype, quantization="none", kv_cache_memory=0.5, num_threads=2).engine
+    rng = random.Random(0)
+    result = {"dtype": args.dtype}
+    for batch in (1, 32):
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        for name, engine in engines.items():
+            for i in range(batch):
+                prompt = [rng.randrange(1000, 40000) for _ in range(128)]
+                engine.add_request(Request(f"{name}-{batch}-{i}", prompt, params, (), 4096))
+        for _ in range(100):
+            for name, engine in engines.items():
+                attention.decode_attention_op = real_op if name == "after" else (lambda: None)
+                if engine.has_unfinished():
+                    start = time.perf_counter()
+                    engine.step()
+                    times[name].append(time.perf_counter() - start)
+        for engine in engines.values():
+            for request_id in list(engine.scheduler.requests):
+                engine.release(request_id)
+        skip = 4 if batch == 1 else 12   # the prefill steps
+        result[f"batch {batch}"] = {name: round(statistics.median(t[skip:]) * 1000, 2) for name, t in times.items()}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
