@@ -81,12 +81,12 @@ class CompiledModel:
         self._hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
         self.context.meta = meta
         try:
             if self._direct is not None:
                 return self._direct(input_ids, positions)
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)   # for Dynamo: one graph for every count
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
             return self._forward(input_ids, positions)
         finally:
             self.context.meta = None
