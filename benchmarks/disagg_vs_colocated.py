@@ -37,6 +37,16 @@ SETUPS = {
 }
 
 
+def add_workload_args(parser: argparse.ArgumentParser, rate: float, num_requests: int) -> None:
+    """The mixed workload's flags (shared with ray_vs_local.py)."""
+    parser.add_argument("--rate", type=float, default=rate)
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--short-len", type=int, default=64)
+    parser.add_argument("--long-len", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def workload(args, tokenizer):
     """The mixed workload as ``duoserve bench`` builds it (the same for every setup)."""
     from duoserve.bench.workloads import build
@@ -77,12 +87,7 @@ def run_setup(name: str, args, requests, port: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", type=float, default=0.4)
-    parser.add_argument("--num-requests", type=int, default=40)
-    parser.add_argument("--short-len", type=int, default=64)
-    parser.add_argument("--long-len", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser, rate=0.4, num_requests=40)
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--search-rates", default=None,
                         help="comma-separated rates: find colocated's highest sustained one, then run at 70%%")

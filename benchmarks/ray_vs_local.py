@@ -27,7 +27,7 @@ import time
 import httpx
 
 from _common import wait_healthy
-from disagg_vs_colocated import drive, workload
+from disagg_vs_colocated import add_workload_args, drive, workload
 
 ENGINES = ["--mode", "disaggregated", "--prefill-device", "cpu", "--prefill-threads", "1", "--decode-threads", "1"]
 SETUPS = {"local-pinned": [*ENGINES, "--prefill-cpus", "0", "--decode-cpus", "1"], "local": ENGINES, "ray": ENGINES}
@@ -81,12 +81,7 @@ def heal(cluster, nodes: dict, port: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", type=float, default=0.28)
-    parser.add_argument("--num-requests", type=int, default=30)
-    parser.add_argument("--short-len", type=int, default=64)
-    parser.add_argument("--long-len", type=int, default=1500)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser, rate=0.28, num_requests=30)
     parser.add_argument("--setups", default=",".join(SETUPS))
     args = parser.parse_args()
     import ray
