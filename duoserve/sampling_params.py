@@ -10,8 +10,8 @@ from duoserve.errors import ConfigError
 MAX_LOGPROBS = 20
 MAX_N = 128        # samples per prompt (OpenAI's limit): a request cannot ask for unbounded work
 MAX_STOP = 256     # stop strings, each checked against every new token's text
-INT64 = 2 ** 63
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")    # integers cross process boundaries as msgpack's 64-bit ones
+INT64 = 2 ** 63    # integers cross process boundaries as msgpack's 64-bit ones
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
