@@ -69,6 +69,7 @@ class EngineActor:
         path = os.path.join(tempfile.gettempdir(), f"duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}")
         self.ipc_address = f"ipc://{path}"
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.host = host_id()
         self.failure: tuple[str, bool] | None = None   # (reason, is a config error) when it cannot start
         self.thread = threading.Thread(
             target=self._serve, name=f"duoserve-{name}", daemon=True,
@@ -93,7 +94,7 @@ class EngineActor:
     def info(self) -> dict:
         """Where the engine listens, where it runs, what it runs."""
         return {"name": self.name, "address": self.address, "ipc_address": self.ipc_address,
-                "host": host_id(), "node_id": self.node_id, "pid": os.getpid(),
+                "host": self.host, "node_id": self.node_id, "pid": os.getpid(),
                 "config": self.config_bytes, "failure": self.failure}
 
     def auth_secret_key(self) -> bytes | None:
