@@ -157,8 +157,9 @@ class EngineServer:
         self.core = core
         self.sock = sock
         self.parent_pid = parent_pid
-        self.frontends: dict[bytes, str] = {}   # socket identity of each frontend that said hello -> its tag
-        self.routes: dict[str, bytes] = {}      # tag -> the identity of that frontend's latest connection
+        # socket identity -> tag of each frontend that said hello: one connection per frontend (a
+        # frontend's new connection replaces its old one), so a tag names one identity
+        self.frontends: dict[bytes, str] = {}
         self.connection_of: dict[str, int] = {}  # tag -> the number of that connection (Hello.connection)
         self.name = f"{core.config.role}-engine"
         self.instance_id = uuid.uuid4().hex
@@ -197,9 +198,8 @@ class EngineServer:
 
     def _forget_frontend(self, identity: bytes, why: str) -> None:
         tag = self.frontends.pop(identity, None)
-        if tag is None or self.routes.get(tag) != identity:   # not its current connection
+        if tag is None:
             return
-        del self.routes[tag]
         aborted = self.core.reset(tag + TAG_SEP)
         self.log.info("frontend %s left (%s): aborted its %d requests", tag, why, aborted)
 
@@ -213,7 +213,7 @@ class EngineServer:
             output.request_id = request_id
             by_tag.setdefault(tag, []).append(output)
         for identity, tag in list(self.frontends.items()):
-            mine = by_tag.pop(tag, []) if self.routes.get(tag) == identity else []
+            mine = by_tag.pop(tag, [])
             if mine or stats is not None:
                 self._send_to(identity, msg.EngineOutputs(mine, stats))
         for tag in by_tag:   # requests of a frontend that is not connected here (any more): nobody waits
@@ -334,7 +334,7 @@ class EngineServer:
 
         # neither separator in a tag: "|" ends it, "/" starts a sample's index
         tag = (hello.frontend_id or identity.hex()).replace(TAG_SEP, "_").replace("/", "_")
-        previous = self.routes.get(tag)
+        previous = next((i for i, t in self.frontends.items() if t == tag), None)
         if previous is not None and previous != identity:   # the same frontend on a new connection...
             if hello.connection < self.connection_of.get(tag, 0):   # ...or a hello of an older one, read late
                 self.log.info("ignored a hello from an earlier connection of frontend %s", tag)
@@ -346,7 +346,7 @@ class EngineServer:
                                  tag, aborted)
         if identity not in self.frontends:
             self.log.info("frontend %s connected (%d connected)", tag, len(self.frontends) + 1)
-        self.frontends[identity], self.routes[tag], self.name = tag, identity, hello.name
+        self.frontends[identity], self.name = tag, hello.name
         self.connection_of[tag] = hello.connection
         if self.core.config.role == "decode":
             self.core.connector.name = hello.name
