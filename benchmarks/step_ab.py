@@ -1,12 +1,15 @@
-"""Decode steps before and after the guard-free step and the C++ decode attention, paired.
+"""Decode steps before and after a change, paired.
 
-    python benchmarks/step_ab.py --dtype bfloat16
+    python benchmarks/step_ab.py --dtype bfloat16                          # guard-free step
+    python benchmarks/step_ab.py --dtype bfloat16 --change packed-linear   # packed linears
 
 Two engines in one process (the default model's dense weights, compiled, 2 threads), their
-steps alternated so that the machine's drift hits both alike: "before" checks Dynamo's guards
-at every step (``DUOSERVE_COMPILED_GUARDS=1``) and runs a decode step's attention from Python
-(write_kv, then the C kernel through ctypes); "after" is the default. Batch 1 and 32, prompts
-of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
+steps alternated so that the machine's drift hits both alike; "after" is the default engine.
+``guard-free-step``: "before" checks Dynamo's guards at every step
+(``DUOSERVE_COMPILED_GUARDS=1``) and runs a decode step's attention from Python (write_kv,
+then the C kernel through ctypes). ``packed-linear``: "before" keeps the plain weights
+(``DUOSERVE_PACKED_LINEAR=0``: the small-row kernel and oneDNN). Batch 1 and 32 (and
+``--batches``), prompts of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
 """
 
 from __future__ import annotations
@@ -22,18 +25,25 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--change", default="guard-free-step", choices=["guard-free-step", "packed-linear"])
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     args = parser.parse_args()
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
     from duoserve.model import attention
 
     engines, real_op = {}, attention.decode_attention_op
-    for name, guards in (("before", "1"), ("after", "0")):
-        os.environ["DUOSERVE_COMPILED_GUARDS"] = guards
+    variable = "DUOSERVE_COMPILED_GUARDS" if args.change == "guard-free-step" else "DUOSERVE_PACKED_LINEAR"
+    for name, value in (("before", "1" if args.change == "guard-free-step" else "0"), ("after", None)):
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
         engines[name] = LLM(dtype=args.dtype, quantization="none", kv_cache_memory=0.5, num_threads=2).engine
+    python_attention_before = args.change == "guard-free-step"
     rng = random.Random(0)
     result = {"dtype": args.dtype}
-    for batch in (1, 32):
+    for batch in (int(b) for b in args.batches.split(",")):
         times: dict[str, list[float]] = {name: [] for name in engines}
         params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
         for name, engine in engines.items():
@@ -42,7 +52,8 @@ def main() -> None:
                 engine.add_request(Request(f"{name}-{batch}-{i}", prompt, params, (), 4096))
         for _ in range(100):
             for name, engine in engines.items():
-                attention.decode_attention_op = real_op if name == "after" else (lambda: None)
+                python_attention = python_attention_before and name == "before"
+                attention.decode_attention_op = (lambda: None) if python_attention else real_op
                 if engine.has_unfinished():
                     start = time.perf_counter()
                     engine.step()
@@ -50,7 +61,7 @@ def main() -> None:
         for engine in engines.values():
             for request_id in list(engine.scheduler.requests):
                 engine.release(request_id)
-        skip = 4 if batch == 1 else 12   # the prefill steps
+        skip = 4 if batch == 1 else 12 + batch // 8   # the prefill steps
         result[f"batch {batch}"] = {name: round(statistics.median(t[skip:]) * 1000, 2) for name, t in times.items()}
     print(json.dumps(result))
 

@@ -198,11 +198,12 @@ class ServerMetrics:
 
 def memory_kinds(report: dict) -> dict[str, int]:
     """An engine's memory report as flat byte counts: weights_<kind>, kv_pool_reserved,
-    kv_pool_resident, swap, prefill_scratch, runtime, rss (those it measured)."""
+    kv_pool_resident, swap, prefill_scratch, runtime, loading, rss (those it measured)."""
     kinds = {f"weights_{kind.replace(' ', '_')}": size for kind, size in report.get("weights_bytes", {}).items()}
     pool = report.get("kv_pool", {})
     flat = {"kv_pool_reserved": pool.get("bytes"), "kv_pool_resident": pool.get("resident_bytes"),
             "swap": report.get("swap", {}).get("bytes"), "prefill_scratch": report.get("prefill_scratch_bytes"),
-            "runtime": report.get("runtime_bytes"), "rss": report.get("rss_bytes")}
+            "runtime": report.get("runtime_bytes"), "loading": report.get("loading_bytes"),
+            "rss": report.get("rss_bytes")}
     kinds.update({kind: value for kind, value in flat.items() if value is not None})
     return kinds

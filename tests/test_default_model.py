@@ -71,7 +71,7 @@ def test_bf16_close_to_transformers_bf16(default_model, hf_default_model):
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
     llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=0.5)
-    assert llm.engine.runner.model.embed.weight.dtype == torch.bfloat16
+    assert llm.engine.runner.model.dtype == torch.bfloat16
     tokenizer = default_model.tokenizer
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)

@@ -12,8 +12,9 @@ from duoserve.metrics import memory_kinds
 
 
 def test_the_report_adds_up_to_the_resident_size():
-    """runtime (measured before the model) + weights + resident KV pages: within 10 % of the
-    process's resident size; the prefill scratch is measured and positive."""
+    """runtime (measured before the model) + loading + weights + resident KV pages (its own pages,
+    not its mapping's): within 10 % of the process's resident size after the first forward; the
+    prefill scratch is measured and positive."""
     llm = LLM(None, dtype="float32", quantization="none", kv_cache_memory=0.5, enforce_eager=True)
     report = llm.engine.memory
     weights = sum(report["weights_bytes"].values())
@@ -22,7 +23,9 @@ def test_the_report_adds_up_to_the_resident_size():
     assert pool["bytes"] == pool["blocks"] * 16 * 46080 and pool["tokens"] == pool["blocks"] * 16
     assert 0 < pool["resident_bytes"] < pool["bytes"]          # pages cost memory once written
     assert 0 < report["prefill_scratch_bytes"] < 512 * 2**20
-    parts = report["runtime_bytes"] + weights + pool["resident_bytes"]
+    # loading (measured before the first forward): the tokenizer, the loader's leftovers
+    assert 0 < report["loading_bytes"] < 300 * 2**20
+    parts = report["runtime_bytes"] + report["loading_bytes"] + weights + pool["resident_bytes"]
     assert abs(report["rss_bytes"] - parts) <= 0.10 * report["rss_bytes"], (parts, report["rss_bytes"])
     kinds = memory_kinds(report)
     assert kinds["weights_dense"] == weights and kinds["kv_pool_reserved"] == pool["bytes"]

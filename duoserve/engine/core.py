@@ -31,7 +31,7 @@ from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
-from duoserve.worker.memory import mapping_rss_bytes, measure_prefill_scratch, rss_bytes
+from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.model_runner import ModelRunner
 
@@ -81,6 +81,7 @@ class EngineCore:
         compile_model = not config.enforce_eager and self.device == "cpu"
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
                                   self.device, config.model.seed, compile_model=compile_model)
+        loading_bytes = self._loading_bytes(runtime_bytes)
         if self.swap is not None:
             self.runner.allocate_swap(self.num_swap_blocks, cache.block_size, kv_dtype)
         if self.draft is not None:
@@ -90,14 +91,24 @@ class EngineCore:
         self.num_prompt_tokens = 0
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
         # out of the garbage collector's sight, a collection during a step scans only new ones.
-        self.memory = self._memory_report(runtime_bytes, kv_dtype, block_bytes, budget)
+        self.memory = self._memory_report(runtime_bytes, loading_bytes, kv_dtype, block_bytes, budget)
         gc.collect()
         gc.freeze()
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
 
-    def _memory_report(self, runtime_bytes: int | None, kv_dtype: torch.dtype, per_block: int,
-                       budget: int) -> dict:
+    def _loading_bytes(self, runtime_bytes: int | None) -> int | None:
+        """What loading the model and building its runner left resident beyond the weights and
+        the KV pages: the tokenizer, the loader's leftovers, compiled code (before any request)."""
+        from duoserve.model.loader import weight_bytes
+
+        if runtime_bytes is None or self.device != "cpu":
+            return None
+        kv_pages = tensor_resident_bytes(self.runner.kv_caches[0][0])  # one buffer holds every layer's
+        return rss_bytes() - runtime_bytes - sum(weight_bytes(self.loaded.model).values()) - kv_pages
+
+    def _memory_report(self, runtime_bytes: int | None, loading_bytes: int | None, kv_dtype: torch.dtype,
+                       per_block: int, budget: int) -> dict:
         """Where this engine's memory goes (``duoserve.worker.memory``), logged once at start;
         served at ``/v1/memory`` and as ``duoserve:memory_bytes``."""
         from duoserve.model.loader import weight_bytes
@@ -113,21 +124,23 @@ class EngineCore:
             "kv_pool": {"blocks": self.num_blocks, "block_size": cache.block_size,
                         "tokens": self.num_blocks * cache.block_size, "dtype": str(kv_dtype).removeprefix("torch."),
                         "bytes": self.num_blocks * per_block,
-                        "resident_bytes": mapping_rss_bytes(kv_buffer) if self.device == "cpu" else None},
+                        "resident_bytes": tensor_resident_bytes(kv_buffer) if self.device == "cpu" else None},
             "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
             "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": min(budget, self.max_model_len),
-            "runtime_bytes": runtime_bytes, "rss_bytes": rss_bytes() if self.device == "cpu" else None,
+            "runtime_bytes": runtime_bytes, "loading_bytes": loading_bytes,
+            "rss_bytes": rss_bytes() if self.device == "cpu" else None,
             "pid": os.getpid(),   # which process this is (operators, the chaos tests)
         }
         if self.draft is not None:
             report["draft_weights_bytes"] = sum(weight_bytes(self.draft.model).values())
         mb = 2 ** 20
         logger.info("memory: weights %.0f MB, KV pool %.0f MB reserved (%d tokens of %s), swap %.0f MB, "
-                    "prefill scratch %s MB (%d tokens), runtime %s MB, resident %s MB",
+                    "prefill scratch %s MB (%d tokens), runtime %s MB, loading %s MB, resident %s MB",
                     sum(report["weights_bytes"].values()) / mb, report["kv_pool"]["bytes"] / mb,
                     report["kv_pool"]["tokens"], report["kv_pool"]["dtype"], report["swap"]["bytes"] / mb,
                     "?" if scratch is None else f"{scratch / mb:.0f}", report["prefill_scratch_tokens"],
                     "?" if runtime_bytes is None else f"{runtime_bytes / mb:.0f}",
+                    "?" if loading_bytes is None else f"{loading_bytes / mb:.0f}",
                     "?" if report["rss_bytes"] is None else f"{report['rss_bytes'] / mb:.0f}")
         return report
 

@@ -2,7 +2,8 @@
 
 ``csrc/paged_decode.c`` (decode attention that reads K and V straight from their blocks),
 ``csrc/small_m_linear.c`` (linear layers over the few rows of a decode step, at the
-memory bandwidth) and ``csrc/gguf_linear.c`` (linear layers from GGUF blocks) are each
+memory bandwidth), ``csrc/packed_linear.c`` (linear layers over weights repacked for the
+vector units, any number of rows) and ``csrc/gguf_linear.c`` (linear layers from GGUF blocks) are each
 built once per source version and machine into ``~/.cache/duoserve/kernels`` and loaded
 with ctypes (no torch headers, so each compiles in about a second). Without a compiler,
 or with ``DUOSERVE_C_KERNELS=0``, the torch paths run instead; a failed build says so once
@@ -77,7 +78,8 @@ def _build(source: Path) -> Path | None:
 
 @lru_cache(maxsize=None)
 def load_torch_op_library(name: str = "cpu_ops",
-                          c_sources: tuple[str, ...] = ("small_m_linear", "gguf_linear", "paged_decode")) -> bool:
+                          c_sources: tuple[str, ...] = ("small_m_linear", "packed_linear", "gguf_linear",
+                                                           "paged_decode")) -> bool:
     """Build ``csrc/<name>.cpp`` with ``csrc/<c_sources>.c`` into one library against this torch and
     load it (it registers op kernels); False, with one log line, where it cannot be."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":
@@ -109,7 +111,7 @@ def load_torch_op_library(name: str = "cpu_ops",
 
 
 @lru_cache(maxsize=None)
-def _load(name: str, symbol: str, argtypes: tuple):
+def _load(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int):
     """The ctypes function ``symbol`` of ``csrc/<name>.c``, or None when C kernels are off or
     cannot be built."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":
@@ -123,7 +125,7 @@ def _load(name: str, symbol: str, argtypes: tuple):
         logger.warning("cannot load the C kernel %s, using the torch path: %s", name, exc)
         return None
     fn.argtypes = list(argtypes)
-    fn.restype = ctypes.c_int
+    fn.restype = restype
     return fn
 
 
@@ -162,6 +164,44 @@ def c_small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
        int(weight.dtype == torch.bfloat16), m, n, k, torch.get_num_threads())
     return out
+
+
+def packed_linear_supported(dtype: torch.dtype) -> bool:
+    """``csrc/packed_linear.c`` built for this CPU with the vector units ``dtype`` needs."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    fn = _load("packed_linear", "packed_linear_supported", (_I,))
+    return fn is not None and fn(int(dtype == torch.bfloat16)) == 1
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [n, k] repacked for ``c_packed_linear`` (a flat tensor of its dtype), or None
+    where the packed kernel does not serve it (no kernel for this CPU and dtype, odd k in bfloat16)."""
+    bf16 = weight.dtype == torch.bfloat16
+    if os.environ.get("DUOSERVE_PACKED_LINEAR", "1") == "0":   # for side-by-side measurements
+        return None
+    if weight.device.type != "cpu" or not packed_linear_supported(weight.dtype) or (bf16 and weight.shape[1] % 2):
+        return None
+    n, k = weight.shape
+    numel = _load("packed_linear", "packed_linear_numel", (_I, _I, _I), ctypes.c_int64)(n, k, int(bf16))
+    packed = torch.empty(numel, dtype=weight.dtype)
+    pack = _load("packed_linear", "packed_linear_pack", (_P, _P, _I, _I, _I, _I), None)
+    pack(weight.contiguous().data_ptr(), packed.data_ptr(), int(bf16), n, k, torch.get_num_threads())
+    return packed
+
+
+def c_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [..., k] @ W^T (+ bias) over ``pack_linear_weight(W)``, in its dtype: -> [..., n]."""
+    fn = _load("packed_linear", "packed_linear", (_P, _P, _P, _P, _I, _I, _I, _I, _I))
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).to(packed.dtype).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=packed.dtype)
+    bias = None if bias is None else bias.to(packed.dtype).contiguous()
+    status = fn(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                int(packed.dtype == torch.bfloat16), rows.shape[0], n, k, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"packed_linear cannot run {packed.dtype} weights with k={k} on this build")
+    return out.view(*x.shape[:-1], n)
 
 
 def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

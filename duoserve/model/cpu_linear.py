@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from duoserve.model.cpu_kernels import c_small_m_linear
+from duoserve.model.cpu_kernels import c_small_m_linear, pack_linear_weight
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # bf16 3 and 4 rows 11.3 / 12.7 vs 13.1 / 13.4, 5 rows 16.6 vs 14.7): a speculating request's
 # 1 + k tokens and a handful of decodes stay on it
 SMALL_M = {torch.float32: 6, torch.bfloat16: 4}
+
+PACK_COLUMNS = 48   # output columns of a block of a packed weight: NB in csrc/packed_linear.c
 
 
 def onednn_available() -> bool:
@@ -43,21 +45,47 @@ def linear_any_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class CPULinear(nn.Module):
-    """y = x @ W^T (+ b): the small-row C kernel for a few rows, oneDNN's GEMM for more, as the op
-    ``duoserve::linear`` (``duoserve.model.custom_ops``): opaque inside a compiled graph, with a C++
-    kernel (``csrc/cpu_ops.cpp``) where one builds and ``linear_any_m`` otherwise."""
+    """y = x @ W^T (+ b). Where ``csrc/packed_linear.c`` serves the CPU and dtype, over W packed
+    once for it, any number of rows (op ``duoserve::packed_linear``); otherwise the small-row C
+    kernel for a few rows and oneDNN's GEMM for more (op ``duoserve::linear``). Both ops are
+    opaque inside a compiled graph (``duoserve.model.custom_ops``), with C++ kernels
+    (``csrc/cpu_ops.cpp``) where they build and Python ones otherwise.
+
+    A packed layer keeps only the packed copy (the plain one is freed with the module it
+    replaces); a tied output projection's embedding reads its rows from it (``PackedEmbedding``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = weight.detach()      # shared with the module it replaces, never copied
+        self.packed = pack_linear_weight(weight.detach())
+        # plain: shared with the module it replaces, never copied
+        self.weight = weight.detach() if self.packed is None else None
         self.bias = None if bias is None else bias.detach()
         from duoserve.model.custom_ops import define_ops
 
-        define_ops()  # duoserve::linear: the C++ kernel where it builds, else linear_any_m
+        define_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.duoserve.packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.duoserve.linear(x, self.weight, self.bias)
+
+
+class PackedEmbedding(nn.Module):
+    """A tied embedding table's rows read from its output projection's packed copy, so that the
+    plain table need not stay beside it: row t sits in block t // 48 at column t % 48, its
+    values k apart (float32) or in pairs (bfloat16), as ``csrc/packed_linear.c`` packs them."""
+
+    def __init__(self, head: CPULinear) -> None:
+        super().__init__()
+        self.packed, self.num_embeddings, self.embedding_dim = head.packed, head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        block, column, k = ids // PACK_COLUMNS, ids % PACK_COLUMNS, self.embedding_dim
+        if self.packed.dtype == torch.bfloat16:
+            table = self.packed.view(-1, k // 2, PACK_COLUMNS, 2)
+            return table[block, :, column, :].reshape(*ids.shape, k)
+        return self.packed.view(-1, k, PACK_COLUMNS)[block, :, column]
 
 
 def use_cpu_linears(model: nn.Module) -> int:
@@ -75,6 +103,8 @@ def use_cpu_linears(model: nn.Module) -> int:
     embed = getattr(model, "embed", None)
     if getattr(model, "tied_head", False) is None and isinstance(embed, nn.Embedding) and _supported(embed.weight):
         model.tied_head = CPULinear(embed.weight, None)
+        if model.tied_head.packed is not None:   # one copy of the table: the packed one
+            model.embed = PackedEmbedding(model.tied_head)
         count += 1
     release_free_memory()
     return count

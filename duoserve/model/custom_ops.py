@@ -1,4 +1,5 @@
-"""The model's opaque ops for ``torch.compile``: ``duoserve::linear``, ``duoserve::paged_attention``,
+"""The model's opaque ops for ``torch.compile``: ``duoserve::linear`` (and ``duoserve::packed_linear``
+over a weight packed at load), ``duoserve::paged_attention``,
 and for GGUF blocks ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding``.
 
 Inside a compiled graph, a linear layer and a layer's attention are each one call that the
@@ -63,12 +64,16 @@ def define_ops() -> torch.library.Library:
 
 
     lib.impl("linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])), "Meta")
+    # over a weight packed at load (cpu_kernels.pack_linear_weight); n: the output features
+    lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")
+    lib.impl("packed_linear", lambda x, packed, bias, n: x.new_empty((*x.shape[:-1], n), dtype=packed.dtype), "Meta")
     lib.define("gguf_linear(Tensor x, Tensor blocks, int type_id, int cols, str mode) -> Tensor")
     lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
-    from duoserve.model.cpu_kernels import load_torch_op_library
+    from duoserve.model.cpu_kernels import c_packed_linear, load_torch_op_library
 
     if not load_torch_op_library():  # csrc/cpu_ops.cpp registers the C++ kernels of the linears and decode attention
         lib.impl("linear", linear_any_m, "CPU")
+        lib.impl("packed_linear", c_packed_linear, "CPU")
         lib.impl("gguf_linear", packed_linear, "CPU")
     lib.impl("gguf_linear", lambda x, blocks, type_id, cols, mode: x.new_empty((*x.shape[:-1], blocks.shape[0])),
              "Meta")

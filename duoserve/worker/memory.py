@@ -2,9 +2,8 @@
 resident), the temporary memory of the largest prefill chunk (measured), the runtime around
 them, and the process's resident size.
 
-Resident sizes come from the kernel: ``/proc/self/status`` for the process and
-``/proc/self/smaps`` for the mapping that holds one large buffer (the KV pool, whose pages cost
-memory only once written). The prefill scratch is measured by resetting the process's peak
+Resident sizes come from the kernel: ``/proc/self/status`` for the process and ``mincore`` for
+the pages of one large buffer (the KV pool, whose pages cost memory only once written). The prefill scratch is measured by resetting the process's peak
 (``/proc/self/clear_refs``), running one forward of the step budget's tokens, and taking the
 peak's rise above the resident size before it, less the KV pages that forward wrote.
 """
@@ -12,6 +11,7 @@ peak's rise above the resident size before it, less the KV pages that forward wr
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,18 +30,22 @@ def rss_bytes() -> int:
     return _status_kb("VmRSS") * 1024
 
 
-def mapping_rss_bytes(tensor: "torch.Tensor") -> int:
-    """Resident bytes of the memory mapping that holds ``tensor``'s storage (0 when not found)."""
-    address = tensor.untyped_storage().data_ptr()
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0] if line else ""
-        if "-" in head and ":" not in head:
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def tensor_resident_bytes(tensor: "torch.Tensor") -> int:
+    """Resident bytes of the pages that hold ``tensor``'s storage (``mincore``; 0 where it fails).
+    Exactly its own pages: a mapping's size would count whatever the kernel merged into it."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr() // page * page
+    end = storage.data_ptr() + storage.nbytes()
+    pages = (end - start + page - 1) // page
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(start, pages * page, vector) != 0:
+        return 0
+    return sum(b & 1 for b in bytes(vector)) * page
 
 
 def reset_peak() -> bool:
@@ -55,12 +59,12 @@ def reset_peak() -> bool:
 def measure_prefill_scratch(run_forward, kv_buffer: "torch.Tensor") -> int | None:
     """Peak temporary bytes of ``run_forward()`` (one prefill chunk), or None where the kernel
     does not let the peak be reset."""
-    before, kv_before = rss_bytes(), mapping_rss_bytes(kv_buffer)
+    before, kv_before = rss_bytes(), tensor_resident_bytes(kv_buffer)
     if not reset_peak():
         return None
     run_forward()
     peak = _status_kb("VmHWM") * 1024
-    return max(0, peak - before - (mapping_rss_bytes(kv_buffer) - kv_before))
+    return max(0, peak - before - (tensor_resident_bytes(kv_buffer) - kv_before))
 
 
 def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:

@@ -1,10 +1,11 @@
-// The CPU kernels of the ops duoserve::linear, duoserve::gguf_linear and
-// duoserve::decode_attention in C++, over the C functions of small_m_linear.c, gguf_linear.c
-// and paged_decode.c.
+// The CPU kernels of the ops duoserve::linear, duoserve::packed_linear, duoserve::gguf_linear
+// and duoserve::decode_attention in C++, over the C functions of small_m_linear.c,
+// packed_linear.c, gguf_linear.c and paged_decode.c.
 //
 // Each computes what its Python kernel computes (`linear_any_m` in cpu_linear.py,
 // `packed_linear` in quantized.py; those are registered when this file cannot be built):
 // - linear: up to SMALL_M rows with the bandwidth-bound C kernel, more with oneDNN's linear;
+// - packed_linear: the C kernel over a weight packed at load, for any number of rows;
 // - gguf_linear: up to DIRECT_ROWS rows straight from the blocks, more rows dequantized a
 //   slice at a time into a reused buffer and multiplied by oneDNN.
 // - decode_attention: a decode step's attention of one layer (`paged_attention` in attention.py
@@ -31,6 +32,8 @@ int gguf_linear_fast(const void *x, const uint8_t *w, int type, int m, int n, in
                      int num_threads);
 int small_m_linear(const void *x, const void *w, const void *bias, void *y, int is_bf16, int m, int n, int k,
                    int num_threads);
+int packed_linear(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n, int k,
+                  int num_threads);
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
@@ -74,6 +77,23 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::opti
     const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
     small_m_linear(rows.data_ptr(), weight.data_ptr(), b.defined() ? b.data_ptr() : nullptr, y.data_ptr(),
                    dtype == at::kBFloat16, (int)m, (int)n, (int)k, at::get_num_threads());
+    return y;
+}
+
+// x [..., k] @ W^T (+ bias) over W packed by packed_linear.c (cpu_kernels.pack_linear_weight)
+at::Tensor packed_linear_op(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                            int64_t n) {
+    const at::ScalarType dtype = packed.scalar_type();
+    const int64_t k = x.size(-1), m = x.numel() / k;
+    const at::Tensor rows = x.to(dtype).contiguous();
+    const at::Tensor b = bias ? bias->to(dtype).contiguous() : at::Tensor();
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n;
+    at::Tensor y = at::empty(sizes, x.options().dtype(dtype));
+    const int status = packed_linear(rows.data_ptr(), packed.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
+                                     y.data_ptr(), dtype == at::kBFloat16, (int)m, (int)n, (int)k,
+                                     at::get_num_threads());
+    TORCH_CHECK(status == 0, "packed_linear cannot run ", dtype, " weights with k=", k, " on this build");
     return y;
 }
 
@@ -146,6 +166,7 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("linear", &linear);
+    m.impl("packed_linear", &packed_linear_op);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("decode_attention", &decode_attention);
 }
