@@ -24,7 +24,7 @@ def main() -> None:
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/smollm2-135m-hf")
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(ModelConfig(dtype="float32"))
+    loaded = load_model(ModelConfig(dtype="float32", quantization="none"))  # dequantized, dense
     arch = loaded.arch
     state = dict(loaded.model.state_dict())
     tensors = {}
