@@ -97,18 +97,22 @@ def use_cpu_linears(model: nn.Module) -> int:
     if not onednn_available():
         logger.info("oneDNN is not available: CPU matmuls use plain F.linear")
         return 0
-    count = 0
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and _supported(child.weight):
-                setattr(module, child_name, CPULinear(child.weight, child.bias))
-                count += 1
+    # parents and names only: a replaced layer's plain weight is freed before the next one is
+    # packed (its memory reused for the next copy), so loading never holds both copies at once
+    targets = [(module, name) for module in model.modules() for name, child in module.named_children()
+               if isinstance(child, nn.Linear) and _supported(child.weight)]
+    for module, name in targets:
+        linear = getattr(module, name)
+        setattr(module, name, CPULinear(linear.weight, linear.bias))
+        del linear
+    count = len(targets)
     embed = getattr(model, "embed", None)
     if getattr(model, "tied_head", False) is None and isinstance(embed, nn.Embedding) and _supported(embed.weight):
         model.tied_head = CPULinear(embed.weight, None)
         if model.tied_head.packed is not None:   # one copy of the table: the packed one
             model.embed = PackedEmbedding(model.tied_head)
         count += 1
+    del embed
     release_free_memory()
     return count
 
