@@ -28,6 +28,9 @@
 #define NR 3            /* vectors of 16 columns in a tile */
 #define NB (NR * 16)    /* columns of a block */
 #define MR 8            /* rows of x in a full tile */
+#define PREFETCH 64     /* steps of k ahead the tile asks for its block's lines (12 KB): measured,
+                           paired with none, -16 % (fp32) and -8 % (bf16) at one row, -8 to -10 %
+                           at 32, where the hardware prefetcher alone left bandwidth unused */
 
 int packed_linear_supported(int is_bf16) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -84,6 +87,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float *x, int64
     for (int64_t kk = 0; kk < k; kk++) {
         __m512 b[NR];
         for (int j = 0; j < NR; j++) b[j] = _mm512_loadu_ps(block + kk * NB + j * 16);
+        for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(block + (kk + PREFETCH) * NB + j * 16), _MM_HINT_T0);
         for (int i = 0; i < mr; i++) {
             __m512 a = _mm512_set1_ps(x[i * k + kk]);
             for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
@@ -103,6 +107,8 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, i
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh b[NR];
         for (int j = 0; j < NR; j++) b[j] = (__m512bh)_mm512_loadu_si512(block + (p * NB + j * 16) * 2);
+        for (int j = 0; j < NR; j++)
+            _mm_prefetch((const char *)(block + ((p + PREFETCH) * NB + j * 16) * 2), _MM_HINT_T0);
         for (int i = 0; i < mr; i++) {
             int32_t pair;
             memcpy(&pair, x + i * k + 2 * p, sizeof pair);
