@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -126,7 +127,23 @@ def main() -> None:
                              "compare --quantization gguf with llama.cpp on that same file)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weights and activations of both duoserve and vLLM")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every server this many times in turn (the machine's drift then hits all "
+                             "alike) and add the median of each ratio over the rounds")
     args = parser.parse_args()
+    rounds = [one_round(args) for _ in range(args.rounds)]
+    if args.rounds == 1:
+        print(json.dumps(rounds[0], indent=2))
+        return
+    medians = {}
+    for key in (k for k in rounds[0] if k.startswith("ratios_vs_")):
+        medians[key] = {name: statistics.median(r[key][name] for r in rounds if name in r.get(key, {}))
+                        for name in rounds[0][key]}
+    print(json.dumps({"rounds": rounds, "median_ratios": medians}, indent=2))
+
+
+def one_round(args) -> dict:
+    """Each server of --only in turn, alone: its suite's results, and duoserve's ratios to each peer."""
     results = {}
     only = args.only.split(",")
     if "duoserve" in only:
@@ -156,7 +173,7 @@ def main() -> None:
     for peer in ("vllm", "llamacpp"):
         if "duoserve" in results and peer in results:
             results[f"ratios_vs_{peer}"] = ratios(results["duoserve"], results[peer])
-    print(json.dumps(results, indent=2))
+    return results
 
 
 def ratios(ours: dict, peer: dict) -> dict:
