@@ -186,7 +186,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     numel = _load("packed_linear", "packed_linear_numel", (_I, _I, _I), ctypes.c_int64)(n, k, int(bf16))
     packed = torch.empty(numel, dtype=weight.dtype)
     pack = _load("packed_linear", "packed_linear_pack", (_P, _P, _I, _I, _I, _I), None)
-    pack(weight.contiguous().data_ptr(), packed.data_ptr(), int(bf16), n, k, torch.get_num_threads())
+    plain = weight.contiguous()   # held: the kernel reads it after this line's temporaries are gone
+    pack(plain.data_ptr(), packed.data_ptr(), int(bf16), n, k, torch.get_num_threads())
     return packed
 
 
