@@ -2,8 +2,8 @@
 
 Measured on the project's machine (BENCHMARKS.md): where the CPU has AVX-512 (float32) or
 AVX512-BF16 (bfloat16), ``csrc/packed_linear.c`` over a weight repacked once at load beats
-oneDNN's GEMM over the plain weight at every row count this model sees (1.5-2x a step's
-linears from 1 to 64 rows, ~5 % at a 512-token chunk), so it serves them all and the plain
+oneDNN's GEMM over the plain weight at every row count this model sees (1.2-3x a step's
+linears from 1 to 64 rows, 6-18 % at a 512-token chunk), so it serves them all and the plain
 copy is dropped. Elsewhere: for a decode step of one to a few sequences a linear layer is
 bound by the bytes of its weights, and ``csrc/small_m_linear.c`` streams them at close to
 the memory bandwidth; from about eight rows on, oneDNN's GEMM (``mkldnn._linear_pointwise``
