@@ -3,6 +3,8 @@ each weight is kept."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,14 @@ from duoserve.model.cpu_kernels import (c_packed_linear, c_small_m_linear, pack_
 from duoserve.model.cpu_linear import SMALL_M, CPULinear, PackedEmbedding, use_cpu_linears
 
 needs_kernel = pytest.mark.skipif(small_m_linear_kernel() is None, reason="no C compiler on this machine")
+
+
+def require_packed(dtype: torch.dtype) -> None:
+    """Skip only where the CPU lacks the instructions; where it has them the kernel must build."""
+    flag = "avx512_bf16" if dtype == torch.bfloat16 else "avx512f"
+    if flag not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip(f"this CPU has no {flag}: the packed kernel cannot run {dtype} here")
+    assert packed_linear_supported(dtype), f"the CPU has {flag}: csrc/packed_linear.c must build and serve {dtype}"
 
 
 @needs_kernel
@@ -61,8 +71,7 @@ def test_swap_keeps_one_copy_of_each_weight(smol_llm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_embedding_gives_the_rows_of_the_table(dtype):
-    if not packed_linear_supported(dtype):
-        pytest.skip("no packed kernel for this CPU")
+    require_packed(dtype)
     torch.manual_seed(4)
     table = torch.randn(100, 64).to(dtype)
     embedding = PackedEmbedding(CPULinear(table, None))
@@ -74,8 +83,7 @@ def test_packed_embedding_gives_the_rows_of_the_table(dtype):
 def test_packed_kernel_matches_f_linear_at_every_batch_size(dtype):
     """Every row count from 1 to 20 (tails of the 8-row tile), 33 and 64; output counts that
     are not whole 48-column blocks; with and without bias."""
-    if not packed_linear_supported(dtype):
-        pytest.skip(f"this CPU has no {'AVX512-BF16' if dtype == torch.bfloat16 else 'AVX-512'}")
+    require_packed(dtype)
     torch.manual_seed(1)
     for n, k in [(50, 64), (960, 576), (7, 30), (48, 1536)]:
         w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
@@ -95,8 +103,7 @@ def test_packed_kernel_matches_f_linear_at_every_batch_size(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_kernel_answer_does_not_depend_on_the_batch(dtype):
     """A row's result is the same bits alone or among 37 others, at any position in its tile."""
-    if not packed_linear_supported(dtype):
-        pytest.skip("no packed kernel for this CPU")
+    require_packed(dtype)
     torch.manual_seed(2)
     w = torch.randn(200, 576).to(dtype)
     packed = pack_linear_weight(w)
@@ -107,8 +114,7 @@ def test_packed_kernel_answer_does_not_depend_on_the_batch(dtype):
 
 
 def test_packed_kernel_refuses_what_it_cannot_run():
-    if not packed_linear_supported(torch.bfloat16):
-        pytest.skip("no bf16 packed kernel for this CPU")
+    require_packed(torch.bfloat16)
     assert pack_linear_weight(torch.randn(8, 31).to(torch.bfloat16)) is None, "bf16 pairs need an even k"
     assert pack_linear_weight(torch.randn(8, 32).to(torch.float16)) is None
     assert pack_linear_weight(torch.randn(8, 31)) is not None, "float32 takes any k"
