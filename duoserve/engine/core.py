@@ -29,7 +29,7 @@ from duoserve.messages import EngineStats
 from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
-from duoserve.model.loader import LoadedModel, check_max_model_len, load_model
+from duoserve.model.loader import LoadedModel, check_max_model_len, load_model, weight_bytes
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
 from duoserve.worker.draft import DraftRunner, load_draft
@@ -81,7 +81,8 @@ class EngineCore:
         compile_model = not config.enforce_eager and self.device == "cpu"
         self.runner = ModelRunner(self.loaded, self.num_blocks, cache.block_size, kv_dtype,
                                   self.device, config.model.seed, compile_model=compile_model)
-        loading_bytes = self._loading_bytes(runtime_bytes)
+        weights = weight_bytes(self.loaded.model)   # by kind, once: loading and the report both need it
+        loading_bytes = self._loading_bytes(runtime_bytes, sum(weights.values()))
         if self.swap is not None:
             self.runner.allocate_swap(self.num_swap_blocks, cache.block_size, kv_dtype)
         if self.draft is not None:
@@ -91,28 +92,24 @@ class EngineCore:
         self.num_prompt_tokens = 0
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
         # out of the garbage collector's sight, a collection during a step scans only new ones.
-        self.memory = self._memory_report(runtime_bytes, loading_bytes, kv_dtype, block_bytes, budget)
+        self.memory = self._memory_report(runtime_bytes, loading_bytes, weights, kv_dtype, block_bytes, budget)
         gc.collect()
         gc.freeze()
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - start, self.loaded.path.name, self.num_blocks, cache.block_size, budget)
 
-    def _loading_bytes(self, runtime_bytes: int | None) -> int | None:
+    def _loading_bytes(self, runtime_bytes: int | None, weights: int) -> int | None:
         """What loading the model and building its runner left resident beyond the weights and
         the KV pages: the tokenizer, the loader's leftovers, compiled code (before any request)."""
-        from duoserve.model.loader import weight_bytes
-
         if runtime_bytes is None or self.device != "cpu":
             return None
         kv_pages = tensor_resident_bytes(self.runner.kv_caches[0][0])  # one buffer holds every layer's
-        return rss_bytes() - runtime_bytes - sum(weight_bytes(self.loaded.model).values()) - kv_pages
+        return rss_bytes() - runtime_bytes - weights - kv_pages
 
-    def _memory_report(self, runtime_bytes: int | None, loading_bytes: int | None, kv_dtype: torch.dtype,
-                       per_block: int, budget: int) -> dict:
+    def _memory_report(self, runtime_bytes: int | None, loading_bytes: int | None, weights: dict[str, int],
+                       kv_dtype: torch.dtype, per_block: int, budget: int) -> dict:
         """Where this engine's memory goes (``duoserve.worker.memory``), logged once at start;
         served at ``/v1/memory`` and as ``duoserve:memory_bytes``."""
-        from duoserve.model.loader import weight_bytes
-
         cache = self.config.cache
         kv_buffer = self.runner.kv_caches[0][0]
         scratch = None
@@ -120,7 +117,7 @@ class EngineCore:
             scratch = measure_prefill_scratch(lambda: self.runner.scratch_forward(min(budget, self.max_model_len)),
                                               kv_buffer)
         report = {
-            "weights_bytes": {kind: size for kind, size in weight_bytes(self.loaded.model).items() if size},
+            "weights_bytes": {kind: size for kind, size in weights.items() if size},
             "kv_pool": {"blocks": self.num_blocks, "block_size": cache.block_size,
                         "tokens": self.num_blocks * cache.block_size, "dtype": str(kv_dtype).removeprefix("torch."),
                         "bytes": self.num_blocks * per_block,
