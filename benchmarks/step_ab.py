@@ -2,13 +2,16 @@
 
     python benchmarks/step_ab.py --dtype bfloat16                          # guard-free step
     python benchmarks/step_ab.py --dtype bfloat16 --change packed-linear   # packed linears
+    python benchmarks/step_ab.py --dtype float32 --change native-attention # attention op in C++
 
 Two engines in one process (the default model's dense weights, compiled, 2 threads), their
 steps alternated so that the machine's drift hits both alike; "after" is the default engine.
 ``guard-free-step``: "before" checks Dynamo's guards at every step
 (``DUOSERVE_COMPILED_GUARDS=1``) and runs a decode step's attention from Python (write_kv,
 then the C kernel through ctypes). ``packed-linear``: "before" keeps the plain weights
-(``DUOSERVE_PACKED_LINEAR=0``: the small-row kernel and oneDNN). Batch 1 and 32 (and
+(``DUOSERVE_PACKED_LINEAR=0``: the small-row kernel and oneDNN). ``native-attention``: "before"
+never announces its decode steps to the C++ ``duoserve::paged_attention``, so each layer's
+attention goes through its Python kernel (then ``duoserve::decode_attention``). Batch 1 and 32 (and
 ``--batches``), prompts of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
 """
 
@@ -25,7 +28,8 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--change", default="guard-free-step", choices=["guard-free-step", "packed-linear"])
+    parser.add_argument("--change", default="guard-free-step",
+                        choices=["guard-free-step", "packed-linear", "native-attention"])
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     args = parser.parse_args()
     from duoserve import LLM, SamplingParams
@@ -33,13 +37,18 @@ def main() -> None:
     from duoserve.model import attention
 
     engines, real_op = {}, attention.decode_attention_op
-    variable = "DUOSERVE_COMPILED_GUARDS" if args.change == "guard-free-step" else "DUOSERVE_PACKED_LINEAR"
-    for name, value in (("before", "1" if args.change == "guard-free-step" else "0"), ("after", None)):
-        if value is None:
+    variable, before_value = {"guard-free-step": ("DUOSERVE_COMPILED_GUARDS", "1"),
+                              "packed-linear": ("DUOSERVE_PACKED_LINEAR", "0"),
+                              "native-attention": (None, None)}[args.change]
+    for name, value in (("before", before_value), ("after", None)):
+        if variable and value is None:
             os.environ.pop(variable, None)
-        else:
+        elif variable:
             os.environ[variable] = value
         engines[name] = LLM(dtype=args.dtype, quantization="none", kv_cache_memory=0.5, num_threads=2).engine
+        if args.change == "native-attention" and name == "before":
+            context = engines[name].runner.forward.context   # its CompiledModel's StepContext
+            context.begin = lambda meta, context=context: setattr(context, "meta", meta)
     python_attention_before = args.change == "guard-free-step"
     rng = random.Random(0)
     result = {"dtype": args.dtype}

@@ -77,6 +77,29 @@ def test_decode_step_op_writes_and_attends_as_the_python_path(monkeypatch, dtype
     assert torch.equal(caches[0][0].view(-1, 3, 64)[slot], k[0].to(dtype))
 
 
+@pytest.mark.skipif(decode_attention_op() is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_op_writes_rows_of_a_strided_view_and_refuses_a_slot_outside(dtype):
+    """Keys and values as a compiled graph passes them (views into the fused q/k/v rows) land in
+    their slots unchanged; a slot past the cache is an error and nothing is written."""
+    q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_heads=9, num_kv_heads=3, head_dim=64)
+    qkv = torch.randn(5, 15, 64).to(dtype)
+    k, v = qkv[:, 9:12], qkv[:, 12:15]
+    op = decode_attention_op()
+    op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+    for i, slot in enumerate(meta.slot_mapping.tolist()):
+        assert torch.equal(k_cache.view(-1, 3, 64)[slot], k[i]) and torch.equal(v_cache.view(-1, 3, 64)[slot], v[i])
+    before = k_cache.clone()
+    outside = meta.slot_mapping.clone()
+    outside[2] = k_cache.numel() // (3 * 64)
+    with pytest.raises(RuntimeError, match=f"slot {int(outside[2])} outside the cache's {int(outside[2])}"):
+        op(q, k, v, k_cache, v_cache, outside, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+    assert torch.equal(k_cache, before), "no row is written when one slot is wrong"
+    with pytest.raises(RuntimeError, match="a cache pair and a scale for every layer"):
+        torch.ops.duoserve.attention_step(10**6, [k_cache], [], meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_seq_lens, [0.125])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached", [0, 13])  # a chunk that is the whole context, and one after a cached prefix
 def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):

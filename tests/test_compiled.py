@@ -57,6 +57,34 @@ def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
     assert_pool_whole(compiled_llm)
 
 
+def test_decode_steps_attend_in_cpp_and_other_steps_in_python(compiled_llm, monkeypatch):
+    """A compiled step of decodes is announced to the C++ paged_attention, which then runs every
+    layer with no Python; a step with a prompt chunk runs the Python kernel; nothing stays
+    announced after a step (a later prefill goes to Python again)."""
+    from duoserve.core.request import Request
+    from duoserve.model import custom_ops
+
+    if not custom_ops.native_attention():
+        pytest.skip("no C++ compiler on this machine: the attention op is Python")
+    calls = []
+    python_kernel = custom_ops.paged_attention
+    monkeypatch.setattr(custom_ops, "paged_attention", lambda *a: calls.append(1) or python_kernel(*a))
+    engine = compiled_llm.engine
+    num_layers = len(engine.runner.model.layers)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    per_step = []
+    for name in ("first", "second"):
+        engine.add_request(Request(name, list(range(5, 11)), params, (), 128))
+        while engine.has_unfinished():
+            calls.clear()
+            engine.step()
+            per_step.append(len(calls))
+        engine.release(name)
+    # each request: its prompt in one chunk (Python), then two decode steps (C++)
+    assert per_step == [num_layers, 0, 0] * 2
+    assert_pool_whole(compiled_llm)
+
+
 def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):
     """A GGUF model computed from its blocks (both modes) through the compiled step: the opaque
     ops ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` give the eager tokens."""

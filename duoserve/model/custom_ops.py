@@ -10,7 +10,10 @@ on first use.
 
 The attention op's KV caches and the step's ``AttentionMetadata`` are not graph inputs
 (their shapes vary every step and would recompile the graph): they sit in a
-``StepContext``, reached by an integer handle baked into the graph. The registry of
+``StepContext``, reached by an integer handle baked into the graph. Where csrc/cpu_ops.cpp
+builds, ``paged_attention`` is C++: a step of decodes is announced to it (``attention_step``,
+with every layer's caches and the step's slots, tables and lengths) and each layer runs the
+decode kernel with no Python; any other step calls the Python kernel ``paged_attention_any``. The registry of
 contexts is the one module-level mutable object here, append-only, because an op argument
 can only be a tensor or a plain value.
 """
@@ -23,7 +26,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from duoserve.model.attention import AttentionMetadata, PagedAttention, paged_attention
+from duoserve.model.attention import C_CACHE_DTYPES, AttentionMetadata, PagedAttention, paged_attention
 
 
 @dataclass
@@ -32,6 +35,26 @@ class StepContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     layers: list[PagedAttention]                 # the eager modules: scale and head slots
     meta: AttentionMetadata | None = None        # set for the duration of one forward
+    handle: int = -1                             # its index in the registry
+    announced: bool = False                      # this forward's decodes announced to the C++ op
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        """Before a forward: its metadata; a step of decodes is also announced to the C++
+        ``paged_attention``, which then runs each layer with no Python (``end`` clears it)."""
+        self.meta = meta
+        k_cache = self.kv_caches[0][0]
+        if (meta.num_decode_tokens and not meta.prefills and k_cache.device.type == "cpu"
+                and k_cache.dtype in C_CACHE_DTYPES and native_attention()):
+            torch.ops.duoserve.attention_step(
+                self.handle, [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_seq_lens, [layer.scale for layer in self.layers])
+            self.announced = True
+
+    def end(self) -> None:
+        self.meta = None
+        if self.announced:
+            torch.ops.duoserve.attention_step(self.handle, [], [], None, None, None, [])
+            self.announced = False
 
 
 _CONTEXTS: list[StepContext] = []
@@ -40,7 +63,15 @@ _CONTEXTS: list[StepContext] = []
 def register_context(context: StepContext) -> int:
     define_ops()
     _CONTEXTS.append(context)
-    return len(_CONTEXTS) - 1
+    context.handle = len(_CONTEXTS) - 1
+    return context.handle
+
+
+@lru_cache(maxsize=1)
+def native_attention() -> bool:
+    """Whether ``duoserve::paged_attention`` runs its C++ kernel (csrc/cpu_ops.cpp built)."""
+    define_ops()
+    return torch._C._dispatch_has_kernel("duoserve::attention_step")
 
 
 @lru_cache(maxsize=1)
@@ -51,6 +82,12 @@ def define_ops() -> torch.library.Library:
     lib = torch.library.Library("duoserve", "DEF")
     lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
     lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
+    # its Python kernel, which the C++ one calls for any step but one of decodes
+    lib.define("paged_attention_any(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
+    # a compiled step of decodes announced to the C++ paged_attention (csrc/cpu_ops.cpp), and
+    # cleared after it (slot_mapping None): its layers' caches and scales and the step's metadata
+    lib.define("attention_step(int context, Tensor[] k_caches, Tensor[] v_caches, Tensor? slot_mapping, "
+               "Tensor? block_tables, Tensor? seq_lens, float[] scales) -> ()")
     # a decode step's attention of one layer, KV written in place: C++ only (csrc/cpu_ops.cpp);
     # without it paged_attention makes the same calls from Python
     lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -71,7 +108,8 @@ def define_ops() -> torch.library.Library:
     lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
     from duoserve.model.cpu_kernels import c_packed_linear, load_torch_op_library
 
-    if not load_torch_op_library():  # csrc/cpu_ops.cpp registers the C++ kernels of the linears and decode attention
+    native = load_torch_op_library()  # csrc/cpu_ops.cpp: the C++ kernels of the linears and attention
+    if not native:
         lib.impl("linear", linear_any_m, "CPU")
         lib.impl("packed_linear", c_packed_linear, "CPU")
         lib.impl("gguf_linear", packed_linear, "CPU")
@@ -80,7 +118,9 @@ def define_ops() -> torch.library.Library:
     lib.impl("gguf_embedding", gguf_embedding, "CPU")
     lib.impl("gguf_embedding", lambda ids, blocks, type_id, cols, dtype: ids.new_empty((*ids.shape, cols), dtype=dtype),
              "Meta")
-    lib.impl("paged_attention", attention, "CPU")
+    lib.impl("paged_attention_any", attention, "CPU")
+    if not native:
+        lib.impl("paged_attention", attention, "CPU")
     lib.impl("paged_attention", lambda q, k, v, context, layer: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
              "Meta")
     return lib

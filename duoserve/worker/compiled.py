@@ -81,7 +81,7 @@ class CompiledModel:
         self._hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        self.context.meta = meta
+        self.context.begin(meta)
         try:
             if self._direct is not None:
                 return self._direct(input_ids, positions)
@@ -89,7 +89,7 @@ class CompiledModel:
             torch._dynamo.decorators.mark_unbacked(positions, 0)
             return self._forward(input_ids, positions)
         finally:
-            self.context.meta = None
+            self.context.end()
 
     @torch.inference_mode()
     def warm_up(self, block_size: int) -> float:

@@ -1,6 +1,6 @@
-// The CPU kernels of the ops duoserve::linear, duoserve::packed_linear, duoserve::gguf_linear
-// and duoserve::decode_attention in C++, over the C functions of small_m_linear.c,
-// packed_linear.c, gguf_linear.c and paged_decode.c.
+// The CPU kernels of the ops duoserve::linear, duoserve::packed_linear, duoserve::gguf_linear,
+// duoserve::decode_attention and duoserve::paged_attention in C++, over the C functions of
+// small_m_linear.c, packed_linear.c, gguf_linear.c and paged_decode.c.
 //
 // Each computes what its Python kernel computes (`linear_any_m` in cpu_linear.py,
 // `packed_linear` in quantized.py; those are registered when this file cannot be built):
@@ -11,6 +11,8 @@
 // - decode_attention: a decode step's attention of one layer (`paged_attention` in attention.py
 //   when every sequence decodes one token): the new keys and values written to their slots,
 //   then the C decode kernel over each sequence's blocks.
+// - paged_attention: a compiled model's attention op; in a step of decodes (announced by
+//   attention_step) decode_attention with no Python, in any other the Python kernel.
 // What they save is Python: a decode step calls one of them for every linear layer and every
 // layer's attention, and each call through Python costs ~5 us per torch op it makes, 1-2 ms a
 // step for the default model.
@@ -21,7 +23,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 extern "C" {
 int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count, void *out,
@@ -135,6 +140,26 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t ty
     return y.view(sizes);
 }
 
+// rows [num_tokens, num_kv_heads, head_dim] (each token's heads side by side; any stride between
+// tokens) written to the cache's slots, converted to its dtype: what index_copy_ did, without its
+// ~4 us of dispatch
+void write_rows(const at::Tensor &rows, at::Tensor &cache, const at::Tensor &slot_mapping) {
+    const int64_t num_tokens = rows.size(0), width = rows.size(1) * rows.size(2), num_slots = cache.numel() / width;
+    const at::Tensor src = rows.scalar_type() == cache.scalar_type() && rows.stride(2) == 1 &&
+                                   rows.stride(1) == rows.size(2)
+                               ? rows : rows.to(cache.scalar_type()).contiguous();
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const int64_t *slot = slots.data_ptr<int64_t>();
+    const size_t bytes = width * cache.element_size();
+    const char *from = static_cast<const char *>(src.data_ptr());
+    char *to = static_cast<char *>(cache.data_ptr());
+    for (int64_t t = 0; t < num_tokens; t++)   // all checked before any is written
+        TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decode_attention: slot ", slot[t], " outside the cache's ",
+                    num_slots);
+    for (int64_t t = 0; t < num_tokens; t++)
+        std::memcpy(to + slot[t] * bytes, from + t * src.stride(0) * src.element_size(), bytes);
+}
+
 // q: [num_seqs, num_heads, head_dim]; k, v: [num_seqs, num_kv_heads, head_dim] (one new token a
 // sequence), written into the caches [num_blocks, block_size, num_kv_heads, head_dim] at
 // slot_mapping; -> [num_seqs, num_heads * head_dim] in q's dtype
@@ -149,8 +174,10 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
                 seq_lens.scalar_type() == at::kLong, "decode_attention: contiguous caches, int64 tables and lengths");
     const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-    k_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k.to(cache_dtype));
-    v_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v.to(cache_dtype));
+    TORCH_CHECK(k.size(0) == num_seqs && slot_mapping.numel() == num_seqs && k.size(1) == num_kv_heads &&
+                k.size(2) == head_dim && v.sizes() == k.sizes(), "decode_attention: one new key and value a sequence");
+    write_rows(k, k_cache, slot_mapping);
+    write_rows(v, v_cache, slot_mapping);
     const at::Tensor q32 = q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty_like(q32);
     const int status = paged_decode_attention(
@@ -162,6 +189,54 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
     return out.view({num_seqs, num_heads * head_dim}).to(q.scalar_type());
 }
 
+// What duoserve::paged_attention reads during one forward of a compiled model whose step is all
+// decodes: its caches and the step's metadata, by the model's context handle (custom_ops.py).
+// Set by duoserve::attention_step before the forward and cleared after it, so no tensor is held
+// between steps.
+struct DecodeStep {
+    std::vector<at::Tensor> k_caches, v_caches;
+    at::Tensor slot_mapping, block_tables, seq_lens;
+    std::vector<double> scales;
+};
+std::mutex decode_steps_mutex;
+std::unordered_map<int64_t, DecodeStep> decode_steps;
+
+void attention_step(int64_t context, at::TensorList k_caches, at::TensorList v_caches,
+                    const std::optional<at::Tensor> &slot_mapping, const std::optional<at::Tensor> &block_tables,
+                    const std::optional<at::Tensor> &seq_lens, c10::ArrayRef<double> scales) {
+    std::lock_guard<std::mutex> lock(decode_steps_mutex);
+    if (!slot_mapping) {
+        decode_steps.erase(context);
+        return;
+    }
+    TORCH_CHECK(block_tables && seq_lens && k_caches.size() == v_caches.size() && k_caches.size() == scales.size(),
+                "attention_step: tables, lengths, and a cache pair and a scale for every layer");
+    decode_steps[context] = DecodeStep{k_caches.vec(), v_caches.vec(), *slot_mapping, *block_tables, *seq_lens,
+                                       scales.vec()};
+}
+
+// one layer's attention inside a compiled graph: a step of decodes straight to decode_attention,
+// any other step through the Python kernel (duoserve::paged_attention_any)
+at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t context,
+                           int64_t layer) {
+    const DecodeStep *step = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(decode_steps_mutex);
+        auto found = decode_steps.find(context);
+        if (found != decode_steps.end()) step = &found->second;  // stays until this forward ends
+    }
+    if (step) {
+        TORCH_CHECK(layer >= 0 && layer < (int64_t)step->k_caches.size(), "paged_attention: no layer ", layer);
+        return decode_attention(q, k, v, step->k_caches[layer], step->v_caches[layer], step->slot_mapping,
+                                step->block_tables, step->seq_lens, step->scales[layer]);
+    }
+    static const auto any = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("duoserve::paged_attention_any", "")
+                                .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t,
+                                                  int64_t)>();
+    return any.call(q, k, v, context, layer);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
@@ -169,4 +244,9 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("packed_linear", &packed_linear_op);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("decode_attention", &decode_attention);
+    m.impl("paged_attention", &paged_attention);
+}
+
+TORCH_LIBRARY_IMPL(duoserve, CatchAll, m) {
+    m.impl("attention_step", &attention_step);
 }
