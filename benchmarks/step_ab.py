@@ -3,6 +3,7 @@
     python benchmarks/step_ab.py --dtype bfloat16                          # guard-free step
     python benchmarks/step_ab.py --dtype bfloat16 --change packed-linear   # packed linears
     python benchmarks/step_ab.py --dtype float32 --change native-attention # attention op in C++
+    python benchmarks/step_ab.py --dtype float32 --change cpp-wrapper      # Inductor's C++ wrapper
 
 Two engines in one process (the default model's dense weights, compiled, 2 threads), their
 steps alternated so that the machine's drift hits both alike; "after" is the default engine.
@@ -11,7 +12,8 @@ steps alternated so that the machine's drift hits both alike; "after" is the def
 then the C kernel through ctypes). ``packed-linear``: "before" keeps the plain weights
 (``DUOSERVE_PACKED_LINEAR=0``: the small-row kernel and oneDNN). ``native-attention``: "before"
 never announces its decode steps to the C++ ``duoserve::paged_attention``, so each layer's
-attention goes through its Python kernel (then ``duoserve::decode_attention``). Batch 1 and 32 (and
+attention goes through its Python kernel (then ``duoserve::decode_attention``). ``cpp-wrapper``:
+"before" compiles its step with Inductor's Python wrapper (``TORCHINDUCTOR_CPP_WRAPPER=0``). Batch 1 and 32 (and
 ``--batches``), prompts of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
 """
 
@@ -29,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--change", default="guard-free-step",
-                        choices=["guard-free-step", "packed-linear", "native-attention"])
+                        choices=["guard-free-step", "packed-linear", "native-attention", "cpp-wrapper"])
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     args = parser.parse_args()
     from duoserve import LLM, SamplingParams
@@ -39,7 +41,8 @@ def main() -> None:
     engines, real_op = {}, attention.decode_attention_op
     variable, before_value = {"guard-free-step": ("DUOSERVE_COMPILED_GUARDS", "1"),
                               "packed-linear": ("DUOSERVE_PACKED_LINEAR", "0"),
-                              "native-attention": (None, None)}[args.change]
+                              "native-attention": (None, None),
+                              "cpp-wrapper": ("TORCHINDUCTOR_CPP_WRAPPER", "0")}[args.change]
     for name, value in (("before", before_value), ("after", None)):
         if variable and value is None:
             os.environ.pop(variable, None)
