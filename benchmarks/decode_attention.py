@@ -2,8 +2,9 @@
 
     python benchmarks/decode_attention.py --before HEAD~1 --dtype float32
 
-Both ``csrc/paged_decode.c`` files are built with the engine's flags into their own libraries
-and called through ctypes on the same caches: the default model's shape (9 query heads, 3 KV
+The revision's ``csrc/paged_decode.c`` is built with the engine's flags, the working tree's is
+the engine's own build (``cpu_kernels.paged_decode_kernel``); both are called through ctypes on
+the same caches: the default model's shape (9 query heads, 3 KV
 heads of 64), 30 layers' caches so that each call reads its rows from memory as a step does,
 every sequence ``--context`` tokens long in randomly placed blocks of 16. For 1, 4 and 32
 sequences, the median time of the 30 layers' calls, the kernels alternated. Prints JSON.
@@ -26,7 +27,8 @@ import torch
 CSRC = Path(__file__).resolve().parents[1] / "duoserve" / "model" / "csrc"
 
 
-def build(source: str, headers: dict[str, str], out: Path):
+def build_revision(source: str, headers: dict[str, str], out: Path, like):
+    """The kernel of an older paged_decode.c, built with the engine's flags; typed as ``like``."""
     from duoserve.model.cpu_kernels import C_FLAGS
 
     work = out.parent / out.stem
@@ -35,9 +37,7 @@ def build(source: str, headers: dict[str, str], out: Path):
         (work / name).write_text(text)
     subprocess.run(["gcc", *C_FLAGS, "-shared", str(work / "paged_decode.c"), "-o", str(out), "-lm"], check=True)
     fn = ctypes.CDLL(str(out)).paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 6 + \
-        [ctypes.c_float, ctypes.c_int]
+    fn.restype, fn.argtypes = like.restype, like.argtypes
     return fn
 
 
@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    from duoserve.model.cpu_kernels import paged_decode_kernel
+
     root = CSRC.parents[2]
     old = subprocess.run(["git", "show", f"{args.before}:duoserve/model/csrc/paged_decode.c"], cwd=root,
                          check=True, capture_output=True, text=True).stdout
@@ -56,8 +58,10 @@ def main() -> None:
     heads, kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 30
     result = {"before": args.before, "dtype": args.dtype, "context": args.context}
     with tempfile.TemporaryDirectory() as tmp:
-        kernels = {"before": build(old, headers, Path(tmp) / "before.so"),
-                   "after": build((CSRC / "paged_decode.c").read_text(), headers, Path(tmp) / "after.so")}
+        after = paged_decode_kernel()   # the working tree's, as the engine builds it
+        if after is None:
+            raise SystemExit("the C decode kernel cannot be built here (no C compiler?)")
+        kernels = {"before": build_revision(old, headers, Path(tmp) / "before.so", after), "after": after}
         rng = random.Random(0)
         for num_seqs in (1, 4, 32):
             blocks_per_seq = -(-args.context // block_size)

@@ -38,16 +38,21 @@ class StepContext:
     handle: int = -1                             # its index in the registry
     announced: bool = False                      # this forward's decodes announced to the C++ op
 
+    def __post_init__(self) -> None:
+        # what every announcement passes, fixed for the model's life: gathered once, not each step
+        k_cache = self.kv_caches[0][0]
+        self.native = k_cache.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES and native_attention()
+        self._k_caches = [k for k, _ in self.kv_caches]
+        self._v_caches = [v for _, v in self.kv_caches]
+        self._scales = [layer.scale for layer in self.layers]
+
     def begin(self, meta: AttentionMetadata) -> None:
         """Before a forward: its metadata; a step of decodes is also announced to the C++
         ``paged_attention``, which then runs each layer with no Python (``end`` clears it)."""
         self.meta = meta
-        k_cache = self.kv_caches[0][0]
-        if (meta.num_decode_tokens and not meta.prefills and k_cache.device.type == "cpu"
-                and k_cache.dtype in C_CACHE_DTYPES and native_attention()):
-            torch.ops.duoserve.attention_step(
-                self.handle, [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], meta.slot_mapping,
-                meta.decode_block_tables, meta.decode_seq_lens, [layer.scale for layer in self.layers])
+        if self.native and meta.num_decode_tokens and not meta.prefills:
+            torch.ops.duoserve.attention_step(self.handle, self._k_caches, self._v_caches, meta.slot_mapping,
+                                              meta.decode_block_tables, meta.decode_seq_lens, self._scales)
             self.announced = True
 
     def end(self) -> None:
