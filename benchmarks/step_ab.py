@@ -4,6 +4,7 @@
     python benchmarks/step_ab.py --dtype bfloat16 --change packed-linear   # packed linears
     python benchmarks/step_ab.py --dtype float32 --change native-attention # attention op in C++
     python benchmarks/step_ab.py --dtype float32 --change cpp-wrapper      # Inductor's C++ wrapper
+    python benchmarks/step_ab.py --dtype float32 --change decode-step --batches 1,4,8,16,32
 
 Two engines in one process (the default model's dense weights, compiled, 2 threads), their
 steps alternated so that the machine's drift hits both alike; "after" is the default engine.
@@ -13,7 +14,10 @@ then the C kernel through ctypes). ``packed-linear``: "before" keeps the plain w
 (``DUOSERVE_PACKED_LINEAR=0``: the small-row kernel and oneDNN). ``native-attention``: "before"
 never announces its decode steps to the C++ ``duoserve::paged_attention``, so each layer's
 attention goes through its Python kernel (then ``duoserve::decode_attention``). ``cpp-wrapper``:
-"before" compiles its step with Inductor's Python wrapper (``TORCHINDUCTOR_CPP_WRAPPER=0``). Batch 1 and 32 (and
+"before" compiles its step with Inductor's Python wrapper (``TORCHINDUCTOR_CPP_WRAPPER=0``).
+``decode-step``: "before" runs every step through the compiled graph, "after" runs steps of
+decodes whole in C++ (``worker/fused_decode.py``) up to the largest batch given, whatever its
+``MAX_ROWS``. Batch 1 and 32 (and
 ``--batches``), prompts of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
 """
 
@@ -31,7 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--change", default="guard-free-step",
-                        choices=["guard-free-step", "packed-linear", "native-attention", "cpp-wrapper"])
+                        choices=["guard-free-step", "packed-linear", "native-attention", "cpp-wrapper",
+                                 "decode-step"])
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     args = parser.parse_args()
     from duoserve import LLM, SamplingParams
@@ -42,6 +47,7 @@ def main() -> None:
     variable, before_value = {"guard-free-step": ("DUOSERVE_COMPILED_GUARDS", "1"),
                               "packed-linear": ("DUOSERVE_PACKED_LINEAR", "0"),
                               "native-attention": (None, None),
+                              "decode-step": (None, None),
                               "cpp-wrapper": ("TORCHINDUCTOR_CPP_WRAPPER", "0")}[args.change]
     for name, value in (("before", before_value), ("after", None)):
         if variable and value is None:
@@ -51,6 +57,12 @@ def main() -> None:
         engines[name] = LLM(dtype=args.dtype, quantization="none", kv_cache_memory=0.5, num_threads=2).engine
         if args.change == "native-attention" and name == "before":
             engines[name].runner.forward.context.native = False   # its CompiledModel's StepContext
+        if args.change == "decode-step" and name == "before":
+            engines[name].runner.forward.fused = None
+    if args.change == "decode-step":
+        from duoserve.worker import fused_decode
+
+        fused_decode.MAX_ROWS = max(int(b) for b in args.batches.split(","))
     python_attention_before = args.change == "guard-free-step"
     rng = random.Random(0)
     result = {"dtype": args.dtype}

@@ -2,8 +2,9 @@
 
 One compiled engine per module (compiling takes seconds even for a tiny model; the rest of
 the suite runs eager). Compiled == eager token for token under chunked prefill, prefix
-hits, heavy preemption and seeded sampling; every batch size and chunk size runs on one
-graph; without a compiler, everything still serves on the eager path.
+hits, heavy preemption and seeded sampling (steps of decodes in the C++ decode step, the others
+in the graph); every batch size and chunk size runs on one graph; without a compiler,
+everything still serves on the eager path.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
 
 
 def test_decode_steps_attend_in_cpp_and_other_steps_in_python(compiled_llm, monkeypatch):
-    """A compiled step of decodes is announced to the C++ paged_attention, which then runs every
+    """Without the C++ decode step, a compiled step of decodes is announced to the C++ paged_attention, which then runs every
     layer with no Python; a step with a prompt chunk runs the Python kernel; nothing stays
     announced after a step (a later prefill goes to Python again)."""
     from duoserve.core.request import Request
@@ -69,6 +70,8 @@ def test_decode_steps_attend_in_cpp_and_other_steps_in_python(compiled_llm, monk
         pytest.skip("no C++ compiler on this machine: the attention op is Python")
     assert custom_ops.native_attention(), "a C++ compiler is here: the C++ paged_attention must be registered"
     assert compiled_llm.engine.runner.forward.context.native
+    # the graph's own decode steps (those the C++ decode step does not take: over MAX_ROWS sequences)
+    monkeypatch.setattr(compiled_llm.engine.runner.forward, "fused", None)
     calls = []
     python_kernel = custom_ops.paged_attention
     monkeypatch.setattr(custom_ops, "paged_attention", lambda *a: calls.append(1) or python_kernel(*a))
@@ -86,6 +89,109 @@ def test_decode_steps_attend_in_cpp_and_other_steps_in_python(compiled_llm, monk
     # each request: its prompt in one chunk (Python), then two decode steps (C++)
     assert per_step == [num_layers, 0, 0] * 2
     assert_pool_whole(compiled_llm)
+
+
+class CountingStep:
+    """A FusedDecodeStep that counts the steps it runs."""
+
+    def __init__(self, step) -> None:
+        self.step, self.calls = step, 0
+
+    def serves(self, meta, num_tokens):
+        return self.step.serves(meta, num_tokens)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.step(*args)
+
+
+def require_decode_step(llm) -> None:
+    from duoserve.model.cpu_kernels import _compilers
+    from duoserve.worker.fused_decode import why_not
+
+    if _compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and take the model
+        pytest.skip("no C++ compiler on this machine: decode steps run the compiled graph")
+    forward = llm.engine.runner.forward
+    assert forward.fused is not None, why_not(forward.model, llm.engine.runner.kv_caches)
+
+
+def test_decode_steps_run_whole_in_cpp_and_prompt_steps_in_the_graph(compiled_llm, eager_llm, monkeypatch):
+    """A step whose every sequence decodes one token runs in the C++ decode step; a step with a
+    prompt chunk runs the graph; greedy tokens are the eager model's either way."""
+    from duoserve.core.request import Request
+
+    require_decode_step(compiled_llm)
+    engine = compiled_llm.engine
+    counting = CountingStep(engine.runner.forward.fused)
+    monkeypatch.setattr(engine.runner.forward, "fused", counting)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    per_step, tokens = [], {}
+    for name, prompt in (("a", list(range(5, 11))), ("b", list(range(40, 43)))):
+        engine.add_request(Request(name, prompt, params, (), 128))
+        while engine.has_unfinished():
+            before = counting.calls
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            per_step.append(counting.calls - before)
+        engine.release(name)
+    assert per_step == [0, 1, 1, 1] * 2   # the prompt in one chunk, then three decode steps
+    want = eager_llm.generate([list(range(5, 11)), list(range(40, 43))], params, use_tqdm=False)
+    assert [tokens["a"], tokens["b"]] == [w.outputs[0].token_ids for w in want]
+    assert_pool_whole(compiled_llm)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_the_decode_step_takes_qkv_bias_and_qk_norms(tiny_dir, kind):
+    """Qwen2's q/k/v bias and Qwen3's per-head q/k norms, in the C++ decode step: the eager tokens
+    (float32 greedy, a batch of decodes at once)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
+    settings = dict(dtype="float32", kv_cache_memory=0.01, num_threads=2)
+    want = LLM(str(tiny_dir(kind=kind)), enforce_eager=True, **settings).generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(str(tiny_dir(kind=kind)), enforce_eager=False, **settings)
+    require_decode_step(llm)
+    assert_same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want, f"{kind}: decode step vs eager")
+    assert_pool_whole(llm)
+
+
+def test_the_decode_step_refuses_a_slot_or_position_out_of_range_and_writes_nothing(compiled_llm):
+    import torch
+
+    require_decode_step(compiled_llm)
+    runner = compiled_llm.engine.runner
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    k_cache = runner.kv_caches[0][0]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    x = torch.ones(2, runner.model.arch.hidden_size)
+    tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 1])
+    context = runner.forward.context.handle
+    step = torch.ops.duoserve.decode_step
+    with pytest.raises(RuntimeError, match=f"decode_step: slot {num_slots} outside the cache's {num_slots}"):
+        step(context, x, torch.tensor([0, 0]), torch.tensor([1, num_slots]), tables, lens)
+    positions = runner.model.rotary.cos.shape[0]
+    with pytest.raises(RuntimeError, match=f"decode_step: position {positions} outside the rotary table's"):
+        step(context, x, torch.tensor([0, positions]), torch.tensor([1, 2]), tables, lens)
+    with pytest.raises(RuntimeError, match="decode_step: no model 12345"):
+        step(12345, x, torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, caches):
+        assert torch.equal(k, k0) and torch.equal(v, v0), "a refused step wrote to the caches"
+
+
+def test_models_the_decode_step_cannot_take_say_why(compiled_llm, monkeypatch):
+    import torch
+
+    from duoserve.worker.fused_decode import why_not
+
+    runner = compiled_llm.engine.runner
+    monkeypatch.setenv("DUOSERVE_DECODE_STEP", "0")
+    assert why_not(runner.model, runner.kv_caches) == "DUOSERVE_DECODE_STEP=0"
+    monkeypatch.delenv("DUOSERVE_DECODE_STEP")
+    require_decode_step(compiled_llm)
+    assert why_not(runner.model, runner.kv_caches) is None
+    bf16_caches = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in runner.kv_caches[:1]]
+    assert why_not(runner.model, bf16_caches) == "a KV cache in torch.bfloat16 (the model runs torch.float32)"
+    monkeypatch.setattr(runner.model.layers[1].o_proj, "packed", None)
+    assert why_not(runner.model, runner.kv_caches) == "a linear layer without packed weights of the model's dtype"
 
 
 def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):

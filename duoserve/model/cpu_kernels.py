@@ -79,7 +79,7 @@ def _build(source: Path) -> Path | None:
 @lru_cache(maxsize=None)
 def load_torch_op_library(name: str = "cpu_ops",
                           c_sources: tuple[str, ...] = ("small_m_linear", "packed_linear", "gguf_linear",
-                                                           "paged_decode")) -> bool:
+                                                           "paged_decode", "decode_step")) -> bool:
     """Build ``csrc/<name>.cpp`` with ``csrc/<c_sources>.c`` into one library against this torch and
     load it (it registers op kernels); False, with one log line, where it cannot be."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":

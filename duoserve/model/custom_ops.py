@@ -98,6 +98,15 @@ def define_ops() -> torch.library.Library:
     lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
                "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
 
+    # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
+    # per layer its input norm, post norm, packed qkv, qkv bias (or an empty tensor), packed o,
+    # gate_up and down, K and V caches; shape: hidden, heads, KV heads, head dim, intermediate
+    lib.define("decode_model(int context, Tensor[] layers, Tensor final_norm, Tensor cos, Tensor sin, "
+               "int[] shape, float eps, float[] scales) -> ()")
+    # one decode step of that model: x the embeddings [rows, hidden] -> the final norm's output
+    lib.define("decode_step(int context, Tensor x, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+               "Tensor seq_lens) -> Tensor")
+
     def attention(q, k, v, context, layer):
         ctx = _CONTEXTS[context]
         module = ctx.layers[layer]

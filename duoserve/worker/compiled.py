@@ -86,7 +86,17 @@ class CompiledModel:
 
         self._hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
 
+        # a step of a few decodes runs whole in C++ where the model allows it (fused_decode.py)
+        from duoserve.worker.fused_decode import FusedDecodeStep, why_not
+
+        reason = why_not(model, kv_caches)
+        self.fused = None if reason else FusedDecodeStep(model, kv_caches, handle, self.context._scales)
+        if reason:
+            logger.info("decode steps run the compiled graph, not the C++ decode step: %s", reason)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+        if self.fused is not None and self.fused.serves(meta, input_ids.shape[0]):
+            return self.fused(input_ids, positions, meta)
         self.context.begin(meta)
         try:
             if self._direct is not None:

@@ -43,6 +43,21 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                            float scale, int num_threads);
+struct decode_layer {  // as in decode_step.c
+    const void *input_norm, *post_norm;
+    const void *q_norm, *k_norm;
+    const void *qkv, *qkv_bias, *o_proj, *gate_up, *down;
+    void *k_cache, *v_cache;
+    float scale;
+};
+struct decode_shape {
+    int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
+    float eps;
+};
+int decode_step(const decode_layer *layers, int num_layers, const void *final_norm, const decode_shape *s,
+                const float *cos_table, const float *sin_table, void *x, void *out, const int64_t *positions,
+                const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int m, int max_blocks,
+                int num_threads);
 }
 
 namespace {
@@ -237,6 +252,102 @@ at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::T
     return any.call(q, k, v, context, layer);
 }
 
+// A model whose whole decode step runs in decode_step.c, by its context handle: the packed
+// weights, norms, caches and rotary tables of every layer, set once (duoserve::decode_model) and
+// kept alive here for the model's life.
+struct DecodeModel {
+    std::vector<at::Tensor> tensors;   // what the pointers below point into
+    std::vector<decode_layer> layers;
+    decode_shape shape;
+    const void *final_norm;
+    const float *cos, *sin;
+    int64_t max_positions, num_slots;
+    at::ScalarType dtype;
+};
+std::mutex decode_models_mutex;
+std::unordered_map<int64_t, DecodeModel> decode_models;
+
+// per layer: input norm, post norm, q norm and k norm (or empty tensors), qkv, qkv bias (or an
+// empty tensor), o, gate_up, down (packed), k cache, v cache, in that order in `layers`; shape:
+// hidden, heads, KV heads, head dim, intermediate
+void decode_model(int64_t context, at::TensorList layers, const at::Tensor &final_norm, const at::Tensor &cos,
+                  const at::Tensor &sin, c10::IntArrayRef shape, double eps, c10::ArrayRef<double> scales) {
+    constexpr size_t PER_LAYER = 11;
+    TORCH_CHECK(layers.size() == PER_LAYER * scales.size() && !scales.empty() && shape.size() == 5,
+                "decode_model: eleven tensors and a scale a layer, five sizes");
+    DecodeModel model;
+    model.dtype = final_norm.scalar_type();
+    TORCH_CHECK(model.dtype == at::kFloat || model.dtype == at::kBFloat16, "decode_model: float32 or bfloat16");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == shape[3],
+                "decode_model: float32 cos and sin tables [positions, head_dim]");
+    model.shape = decode_shape{(int)shape[0], (int)shape[1], (int)shape[2], (int)shape[3], (int)shape[4], 0,
+                               model.dtype == at::kBFloat16, (float)eps};
+    auto ptr = [&](const at::Tensor &t) -> void * {
+        if (!t.defined() || t.numel() == 0) return nullptr;
+        TORCH_CHECK(t.is_contiguous() && t.scalar_type() == model.dtype, "decode_model: contiguous tensors of ",
+                    model.dtype, ", not ", t.scalar_type());
+        model.tensors.push_back(t);
+        return t.data_ptr();
+    };
+    for (size_t l = 0; l < scales.size(); l++) {
+        const at::Tensor *t = layers.data() + PER_LAYER * l;
+        const at::Tensor &k_cache = t[9], &v_cache = t[10];
+        TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == shape[2] &&
+                    k_cache.size(3) == shape[3], "decode_model: caches [blocks, block_size, KV heads, head_dim]");
+        model.shape.block_size = (int)k_cache.size(1);
+        model.num_slots = k_cache.size(0) * k_cache.size(1);
+        model.layers.push_back(decode_layer{ptr(t[0]), ptr(t[1]), ptr(t[2]), ptr(t[3]), ptr(t[4]), ptr(t[5]),
+                                            ptr(t[6]), ptr(t[7]), ptr(t[8]), ptr(k_cache), ptr(v_cache),
+                                            (float)scales[l]});
+    }
+    model.final_norm = ptr(final_norm);
+    model.tensors.push_back(cos);
+    model.tensors.push_back(sin);
+    model.cos = cos.data_ptr<float>();
+    model.sin = sin.data_ptr<float>();
+    model.max_positions = cos.size(0);
+    std::lock_guard<std::mutex> lock(decode_models_mutex);
+    decode_models[context] = std::move(model);
+}
+
+// x [m, hidden]: the step's embeddings (one new token a sequence); -> the final norm's output
+// [m, hidden]; every layer's new keys and values written to their slots
+at::Tensor decode_step_op(int64_t context, const at::Tensor &x, const at::Tensor &positions,
+                          const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens) {
+    const DecodeModel *model = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(decode_models_mutex);
+        auto found = decode_models.find(context);
+        TORCH_CHECK(found != decode_models.end(), "decode_step: no model ", context, " (duoserve::decode_model)");
+        model = &found->second;
+    }
+    const int64_t m = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == model->shape.hidden && x.scalar_type() == model->dtype,
+                "decode_step: x [rows, ", model->shape.hidden, "] of ", model->dtype);
+    const at::Tensor pos = positions.to(at::kLong).contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
+    TORCH_CHECK(pos.numel() == m && slots.numel() == m && seq_lens.numel() == m && block_tables.size(0) == m &&
+                block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+                block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+                "decode_step: a position, a slot, a table and a length a row");
+    for (int64_t t = 0; t < m; t++) {
+        const int64_t p = pos.data_ptr<int64_t>()[t], slot = slots.data_ptr<int64_t>()[t];
+        TORCH_CHECK(p >= 0 && p < model->max_positions, "decode_step: position ", p, " outside the rotary table's ",
+                    model->max_positions);
+        TORCH_CHECK(slot >= 0 && slot < model->num_slots, "decode_step: slot ", slot, " outside the cache's ",
+                    model->num_slots);
+    }
+    at::Tensor residual = x.clone(at::MemoryFormat::Contiguous), out = at::empty_like(residual);
+    const int status = decode_step(model->layers.data(), (int)model->layers.size(), model->final_norm, &model->shape,
+                                   model->cos, model->sin, residual.data_ptr(), out.data_ptr(),
+                                   pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                                   block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), (int)m,
+                                   (int)block_tables.size(1), at::get_num_threads());
+    TORCH_CHECK(status == 0, status == -1 ? "decode_step: this build cannot run these packed weights"
+                                          : "decode_step: out of memory for the step's scratch");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
@@ -245,8 +356,10 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("gguf_linear", &gguf_linear);
     m.impl("decode_attention", &decode_attention);
     m.impl("paged_attention", &paged_attention);
+    m.impl("decode_step", &decode_step_op);
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CatchAll, m) {
     m.impl("attention_step", &attention_step);
+    m.impl("decode_model", &decode_model);
 }

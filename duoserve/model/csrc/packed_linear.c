@@ -165,14 +165,15 @@ static void store_rows(const float *out, int rows, int cols, const void *bias, i
         }
 }
 
-/* Returns 0, or -1 when this build cannot run that dtype (packed_linear_supported). */
-int packed_linear(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n, int k,
-                  int num_threads) {
-    if (!packed_linear_supported(is_bf16) || (is_bf16 && k % 2)) return -1;
+/* The work of one call shared by the threads of the enclosing parallel region (an orphaned
+ * worksharing loop, ending in its barrier; alone outside any region): the fused decode step
+ * (decode_step.c) calls it inside its own region. The caller checks packed_linear_supported. */
+void packed_linear_team(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n,
+                        int k) {
     const int nblocks = (n + NB - 1) / NB;
     const int elem = is_bf16 ? 2 : 4;
     const int64_t block_elems = (int64_t)NB * k;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp for schedule(static)
     for (int b = 0; b < nblocks; b++) {
         float out[MR * NB];
         const char *block = (const char *)packed + b * block_elems * elem;
@@ -184,6 +185,14 @@ int packed_linear(const void *x, const void *packed, const void *bias, void *y, 
             store_rows(out, rows, cols, bias_b, is_bf16, (char *)y + ((int64_t)i0 * n + b * NB) * elem, n);
         }
     }
+}
+
+/* Returns 0, or -1 when this build cannot run that dtype (packed_linear_supported). */
+int packed_linear(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n, int k,
+                  int num_threads) {
+    if (!packed_linear_supported(is_bf16) || (is_bf16 && k % 2)) return -1;
+    #pragma omp parallel num_threads(num_threads)
+    packed_linear_team(x, packed, bias, y, is_bf16, m, n, k);
     return 0;
 }
 #else
@@ -191,5 +200,9 @@ int packed_linear(const void *x, const void *packed, const void *bias, void *y, 
                   int num_threads) {
     (void)x; (void)packed; (void)bias; (void)y; (void)is_bf16; (void)m; (void)n; (void)k; (void)num_threads;
     return -1;
+}
+void packed_linear_team(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n,
+                        int k) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)is_bf16; (void)m; (void)n; (void)k;
 }
 #endif

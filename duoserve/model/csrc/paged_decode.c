@@ -184,44 +184,54 @@ static int attend_fast(const float *q, const void *k_cache, const void *v_cache,
 }
 #endif
 
-/* q, out: [num_seqs, num_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int64;
- * seq_lens: [num_seqs] int64. Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
-                           int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           int max_blocks, float scale, int num_threads) {
+/* The work of one call shared by the threads of the enclosing parallel region (orphaned
+ * worksharing, ending in its barrier; alone outside any region): the fused decode step
+ * (decode_step.c) calls it inside its own region. Sets *failed when scratch memory could not
+ * be allocated. */
+void paged_decode_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
+                       int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                       int num_threads, int *failed) {
     int group = num_heads / num_kv_heads;
     int max_len = max_blocks * block_size;
     /* enough sequences: one item each, whole rows; else one item per (sequence, KV head) */
     int heads_per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
     int items_per_seq = num_kv_heads / heads_per_item;
     int num_items = num_seqs * items_per_seq;
+    float *scores = malloc(sizeof(float) * (size_t)heads_per_item * group * max_len);
+    float *row = malloc(sizeof(float) * (size_t)num_kv_heads * head_dim);
+    /* every thread must reach the worksharing loop, so a failed allocation only skips work */
+    #pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < num_items; item++) {
+        if (!scores || !row) {
+            #pragma omp atomic write
+            *failed = 1;
+            continue;
+        }
+        int b = item / items_per_seq;
+        int kv_begin = (item % items_per_seq) * heads_per_item;
+        int64_t base = (int64_t)b * num_heads * head_dim;
+        const int64_t *table = block_tables + (int64_t)b * max_blocks;
+        if (!attend_fast(q + base, k_cache, v_cache, is_bf16, table, (int)seq_lens[b], kv_begin,
+                         kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale, scores,
+                         out + base))
+            attend(q + base, k_cache, v_cache, is_bf16, table, (int)seq_lens[b], kv_begin,
+                   kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale, scores, row,
+                   out + base);
+    }
+    free(scores);
+    free(row);
+}
+
+/* q, out: [num_seqs, num_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int64;
+ * seq_lens: [num_seqs] int64. Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int max_blocks, float scale, int num_threads) {
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)heads_per_item * group * max_len);
-        float *row = malloc(sizeof(float) * (size_t)num_kv_heads * head_dim);
-        /* every thread must reach the worksharing loop, so a failed allocation only skips work */
-        #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < num_items; item++) {
-            if (!scores || !row) {
-                #pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            int b = item / items_per_seq;
-            int kv_begin = (item % items_per_seq) * heads_per_item;
-            int64_t base = (int64_t)b * num_heads * head_dim;
-            const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            if (!attend_fast(q + base, k_cache, v_cache, is_bf16, table, (int)seq_lens[b], kv_begin,
-                             kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale, scores,
-                             out + base))
-                attend(q + base, k_cache, v_cache, is_bf16, table, (int)seq_lens[b], kv_begin,
-                       kv_begin + heads_per_item, group, num_kv_heads, head_dim, block_size, scale, scores, row,
-                       out + base);
-        }
-        free(scores);
-        free(row);
-    }
+    paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, num_seqs, num_heads,
+                      num_kv_heads, head_dim, block_size, max_blocks, scale, num_threads, &failed);
     return failed ? -1 : 0;
 }

@@ -1,0 +1,191 @@
+/* A whole decode step of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) over packed weights,
+ * in one OpenMP parallel region: one new token for each of a batch of sequences.
+ *
+ * What it replaces is not arithmetic but the time between kernels. At one sequence the compiled
+ * step (Inductor's graph calling duoserve::packed_linear and duoserve::paged_attention) spends
+ * ~1 ms a step outside its weights: ~150 op calls through the dispatcher, their output tensors
+ * allocated and freed, the graph's small kernels each forking the threads, all on the main
+ * thread while the other waits. Here the threads stay in one region and meet at barriers (~0.2 us
+ * each, ten a layer): the linear layers are packed_linear.c's blocks shared out as before, the
+ * attention is paged_decode.c's kernel, and the glue between them (RMSNorm, rotary, the new K/V
+ * written to their slots, residual adds, SiLU * up; Qwen3's q/k norms) is a few loops over a row.
+ *
+ * The arithmetic is the model's (llama.py, layers.py), rounded where the compiled graph rounds: in
+ * bfloat16 each op's result is stored in bfloat16 (a norm's float32 result before its weight is
+ * applied, as RMSNorm does; rotary's cos/sin rounded to the model dtype, as eager does) and
+ * float32 within it. Float32 models are float32 throughout.
+ *
+ * Caller (csrc/cpu_ops.cpp): x [m, hidden] the embeddings, overwritten with the residual stream;
+ * out [m, hidden] the final norm's output; all activations in the model dtype, weights packed
+ * (packed_linear.c) in it, caches [slots, num_kv_heads, head_dim] in it; slots checked.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_HEAD_DIM 512   /* decode_step() refuses larger heads */
+
+void packed_linear_team(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n,
+                        int k);
+int packed_linear_supported(int is_bf16);
+void paged_decode_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
+                       int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
+                       int num_threads, int *failed);
+
+struct decode_layer {
+    const void *input_norm, *post_norm;                    /* [hidden] */
+    const void *q_norm, *k_norm;                           /* [head_dim] (Qwen3) or NULL */
+    const void *qkv, *qkv_bias, *o_proj, *gate_up, *down;  /* packed; qkv_bias [q + 2 kv] or NULL */
+    void *k_cache, *v_cache;                               /* [slots, num_kv_heads, head_dim] */
+    float scale;
+};
+
+struct decode_shape {
+    int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
+    float eps;
+};
+
+static inline float load(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int bf) {
+    if (bf) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+static inline float rounded(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* rows [lo, hi) of x: x += add (unless add is NULL), then out = RMSNorm(x) * weight */
+static void add_norm_rows(void *x, const void *add, const void *weight, void *out, int m, int n, float eps, int bf) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < m; t++) {
+        const int64_t base = (int64_t)t * n;
+        float sum = 0.f;
+        if (add)
+            for (int i = 0; i < n; i++) store(x, base + i, load(x, base + i, bf) + load(add, base + i, bf), bf);
+        for (int i = 0; i < n; i++) {
+            const float v = load(x, base + i, bf);
+            sum += v * v;
+        }
+        const float r = 1.f / sqrtf(sum / (float)n + eps);
+        for (int i = 0; i < n; i++)
+            store(out, base + i, rounded(load(x, base + i, bf) * r, bf) * load(weight, i, bf), bf);
+    }
+}
+
+/* each row's query and key heads normed (Qwen3's q/k norms, where the layer has them) and rotated
+ * (rotate-half, cos/sin of its position: sin's first half negated, as RotaryEmbedding keeps it),
+ * queries to q [m, num_heads, head_dim] float32, keys and values to their cache slots */
+static void rotate_and_store(const void *qkv, const int64_t *positions, const float *cos_table,
+                             const float *sin_table, const int64_t *slots, const struct decode_layer *layer,
+                             const struct decode_shape *s, float *q, int m) {
+    const int bf = s->is_bf16, d = s->head_dim, half = d / 2;
+    const int heads = s->num_heads + s->num_kv_heads, width = (heads + s->num_kv_heads) * d;
+    const int64_t kv_width = (int64_t)s->num_kv_heads * d;
+    #pragma omp for schedule(static) collapse(2)
+    for (int t = 0; t < m; t++)
+        for (int h = 0; h < heads; h++) {
+            const float *cos = cos_table + positions[t] * d, *sin = sin_table + positions[t] * d;
+            const int64_t src = (int64_t)t * width + (int64_t)h * d;
+            const int is_key = h >= s->num_heads;
+            const void *norm = is_key ? layer->k_norm : layer->q_norm;
+            float head[MAX_HEAD_DIM];
+            for (int i = 0; i < d; i++) head[i] = load(qkv, src + i, bf);
+            if (norm) {
+                float sum = 0.f;
+                for (int i = 0; i < d; i++) sum += head[i] * head[i];
+                const float r = 1.f / sqrtf(sum / (float)d + s->eps);
+                for (int i = 0; i < d; i++) head[i] = rounded(rounded(head[i] * r, bf) * load(norm, i, bf), bf);
+            }
+            for (int i = 0; i < d; i++) {
+                const float swapped = head[i < half ? i + half : i - half];
+                const float v = head[i] * rounded(cos[i], bf) + swapped * rounded(sin[i], bf);
+                if (is_key) store(layer->k_cache, slots[t] * kv_width + (int64_t)(h - s->num_heads) * d + i, v, bf);
+                else q[((int64_t)t * s->num_heads + h) * d + i] = rounded(v, bf);
+            }
+            if (is_key) {   /* the value head beside this key head, unrotated */
+                const int64_t v_src = (int64_t)t * width + (int64_t)(heads + h - s->num_heads) * d;
+                const int64_t dst = slots[t] * kv_width + (int64_t)(h - s->num_heads) * d;
+                if (bf) memcpy((uint16_t *)layer->v_cache + dst, (const uint16_t *)qkv + v_src, (size_t)d * 2);
+                else memcpy((float *)layer->v_cache + dst, (const float *)qkv + v_src, (size_t)d * 4);
+            }
+        }
+}
+
+/* act [m, inter] = SiLU(gate) * up, from gate_up [m, 2 * inter]; columns shared by the threads */
+static void silu_mul(const void *gate_up, void *act, int m, int inter, int bf) {
+    const int chunk = 64, chunks = (inter + chunk - 1) / chunk;
+    #pragma omp for schedule(static) collapse(2)
+    for (int t = 0; t < m; t++)
+        for (int c = 0; c < chunks; c++) {
+            const int lo = c * chunk, hi = lo + chunk < inter ? lo + chunk : inter;
+            const int64_t row = (int64_t)t * 2 * inter;
+            float g[64], u[64];
+            for (int i = lo; i < hi; i++) {
+                g[i - lo] = load(gate_up, row + i, bf);
+                u[i - lo] = load(gate_up, row + inter + i, bf);
+            }
+            for (int i = 0; i < hi - lo; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            for (int i = lo; i < hi; i++) store(act, (int64_t)t * inter + i, g[i - lo], bf);
+        }
+}
+
+/* Returns 0; -1 when this build cannot run packed weights of that dtype; -2 when scratch memory
+ * could not be allocated (x and the caches may then hold part of the step). */
+int decode_step(const struct decode_layer *layers, int num_layers, const void *final_norm,
+                const struct decode_shape *s, const float *cos_table, const float *sin_table, void *x, void *out,
+                const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                const int64_t *seq_lens, int m, int max_blocks, int num_threads) {
+    const int bf = s->is_bf16, elem = bf ? 2 : 4, hidden = s->hidden, inter = s->intermediate;
+    const int q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+    if (!packed_linear_supported(bf) || s->head_dim > MAX_HEAD_DIM) return -1;
+    /* activations: qkv, q and attention out (float32), attention out (model dtype), o / down out,
+     * gate_up, act */
+    const size_t bytes = (size_t)m * ((size_t)qkv_size * elem + (size_t)q_size * 8 + (size_t)q_size * elem +
+                                      (size_t)hidden * elem + (size_t)3 * inter * elem) + 64 * 6;
+    char *scratch = malloc(bytes);
+    if (!scratch) return -2;
+    char *at = scratch;
+#define TAKE(n) (at += ((size_t)(n) + 63) / 64 * 64, at - ((size_t)(n) + 63) / 64 * 64)
+    void *qkv = TAKE((size_t)m * qkv_size * elem);
+    float *q = (float *)TAKE((size_t)m * q_size * 4);
+    float *attn32 = (float *)TAKE((size_t)m * q_size * 4);
+    void *attn = bf ? (void *)TAKE((size_t)m * q_size * elem) : (void *)attn32;
+    void *proj = TAKE((size_t)m * hidden * elem);
+    void *gate_up = TAKE((size_t)m * 2 * inter * elem);
+    void *act = TAKE((size_t)m * inter * elem);
+#undef TAKE
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        add_norm_rows(x, NULL, layers[0].input_norm, out, m, hidden, s->eps, bf);  /* out: the normed rows */
+        for (int l = 0; l < num_layers; l++) {
+            const struct decode_layer *layer = &layers[l];
+            packed_linear_team(out, layer->qkv, layer->qkv_bias, qkv, bf, m, qkv_size, hidden);
+            rotate_and_store(qkv, positions, cos_table, sin_table, slots, layer, s, q, m);
+            paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, m,
+                              s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, max_blocks, layer->scale,
+                              num_threads, &failed);
+            if (bf) {
+                #pragma omp for schedule(static)
+                for (int t = 0; t < m; t++)
+                    for (int i = 0; i < q_size; i++)
+                        store(attn, (int64_t)t * q_size + i, attn32[(int64_t)t * q_size + i], 1);
+            }
+            packed_linear_team(attn, layer->o_proj, NULL, proj, bf, m, hidden, q_size);
+            add_norm_rows(x, proj, layer->post_norm, out, m, hidden, s->eps, bf);
+            packed_linear_team(out, layer->gate_up, NULL, gate_up, bf, m, 2 * inter, hidden);
+            silu_mul(gate_up, act, m, inter, bf);
+            packed_linear_team(act, layer->down, NULL, proj, bf, m, hidden, inter);
+            add_norm_rows(x, proj, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, out, m, hidden,
+                          s->eps, bf);
+        }
+    }
+    free(scratch);
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,94 @@
+"""A step of decodes run whole in C++ (``csrc/decode_step.c``), beside the compiled graph.
+
+At one sequence a compiled step of the default model spends ~1 ms outside its weights: the
+graph's ~150 op calls through the dispatcher, their tensors allocated and freed, its small
+kernels each forking the threads, all on the main thread while the other waits (BENCHMARKS.md,
+session 8). ``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
+step, over the same packed weights, caches and kernels; the embedding before it and the output
+projection after it stay as they are. It serves steps in which every sequence decodes one token
+and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and any model
+it cannot take (a weight not packed, a cache in another dtype, no C++ compiler) runs the compiled
+graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from duoserve.model.attention import AttentionMetadata
+from duoserve.model.cpu_linear import CPULinear
+
+logger = logging.getLogger(__name__)
+
+# the most sequences a step may have to run here: faster than the compiled graph at every batch
+# measured, 1 to 64 (step_ab.py --change decode-step: fp32 -18 % at 1, -5 % at 32; bf16 -11 %, -5 %,
+# -2 % at 64); larger steps are left to the graph, unmeasured
+MAX_ROWS = 64
+
+
+def _packed(linear: nn.Module, dtype: torch.dtype, bias_allowed: bool) -> bool:
+    return (isinstance(linear, CPULinear) and linear.packed is not None and linear.packed.dtype == dtype
+            and (linear.bias is None or (bias_allowed and linear.bias.dtype == dtype)))
+
+
+def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why this model's decode steps cannot run in ``decode_step``, or None when they can."""
+    if os.environ.get("DUOSERVE_DECODE_STEP", "1") == "0":
+        return "DUOSERVE_DECODE_STEP=0"
+    from duoserve.model.custom_ops import define_ops
+
+    define_ops()
+    if not torch._C._dispatch_has_kernel("duoserve::decode_step"):
+        return "csrc/cpu_ops.cpp is not built"
+    arch = getattr(model, "arch", None)
+    if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary"):
+        return "not a Llama-family decoder"
+    dtype = model.dtype
+    if model.device.type != "cpu":
+        return f"the model is on {model.device.type}"
+    if arch.head_dim > 512:
+        return f"heads of {arch.head_dim} (at most 512)"
+    if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.dtype != dtype:
+        return f"activations in {dtype}"
+    for layer in model.layers:
+        if not (_packed(layer.qkv, dtype, True) and all(_packed(m, dtype, False)
+                                                         for m in (layer.o_proj, layer.gate_up, layer.down))):
+            return "a linear layer without packed weights of the model's dtype"
+        norms = [layer.input_norm, layer.post_norm, *((layer.q_norm, layer.k_norm) if arch.qk_norm else ())]
+        if any(norm.weight.dtype != dtype for norm in norms):
+            return "a norm weight in another dtype"
+    for k, v in kv_caches:
+        if k.dtype != dtype or v.dtype != dtype or not (k.is_contiguous() and v.is_contiguous()):
+            return f"a KV cache in {k.dtype} (the model runs {dtype})"
+    return None
+
+
+class FusedDecodeStep:
+    """``step(input_ids, positions, meta)``: the final hidden states of a step of decodes."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], context: int,
+                 scales: list[float]) -> None:
+        arch = model.arch
+        tensors: list[torch.Tensor] = []
+        empty = torch.empty(0, dtype=model.dtype)
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            qk_norms = [layer.q_norm.weight, layer.k_norm.weight] if arch.qk_norm else [empty, empty]
+            tensors += [layer.input_norm.weight, layer.post_norm.weight, *qk_norms, layer.qkv.packed,
+                        empty if layer.qkv.bias is None else layer.qkv.bias, layer.o_proj.packed,
+                        layer.gate_up.packed, layer.down.packed, k_cache, v_cache]
+        shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
+        torch.ops.duoserve.decode_model(context, tensors, model.norm.weight, model.rotary.cos, model.rotary.sin,
+                                        shape, arch.rms_norm_eps, scales)
+        self.model, self.context = model, context
+
+    def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return not meta.prefills and meta.num_decode_tokens == num_tokens <= MAX_ROWS
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed(input_ids).to(self.model.dtype)
+        return torch.ops.duoserve.decode_step(self.context, x, positions, meta.slot_mapping, meta.decode_block_tables,
+                                              meta.decode_seq_lens)
