@@ -118,6 +118,18 @@ def test_logprobs_match_the_model(smol_llm, default_model):
     assert math.isclose(out.cumulative_logprob, sum(e.logprob for e in out.logprobs))
 
 
+def test_truncation_at_temperature_one_leaves_the_callers_logits():
+    """At temperature 1 the logits are not divided (no copy): top-k must then write into a copy,
+    since the caller reads the raw logits again for logprobs."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.1], [0.1, 0.2, 3.0, 0.3]])
+    before = logits.clone()
+    rows = [_row(temperature=1.0, top_k=1, seed=1, logprobs=1), _row(temperature=1.0, top_k=2, seed=2)]
+    tokens, logprobs = sample(logits, rows)
+    assert tokens[0] == 0 and tokens[1] in (2, 3)
+    assert torch.equal(logits, before), "truncation must not modify the caller's logits"
+    assert logprobs[0].logprob == pytest.approx(torch.log_softmax(before[0], -1)[0].item())
+
+
 def test_sampled_token_logprob_and_rank_beyond_top():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     row = SamplingRow(SamplingParams(temperature=0, logprobs=1, min_tokens=1), 0, 0, [], [], (0,))
@@ -167,4 +179,19 @@ def test_inverse_cdf_across_blocks_of_the_vocabulary():
     counts = torch.bincount(tokens, minlength=3000).double() / len(uniforms)
     assert counts[probs == 0].sum() == 0
     assert 0.5 * (counts - probs.double()).abs().sum() < 0.05  # ~1500 live tokens: sampling noise ~0.035
+    assert draw_from(probs[None], torch.tensor([1.0 - 1e-15], dtype=torch.float64)).item() == int(probs.nonzero()[-1])
+
+
+def test_inverse_cdf_over_whole_blocks():
+    """A vocabulary of exactly two draw blocks (no padding): the same bounds."""
+    from duoserve.worker.sampler import draw_from
+
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(2048, generator=g) * (torch.rand(2048, generator=g) > 0.7)
+    probs = probs / probs.sum()
+    uniforms = torch.rand(100000, generator=g, dtype=torch.float64)
+    tokens = draw_from(probs.expand(len(uniforms), -1), uniforms)
+    counts = torch.bincount(tokens, minlength=2048).double() / len(uniforms)
+    assert counts[probs == 0].sum() == 0
+    assert 0.5 * (counts - probs.double()).abs().sum() < 0.05
     assert draw_from(probs[None], torch.tensor([1.0 - 1e-15], dtype=torch.float64)).item() == int(probs.nonzero()[-1])

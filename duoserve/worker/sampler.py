@@ -68,10 +68,13 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, as -inf masks on [R, vocab] logits."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps[:, None]
     vocab = logits.shape[1]
     with_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
+    if any(r.params.temperature != 1.0 for r in rows):
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+        logits = logits / temps[:, None]
+    elif with_k:
+        logits = logits.clone()   # top-k writes into its rows below: never into the caller's logits
     if with_k:
         ks = torch.tensor([rows[i].params.top_k for i in with_k], device=logits.device)
         sub = logits[with_k]  # [K, vocab]
@@ -120,7 +123,8 @@ def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [S, vocab] (rows need not be normalized), uniforms [S] in [0, 1) -> token ids [S]."""
     num_rows, vocab = probs.shape
     num_blocks = -(-vocab // _DRAW_BLOCK)
-    blocks = F.pad(probs.float(), (0, num_blocks * _DRAW_BLOCK - vocab)).view(num_rows, num_blocks, _DRAW_BLOCK)
+    padding = num_blocks * _DRAW_BLOCK - vocab
+    blocks = (F.pad(probs.float(), (0, padding)) if padding else probs.float()).view(num_rows, num_blocks, _DRAW_BLOCK)
     block_sums = blocks.sum(dim=-1).double()  # [S, num_blocks]
     block_cdf = block_sums.cumsum(dim=-1)
     targets = uniforms.to(block_cdf.device) * block_cdf[:, -1]  # [S]
@@ -180,12 +184,16 @@ def sample_tensor(logits: torch.Tensor, rows: list[SamplingRow], generator: torc
     """Tokens [R] drawn from float32 logits [R, vocab]; also the distributions of the sampled rows
     [S, vocab] (None if all are greedy) and which rows those are."""
     logits = adjusted(logits, rows)
-    tokens = logits.argmax(dim=-1)  # [R]: the greedy answer, replaced below for sampled rows
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(sampled) < len(rows):
+        tokens = logits.argmax(dim=-1)  # [R]: the greedy answer, replaced below for sampled rows
+    else:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     probs = None
     if sampled:
         sub_rows = [rows[i] for i in sampled]
-        probs = _truncate(logits[sampled], sub_rows).softmax(-1)  # [S, vocab]
+        sub = logits if len(sampled) == len(rows) else logits[sampled]
+        probs = _truncate(sub, sub_rows).softmax(-1)  # [S, vocab]
         tokens[sampled] = draw_from(probs, uniforms(sub_rows, generator, stream))
     return tokens, probs, sampled
 
