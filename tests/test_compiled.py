@@ -140,21 +140,23 @@ def test_decode_steps_run_whole_in_cpp_and_prompt_steps_in_the_graph(compiled_ll
     assert_pool_whole(compiled_llm)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_the_decode_step_takes_qkv_bias_and_qk_norms(tiny_dir, kind):
-    """Qwen2's q/k/v bias and Qwen3's per-head q/k norms, in the C++ decode step: the eager tokens
-    (float32 greedy, a batch of decodes at once)."""
+@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("qwen3", {}), ("llama", {"tie_word_embeddings": True})])
+def test_the_decode_step_takes_qkv_bias_qk_norms_and_a_tied_output_projection(tiny_dir, kind, overrides):
+    """Qwen2's q/k/v bias, Qwen3's per-head q/k norms, and a tied output projection, in the C++
+    decode step: the eager tokens (float32 greedy, a batch of decodes at once)."""
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
     settings = dict(dtype="float32", kv_cache_memory=0.01, num_threads=2)
-    want = LLM(str(tiny_dir(kind=kind)), enforce_eager=True, **settings).generate(prompts, PARAMS, use_tqdm=False)
-    llm = LLM(str(tiny_dir(kind=kind)), enforce_eager=False, **settings)
+    path = str(tiny_dir(kind=kind, **overrides))
+    want = LLM(path, enforce_eager=True, **settings).generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(path, enforce_eager=False, **settings)
     require_decode_step(llm)
+    assert llm.engine.runner.model.arch.tie_word_embeddings == (kind == "llama")
     assert_same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want, f"{kind}: decode step vs eager")
     assert_pool_whole(llm)
 
 
-def test_the_decode_step_refuses_a_slot_or_position_out_of_range_and_writes_nothing(compiled_llm):
+def test_the_decode_step_refuses_a_slot_position_or_token_out_of_range_and_writes_nothing(compiled_llm):
     import torch
 
     require_decode_step(compiled_llm)
@@ -162,17 +164,19 @@ def test_the_decode_step_refuses_a_slot_or_position_out_of_range_and_writes_noth
     caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     k_cache = runner.kv_caches[0][0]
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    x = torch.ones(2, runner.model.arch.hidden_size)
+    ids, vocab = torch.tensor([3, 4]), runner.model.arch.vocab_size
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 1])
     context = runner.forward.context.handle
     step = torch.ops.duoserve.decode_step
     with pytest.raises(RuntimeError, match=f"decode_step: slot {num_slots} outside the cache's {num_slots}"):
-        step(context, x, torch.tensor([0, 0]), torch.tensor([1, num_slots]), tables, lens)
+        step(context, ids, torch.tensor([0, 0]), torch.tensor([1, num_slots]), tables, lens)
     positions = runner.model.rotary.cos.shape[0]
     with pytest.raises(RuntimeError, match=f"decode_step: position {positions} outside the rotary table's"):
-        step(context, x, torch.tensor([0, positions]), torch.tensor([1, 2]), tables, lens)
+        step(context, ids, torch.tensor([0, positions]), torch.tensor([1, 2]), tables, lens)
+    with pytest.raises(RuntimeError, match=f"decode_step: token {vocab} outside the vocabulary of {vocab}"):
+        step(context, torch.tensor([3, vocab]), torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens)
     with pytest.raises(RuntimeError, match="decode_step: no model 12345"):
-        step(12345, x, torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens)
+        step(12345, ids, torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens)
     for (k, v), (k0, v0) in zip(runner.kv_caches, caches):
         assert torch.equal(k, k0) and torch.equal(v, v0), "a refused step wrote to the caches"
 

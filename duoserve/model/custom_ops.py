@@ -99,13 +99,14 @@ def define_ops() -> torch.library.Library:
                "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
 
     # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
-    # per layer its input norm, post norm, packed qkv, qkv bias (or an empty tensor), packed o,
-    # gate_up and down, K and V caches; shape: hidden, heads, KV heads, head dim, intermediate
+    # per layer its input norm, post norm, q and k norms (or empty tensors), packed qkv, qkv bias
+    # (or an empty tensor), packed o, gate_up and down, K and V caches; its embedding table packed
+    # (PackedEmbedding); shape: hidden, heads, KV heads, head dim, intermediate
     lib.define("decode_model(int context, Tensor[] layers, Tensor final_norm, Tensor cos, Tensor sin, "
-               "int[] shape, float eps, float[] scales) -> ()")
-    # one decode step of that model: x the embeddings [rows, hidden] -> the final norm's output
-    lib.define("decode_step(int context, Tensor x, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
-               "Tensor seq_lens) -> Tensor")
+               "Tensor embedding, int vocab, int[] shape, float eps, float[] scales) -> ()")
+    # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
+    lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
+               "Tensor block_tables, Tensor seq_lens) -> Tensor")
 
     def attention(q, k, v, context, layer):
         ctx = _CONTEXTS[context]

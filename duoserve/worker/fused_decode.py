@@ -4,8 +4,8 @@ At one sequence a compiled step of the default model spends ~1 ms outside its we
 graph's ~150 op calls through the dispatcher, their tensors allocated and freed, its small
 kernels each forking the threads, all on the main thread while the other waits (BENCHMARKS.md,
 session 8). ``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
-step, over the same packed weights, caches and kernels; the embedding before it and the output
-projection after it stay as they are. It serves steps in which every sequence decodes one token
+step (the embedding rows included), over the same packed weights, caches and kernels; the
+output projection after it stays as it is. It serves steps in which every sequence decodes one token
 and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and any model
 it cannot take (a weight not packed, a cache in another dtype, no C++ compiler) runs the compiled
 graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from duoserve.model.attention import AttentionMetadata
-from duoserve.model.cpu_linear import CPULinear
+from duoserve.model.cpu_linear import CPULinear, PackedEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return f"heads of {arch.head_dim} (at most 512)"
     if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.dtype != dtype:
         return f"activations in {dtype}"
+    embed = model.embed
+    if not (isinstance(embed, PackedEmbedding) and embed.packed.dtype == dtype
+            and embed.num_embeddings == arch.vocab_size):
+        return "an embedding table not packed in the model's dtype"
     for layer in model.layers:
         if not (_packed(layer.qkv, dtype, True) and all(_packed(m, dtype, False)
                                                          for m in (layer.o_proj, layer.gate_up, layer.down))):
@@ -82,13 +86,12 @@ class FusedDecodeStep:
                         layer.gate_up.packed, layer.down.packed, k_cache, v_cache]
         shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
         torch.ops.duoserve.decode_model(context, tensors, model.norm.weight, model.rotary.cos, model.rotary.sin,
-                                        shape, arch.rms_norm_eps, scales)
+                                        model.embed.packed, arch.vocab_size, shape, arch.rms_norm_eps, scales)
         self.model, self.context = model, context
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return not meta.prefills and meta.num_decode_tokens == num_tokens <= MAX_ROWS
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed(input_ids).to(self.model.dtype)
-        return torch.ops.duoserve.decode_step(self.context, x, positions, meta.slot_mapping, meta.decode_block_tables,
-                                              meta.decode_seq_lens)
+        return torch.ops.duoserve.decode_step(self.context, input_ids, positions, meta.slot_mapping,
+                                              meta.decode_block_tables, meta.decode_seq_lens)

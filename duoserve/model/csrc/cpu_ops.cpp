@@ -55,9 +55,8 @@ struct decode_shape {
     float eps;
 };
 int decode_step(const decode_layer *layers, int num_layers, const void *final_norm, const decode_shape *s,
-                const float *cos_table, const float *sin_table, void *x, void *out, const int64_t *positions,
-                const int64_t *slots, const int64_t *block_tables, const int64_t *seq_lens, int m, int max_blocks,
-                int num_threads);
+                const float *cos_table, const float *sin_table, const void *embedding, const int64_t *ids, void *x, void *out, const int64_t *positions, const int64_t *slots,
+                const int64_t *block_tables, const int64_t *seq_lens, int m, int max_blocks, int num_threads);
 }
 
 namespace {
@@ -259,9 +258,9 @@ struct DecodeModel {
     std::vector<at::Tensor> tensors;   // what the pointers below point into
     std::vector<decode_layer> layers;
     decode_shape shape;
-    const void *final_norm;
+    const void *final_norm, *embedding;
     const float *cos, *sin;
-    int64_t max_positions, num_slots;
+    int64_t max_positions, num_slots, vocab;
     at::ScalarType dtype;
 };
 std::mutex decode_models_mutex;
@@ -269,9 +268,11 @@ std::unordered_map<int64_t, DecodeModel> decode_models;
 
 // per layer: input norm, post norm, q norm and k norm (or empty tensors), qkv, qkv bias (or an
 // empty tensor), o, gate_up, down (packed), k cache, v cache, in that order in `layers`; shape:
-// hidden, heads, KV heads, head dim, intermediate
+// hidden, heads, KV heads, head dim, intermediate; the embedding table [vocab, hidden] packed as a
+// linear layer's weight (PackedEmbedding)
 void decode_model(int64_t context, at::TensorList layers, const at::Tensor &final_norm, const at::Tensor &cos,
-                  const at::Tensor &sin, c10::IntArrayRef shape, double eps, c10::ArrayRef<double> scales) {
+                  const at::Tensor &sin, const at::Tensor &embedding, int64_t vocab, c10::IntArrayRef shape,
+                  double eps, c10::ArrayRef<double> scales) {
     constexpr size_t PER_LAYER = 11;
     TORCH_CHECK(layers.size() == PER_LAYER * scales.size() && !scales.empty() && shape.size() == 5,
                 "decode_model: eleven tensors and a scale a layer, five sizes");
@@ -302,6 +303,10 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
                                             (float)scales[l]});
     }
     model.final_norm = ptr(final_norm);
+    TORCH_CHECK(embedding.numel() >= vocab * shape[0], "decode_model: an embedding table of ", vocab, " rows of ",
+                shape[0]);
+    model.embedding = ptr(embedding);
+    model.vocab = vocab;
     model.tensors.push_back(cos);
     model.tensors.push_back(sin);
     model.cos = cos.data_ptr<float>();
@@ -311,9 +316,9 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
     decode_models[context] = std::move(model);
 }
 
-// x [m, hidden]: the step's embeddings (one new token a sequence); -> the final norm's output
-// [m, hidden]; every layer's new keys and values written to their slots
-at::Tensor decode_step_op(int64_t context, const at::Tensor &x, const at::Tensor &positions,
+// input_ids [m]: the step's new tokens (one a sequence); -> the final norm's output [m, hidden];
+// every layer's new keys and values written to their slots
+at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at::Tensor &positions,
                           const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens) {
     const DecodeModel *model = nullptr;
     {
@@ -322,9 +327,8 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &x, const at::Tensor
         TORCH_CHECK(found != decode_models.end(), "decode_step: no model ", context, " (duoserve::decode_model)");
         model = &found->second;
     }
-    const int64_t m = x.size(0);
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == model->shape.hidden && x.scalar_type() == model->dtype,
-                "decode_step: x [rows, ", model->shape.hidden, "] of ", model->dtype);
+    const at::Tensor ids = input_ids.to(at::kLong).contiguous();
+    const int64_t m = ids.numel();
     const at::Tensor pos = positions.to(at::kLong).contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
     TORCH_CHECK(pos.numel() == m && slots.numel() == m && seq_lens.numel() == m && block_tables.size(0) == m &&
                 block_tables.is_contiguous() && seq_lens.is_contiguous() &&
@@ -332,14 +336,19 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &x, const at::Tensor
                 "decode_step: a position, a slot, a table and a length a row");
     for (int64_t t = 0; t < m; t++) {
         const int64_t p = pos.data_ptr<int64_t>()[t], slot = slots.data_ptr<int64_t>()[t];
+        const int64_t id = ids.data_ptr<int64_t>()[t];
+        TORCH_CHECK(id >= 0 && id < model->vocab, "decode_step: token ", id, " outside the vocabulary of ",
+                    model->vocab);
         TORCH_CHECK(p >= 0 && p < model->max_positions, "decode_step: position ", p, " outside the rotary table's ",
                     model->max_positions);
         TORCH_CHECK(slot >= 0 && slot < model->num_slots, "decode_step: slot ", slot, " outside the cache's ",
                     model->num_slots);
     }
-    at::Tensor residual = x.clone(at::MemoryFormat::Contiguous), out = at::empty_like(residual);
+    const auto options = at::TensorOptions().dtype(model->dtype);
+    at::Tensor residual = at::empty({m, model->shape.hidden}, options);
+    at::Tensor out = at::empty({m, model->shape.hidden}, options);
     const int status = decode_step(model->layers.data(), (int)model->layers.size(), model->final_norm, &model->shape,
-                                   model->cos, model->sin, residual.data_ptr(), out.data_ptr(),
+                                   model->cos, model->sin, model->embedding, ids.data_ptr<int64_t>(), residual.data_ptr(), out.data_ptr(),
                                    pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                                    block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), (int)m,
                                    (int)block_tables.size(1), at::get_num_threads());

@@ -10,14 +10,16 @@
  * attention is paged_decode.c's kernel, and the glue between them (RMSNorm, rotary, the new K/V
  * written to their slots, residual adds, SiLU * up; Qwen3's q/k norms) is a few loops over a row.
  *
- * The arithmetic is the model's (llama.py, layers.py), rounded where the compiled graph rounds: in
- * bfloat16 each op's result is stored in bfloat16 (a norm's float32 result before its weight is
- * applied, as RMSNorm does; rotary's cos/sin rounded to the model dtype, as eager does) and
- * float32 within it. Float32 models are float32 throughout.
+ * The arithmetic is the model's (llama.py, layers.py), in float32 within each step of a layer; in
+ * bfloat16 each step's result is stored in bfloat16 as the model stores it: a norm (its float32
+ * result rounded before its weight is applied, as RMSNorm does), a projection, rotary (cos/sin
+ * rounded to the model dtype, as eager does) and SiLU * up (each rounded once, as the compiled
+ * graph does), a residual add. Float32 models are float32 throughout.
  *
- * Caller (csrc/cpu_ops.cpp): x [m, hidden] the embeddings, overwritten with the residual stream;
- * out [m, hidden] the final norm's output; all activations in the model dtype, weights packed
- * (packed_linear.c) in it, caches [slots, num_kv_heads, head_dim] in it; slots checked.
+ * Caller (csrc/cpu_ops.cpp): ids [m] the new tokens (checked against the vocabulary); x [m, hidden]
+ * scratch for the residual stream; out [m, hidden] the final norm's output; all activations in
+ * the model dtype, weights packed (packed_linear.c) in it, caches [slots, num_kv_heads, head_dim]
+ * in it; positions and slots checked.
  */
 #include <math.h>
 #include <stdint.h>
@@ -135,10 +137,30 @@ static void silu_mul(const void *gate_up, void *act, int m, int inter, int bf) {
         }
 }
 
+/* x [m, hidden] = the embedding rows of ids, read from the table's packed copy (packed_linear.c's
+ * layout: row id in block id / 48, column id % 48, its values 48 apart, in pairs for bfloat16), as
+ * PackedEmbedding reads them */
+static void embed_rows(const int64_t *ids, const void *packed, int bf, int hidden, void *x, int m) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < m; t++) {
+        const int64_t block = ids[t] / 48, column = ids[t] % 48;
+        if (bf) {
+            const uint16_t *src = (const uint16_t *)packed + block * 48 * hidden;
+            uint16_t *row = (uint16_t *)x + (int64_t)t * hidden;
+            for (int i = 0; i < hidden; i++) row[i] = src[((int64_t)(i / 2) * 48 + column) * 2 + i % 2];
+        } else {
+            const float *src = (const float *)packed + block * 48 * hidden;
+            float *row = (float *)x + (int64_t)t * hidden;
+            for (int i = 0; i < hidden; i++) row[i] = src[(int64_t)i * 48 + column];
+        }
+    }
+}
+
 /* Returns 0; -1 when this build cannot run packed weights of that dtype; -2 when scratch memory
  * could not be allocated (x and the caches may then hold part of the step). */
 int decode_step(const struct decode_layer *layers, int num_layers, const void *final_norm,
-                const struct decode_shape *s, const float *cos_table, const float *sin_table, void *x, void *out,
+                const struct decode_shape *s, const float *cos_table, const float *sin_table,
+                const void *embedding, const int64_t *ids, void *x, void *out,
                 const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
                 const int64_t *seq_lens, int m, int max_blocks, int num_threads) {
     const int bf = s->is_bf16, elem = bf ? 2 : 4, hidden = s->hidden, inter = s->intermediate;
@@ -163,6 +185,7 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
+        embed_rows(ids, embedding, bf, hidden, x, m);
         add_norm_rows(x, NULL, layers[0].input_norm, out, m, hidden, s->eps, bf);  /* out: the normed rows */
         for (int l = 0; l < num_layers; l++) {
             const struct decode_layer *layer = &layers[l];
