@@ -53,7 +53,7 @@ def forward_one(model, token_ids: list[int], block_size: int = 16) -> torch.Tens
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     dtype = model.dtype
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
-    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size, dtype=dtype)
+    meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], block_size)
     hidden = model(torch.tensor(token_ids), torch.arange(n), caches, meta)
     return model.compute_logits(hidden)
 

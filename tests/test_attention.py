@@ -19,7 +19,7 @@ def _setup(dtype, num_seqs=5, num_heads=8, num_kv_heads=2, head_dim=32, block_si
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     lens = [rng.randint(1, 30) for _ in range(num_seqs)]
     tables = [rng.sample(range(num_blocks), -(-n // block_size)) for n in lens]
-    meta = AttentionMetadata.build([1] * num_seqs, lens, tables, block_size, dtype=torch.float32)
+    meta = AttentionMetadata.build([1] * num_seqs, lens, tables, block_size)
     q = torch.randn(num_seqs, num_heads, head_dim)
     return q, k_cache, v_cache, meta, lens, tables
 
@@ -119,7 +119,7 @@ def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):
     k_cache[:seq_len], v_cache[:seq_len] = k_all, v_all
     k_cache, v_cache = k_cache.view(shape), v_cache.view(shape)
     q = torch.randn(chunk, num_heads, head_dim).to(dtype)
-    meta = AttentionMetadata.build([chunk], [seq_len], [table], block_size, dtype=dtype)
+    meta = AttentionMetadata.build([chunk], [seq_len], [table], block_size)
     seq = meta.prefills[0]
     k_new, v_new = k_all[cached:], v_all[cached:]
     group = num_heads // num_kv_heads

@@ -44,11 +44,25 @@ class PrefillSeq:
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [num_tokens] long: where each token's K/V is written
     num_decode_tokens: int              # the first tokens, one per decoding sequence
-    decode_slots: torch.Tensor | None   # [num_decodes * ctx] long: cache slots of each decode's context
-    decode_mask: torch.Tensor | None    # [num_decodes, 1, ctx] additive float: -inf past each seq_len
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (for the C kernel)
     decode_seq_lens: torch.Tensor | None      # [num_decodes] long
     prefills: list[PrefillSeq]
+    block_size: int = 16
+    _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None   # see decode_gather
+
+    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the torch decode path (no C kernel): each decode's context slots [num_decodes * ctx]
+        (long) and an additive mask [num_decodes, 1, ctx] (float32, -inf past its length); made
+        on first use, once a step (the C kernels read the tables and lengths themselves)."""
+        if self._decode_gather is None:
+            tables, lens, device = self.decode_block_tables, self.decode_seq_lens, self.slot_mapping.device
+            offsets = torch.arange(self.block_size, device=device)
+            slots = (tables[:, :, None] * self.block_size + offsets).reshape(-1)
+            span = torch.arange(tables.shape[1] * self.block_size, device=device)
+            mask = torch.zeros(len(lens), span.numel(), device=device)
+            mask.masked_fill_(span[None, :] >= lens[:, None], float("-inf"))  # [num_decodes, ctx]
+            self._decode_gather = (slots, mask[:, None, :])
+        return self._decode_gather
 
     @staticmethod
     def build(
@@ -57,7 +71,6 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
     ) -> "AttentionMetadata":
         """Describe one step. Sequences with ``query_len == 1`` must come first."""
         slots: list[int] = []
@@ -67,19 +80,12 @@ class AttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        decode_slots = decode_mask = tables = lens = None
+        tables = lens = None
         if num_decodes:
             max_blocks = max(len(t) for t in block_tables[:num_decodes])
             padded = [t + [0] * (max_blocks - len(t)) for t in block_tables[:num_decodes]]
             tables = torch.tensor(padded, dtype=torch.long, device=device)  # [num_decodes, max_blocks]
-            offsets = torch.arange(block_size, device=device)
-            decode_slots = (tables[:, :, None] * block_size + offsets).reshape(-1)
             lens = torch.tensor(seq_lens[:num_decodes], device=device)
-            span = torch.arange(max_blocks * block_size, device=device)
-            hidden = span[None, :] >= lens[:, None]  # [num_decodes, ctx]
-            decode_mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
-            decode_mask.masked_fill_(hidden, float("-inf"))
-            decode_mask = decode_mask[:, None, :]
         prefills = []
         start = num_decodes
         for i in range(num_decodes, len(query_lens)):
@@ -97,11 +103,10 @@ class AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             num_decode_tokens=num_decodes,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
             decode_block_tables=tables,
             decode_seq_lens=lens,
             prefills=prefills,
+            block_size=block_size,
         )
 
 
@@ -125,12 +130,13 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     width = num_kv_heads * head_dim
-    keys = k_cache.view(-1, width).index_select(0, meta.decode_slots).view(num_decodes, -1, width)
-    values = v_cache.view(-1, width).index_select(0, meta.decode_slots).view(num_decodes, -1, width)
+    decode_slots, decode_mask = meta.decode_gather()
+    keys = k_cache.view(-1, width).index_select(0, decode_slots).view(num_decodes, -1, width)
+    values = v_cache.view(-1, width).index_select(0, decode_slots).view(num_decodes, -1, width)
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # [num_decodes, ctx, width]
     slot = head_slot.to(q.dtype)[None, :, :, None]  # [1, num_heads, num_kv_heads, 1]: 1 at each head's KV head
     spread = (q[:, :, None, :] * slot).view(num_decodes, num_heads, width)  # zeros outside the head's slot
-    scores = torch.baddbmm(meta.decode_mask.to(q.dtype), spread, keys.transpose(1, 2),
+    scores = torch.baddbmm(decode_mask.to(q.dtype), spread, keys.transpose(1, 2),
                            alpha=scale)  # [num_decodes, num_heads, ctx]
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.bmm(probs, values).view(num_decodes, num_heads, num_kv_heads, head_dim)

@@ -111,9 +111,8 @@ class CompiledModel:
     def warm_up(self, block_size: int) -> float:
         """Compile before the first request (and run one token and two through it); returns seconds."""
         start = time.monotonic()
-        dtype = self.model.dtype
         for num_tokens in (1, 2):
-            meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], block_size, dtype=dtype)
+            meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], block_size)
             self(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), None, meta)
         self._hook.remove()
         guarded = os.environ.get("DUOSERVE_COMPILED_GUARDS") == "1"

@@ -120,8 +120,7 @@ class DraftRunner:
         flat = [t for ts in tokens for t in ts]
         positions = [p for _, start, end in seqs for p in range(start, end)]
         meta = AttentionMetadata.build([end - start for _, start, end in seqs], [end for _, _, end in seqs],
-                                       [item.block_ids for item, _, _ in seqs], self.block_size, self.device,
-                                       self.model.dtype)
+                                       [item.block_ids for item, _, _ in seqs], self.block_size, self.device)
         hidden = self.forward(torch.tensor(flat, device=self.device), torch.tensor(positions, device=self.device),
                               self.kv_caches, meta)
         last = torch.tensor([0] + [end - start for _, start, end in seqs]).cumsum(0)[1:] - 1

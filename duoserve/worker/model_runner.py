@@ -107,7 +107,7 @@ class ModelRunner:
             positions.extend(range(item.start, item.start + item.num_new_tokens))
         meta = AttentionMetadata.build(
             [i.num_new_tokens for i in items], [i.start + i.num_new_tokens for i in items],
-            [i.block_ids for i in items], self.block_size, self.device, self.model.dtype)
+            [i.block_ids for i in items], self.block_size, self.device)
         hidden = self.forward(torch.tensor(token_ids, device=self.device),
                               torch.tensor(positions, device=self.device), self.kv_caches, meta)
         output = RunnerOutput(sampled={})
@@ -181,8 +181,7 @@ class ModelRunner:
         """One prefill chunk of ``num_tokens`` into the first blocks (nobody's yet), for measuring
         its temporary memory at start."""
         blocks = list(range(-(-num_tokens // self.block_size)))
-        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], self.block_size, self.device,
-                                       self.model.dtype)
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [blocks], self.block_size, self.device)
         hidden = self.forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                               torch.arange(num_tokens, device=self.device), self.kv_caches, meta)
         self.model.compute_logits(hidden[-1:])
