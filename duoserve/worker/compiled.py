@@ -86,7 +86,7 @@ class CompiledModel:
 
         self._hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
 
-        # a step of a few decodes runs whole in C++ where the model allows it (fused_decode.py)
+        # a step of decodes (up to 64) runs whole in C++ where the model allows it (fused_decode.py)
         from duoserve.worker.fused_decode import FusedDecodeStep, why_not
 
         reason = why_not(model, kv_caches)

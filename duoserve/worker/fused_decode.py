@@ -5,15 +5,14 @@ graph's ~150 op calls through the dispatcher, their tensors allocated and freed,
 kernels each forking the threads, all on the main thread while the other waits (BENCHMARKS.md,
 session 8). ``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
 step (the embedding rows included), over the same packed weights, caches and kernels; the
-output projection after it stays as it is. It serves steps in which every sequence decodes one token
-and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and any model
-it cannot take (a weight not packed, a cache in another dtype, no C++ compiler) runs the compiled
-graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
+output projection after it stays as it is. It serves steps in which every sequence decodes one
+token and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and
+a model it cannot take (a weight not packed, a cache in another dtype, no C++ compiler) runs
+the compiled graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -22,11 +21,10 @@ from torch import nn
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.cpu_linear import CPULinear, PackedEmbedding
 
-logger = logging.getLogger(__name__)
-
 # the most sequences a step may have to run here: faster than the compiled graph at every batch
-# measured, 1 to 64 (step_ab.py --change decode-step: fp32 -18 % at 1, -5 % at 32; bf16 -11 %, -5 %,
-# -2 % at 64); larger steps are left to the graph, unmeasured
+# measured, 1 to 64 (step_ab.py --change decode-step, two sittings: fp32 -9 to -18 % at 1, -5 % at
+# 32 and 64; bf16 -11 to -15 % at 1, -4 to -5 % at 32, -1 to -2 % at 64); larger steps are left to
+# the graph
 MAX_ROWS = 64
 
 

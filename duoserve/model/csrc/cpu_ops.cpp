@@ -13,6 +13,8 @@
 //   then the C decode kernel over each sequence's blocks.
 // - paged_attention: a compiled model's attention op; in a step of decodes (announced by
 //   attention_step) decode_attention with no Python, in any other the Python kernel.
+// - decode_model, decode_step: a model handed over once, then each of its steps of decodes run
+//   whole by decode_step.c (worker/fused_decode.py).
 // What they save is Python: a decode step calls one of them for every linear layer and every
 // layer's attention, and each call through Python costs ~5 us per torch op it makes, 1-2 ms a
 // step for the default model.
@@ -55,8 +57,9 @@ struct decode_shape {
     float eps;
 };
 int decode_step(const decode_layer *layers, int num_layers, const void *final_norm, const decode_shape *s,
-                const float *cos_table, const float *sin_table, const void *embedding, const int64_t *ids, void *x, void *out, const int64_t *positions, const int64_t *slots,
-                const int64_t *block_tables, const int64_t *seq_lens, int m, int max_blocks, int num_threads);
+                const float *cos_table, const float *sin_table, const void *embedding, const int64_t *ids, void *x,
+                void *out, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                const int64_t *seq_lens, int m, int max_blocks, int num_threads);
 }
 
 namespace {
@@ -348,10 +351,11 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
     at::Tensor residual = at::empty({m, model->shape.hidden}, options);
     at::Tensor out = at::empty({m, model->shape.hidden}, options);
     const int status = decode_step(model->layers.data(), (int)model->layers.size(), model->final_norm, &model->shape,
-                                   model->cos, model->sin, model->embedding, ids.data_ptr<int64_t>(), residual.data_ptr(), out.data_ptr(),
-                                   pos.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                                   block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), (int)m,
-                                   (int)block_tables.size(1), at::get_num_threads());
+                                   model->cos, model->sin, model->embedding, ids.data_ptr<int64_t>(),
+                                   residual.data_ptr(), out.data_ptr(), pos.data_ptr<int64_t>(),
+                                   slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                                   seq_lens.data_ptr<int64_t>(), (int)m, (int)block_tables.size(1),
+                                   at::get_num_threads());
     TORCH_CHECK(status == 0, status == -1 ? "decode_step: this build cannot run these packed weights"
                                           : "decode_step: out of memory for the step's scratch");
     return out;

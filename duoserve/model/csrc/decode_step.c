@@ -62,7 +62,8 @@ static inline void store(void *p, int64_t i, float v, int bf) {
 
 static inline float rounded(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
-/* rows [lo, hi) of x: x += add (unless add is NULL), then out = RMSNorm(x) * weight */
+/* every row of x (rows shared by the threads): x += add (unless add is NULL), then
+ * out = RMSNorm(x) * weight */
 static void add_norm_rows(void *x, const void *add, const void *weight, void *out, int m, int n, float eps, int bf) {
     #pragma omp for schedule(static)
     for (int t = 0; t < m; t++) {
