@@ -58,10 +58,13 @@ def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
     assert_pool_whole(compiled_llm)
 
 
-def test_decode_steps_attend_in_cpp_and_other_steps_in_python(compiled_llm, monkeypatch):
-    """Without the C++ decode step, a compiled step of decodes is announced to the C++ paged_attention, which then runs every
-    layer with no Python; a step with a prompt chunk runs the Python kernel; nothing stays
-    announced after a step (a later prefill goes to Python again)."""
+def test_every_step_attends_in_cpp_and_nothing_stays_announced(compiled_llm, eager_llm, monkeypatch):
+    """Without the C++ decode step, every compiled step (a prompt chunk, decodes) is announced to
+    the C++ paged_attention, which runs every layer over all the step's tokens with no Python
+    and gives the eager tokens; after a step nothing stays announced (a direct call of the op
+    goes to the Python kernel)."""
+    import torch
+
     from duoserve.core.request import Request
     from duoserve.model import custom_ops
     from duoserve.model.cpu_kernels import _compilers
@@ -69,25 +72,30 @@ def test_decode_steps_attend_in_cpp_and_other_steps_in_python(compiled_llm, monk
     if _compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and serve the op
         pytest.skip("no C++ compiler on this machine: the attention op is Python")
     assert custom_ops.native_attention(), "a C++ compiler is here: the C++ paged_attention must be registered"
-    assert compiled_llm.engine.runner.forward.context.native
-    # the graph's own decode steps (those the C++ decode step does not take: over MAX_ROWS sequences)
-    monkeypatch.setattr(compiled_llm.engine.runner.forward, "fused", None)
+    forward = compiled_llm.engine.runner.forward
+    assert forward.context.native
+    monkeypatch.setattr(forward, "fused", None)   # the graph's own decode steps too
     calls = []
     python_kernel = custom_ops.paged_attention
     monkeypatch.setattr(custom_ops, "paged_attention", lambda *a: calls.append(1) or python_kernel(*a))
     engine = compiled_llm.engine
-    num_layers = len(engine.runner.model.layers)
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    per_step = []
-    for name in ("first", "second"):
-        engine.add_request(Request(name, list(range(5, 11)), params, (), 128))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    per_step, tokens = [], {}
+    for name, prompt in (("first", list(range(5, 11))), ("second", list(range(40, 43)))):
+        engine.add_request(Request(name, prompt, params, (), 128))
         while engine.has_unfinished():
             calls.clear()
-            engine.step()
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             per_step.append(len(calls))
         engine.release(name)
-    # each request: its prompt in one chunk (Python), then two decode steps (C++)
-    assert per_step == [num_layers, 0, 0] * 2
+    assert per_step == [0, 0, 0] * 2   # each request: its prompt in one chunk, then two decode steps
+    want = eager_llm.generate([list(range(5, 11)), list(range(40, 43))], params, use_tqdm=False)
+    assert [tokens["first"], tokens["second"]] == [w.outputs[0].token_ids for w in want]
+    monkeypatch.setattr(custom_ops, "paged_attention", lambda q, *a: calls.append(1) or q.flatten(1))
+    q = torch.zeros(1, 4, 16)
+    torch.ops.duoserve.paged_attention(q, q[:, :2], q[:, :2], forward.context.handle, 0)
+    assert calls == [1], "a step left its announcement behind"
     assert_pool_whole(compiled_llm)
 
 

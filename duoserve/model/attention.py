@@ -50,6 +50,19 @@ class AttentionMetadata:
     block_size: int = 16
     _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None   # see decode_gather
 
+    def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of the step as a row decoding over its own causal context, for the C
+        kernel in one call: its block table [num_tokens, max_blocks] (zero-padded) and how many
+        tokens it sees [num_tokens] (a prompt token: its position + 1; its chunk's keys and values
+        are all written before any row attends)."""
+        decodes = [(self.decode_block_tables, self.decode_seq_lens)] if self.num_decode_tokens else []
+        parts = decodes + [(seq.token_block_tables, seq.token_seq_lens) for seq in self.prefills]
+        if len(parts) == 1:
+            return parts[0]
+        width = max(tables.shape[1] for tables, _ in parts)
+        tables = [t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1])) for t, _ in parts]
+        return torch.cat(tables), torch.cat([lens for _, lens in parts])
+
     def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For the torch decode path (no C kernel): each decode's context slots [num_decodes * ctx]
         (long) and an additive mask [num_decodes, 1, ctx] (float32, -inf past its length); made

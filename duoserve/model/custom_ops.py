@@ -11,9 +11,10 @@ on first use.
 The attention op's KV caches and the step's ``AttentionMetadata`` are not graph inputs
 (their shapes vary every step and would recompile the graph): they sit in a
 ``StepContext``, reached by an integer handle baked into the graph. Where csrc/cpu_ops.cpp
-builds, ``paged_attention`` is C++: a step of decodes is announced to it (``attention_step``,
-with every layer's caches and the step's slots, tables and lengths) and each layer runs the
-decode kernel with no Python; any other step calls the Python kernel ``paged_attention_any``. The registry of
+builds, ``paged_attention`` is C++: each step is announced to it (``attention_step``, with
+every layer's caches and the step's slots, and every token's block table and context length)
+and each layer runs the C kernel over all the step's tokens with no Python; without the
+announcement (no C++ build) the Python kernel ``paged_attention_any`` runs. The registry of
 contexts is the one module-level mutable object here, append-only, because an op argument
 can only be a tensor or a plain value.
 """
@@ -36,7 +37,7 @@ class StepContext:
     layers: list[PagedAttention]                 # the eager modules: scale and head slots
     meta: AttentionMetadata | None = None        # set for the duration of one forward
     handle: int = -1                             # its index in the registry
-    announced: bool = False                      # this forward's decodes announced to the C++ op
+    announced: bool = False                      # this forward announced to the C++ op
 
     def __post_init__(self) -> None:
         # what every announcement passes, fixed for the model's life: gathered once, not each step
@@ -47,12 +48,15 @@ class StepContext:
         self._scales = [layer.scale for layer in self.layers]
 
     def begin(self, meta: AttentionMetadata) -> None:
-        """Before a forward: its metadata; a step of decodes is also announced to the C++
-        ``paged_attention``, which then runs each layer with no Python (``end`` clears it)."""
+        """Before a forward: its metadata; where the C++ ``paged_attention`` serves the model, the
+        step is also announced to it, every token a row over its own causal context (a decode,
+        or a prompt token as the Python kernel runs it: ``_prefill_by_decode_kernel``), and each
+        layer then runs with no Python (``end`` clears it)."""
         self.meta = meta
-        if self.native and meta.num_decode_tokens and not meta.prefills:
+        if self.native:
+            tables, lens = meta.token_contexts()
             torch.ops.duoserve.attention_step(self.handle, self._k_caches, self._v_caches, meta.slot_mapping,
-                                              meta.decode_block_tables, meta.decode_seq_lens, self._scales)
+                                              tables, lens, self._scales)
             self.announced = True
 
     def end(self) -> None:
@@ -89,7 +93,7 @@ def define_ops() -> torch.library.Library:
     lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
     # its Python kernel, which the C++ one calls for any step but one of decodes
     lib.define("paged_attention_any(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
-    # a compiled step of decodes announced to the C++ paged_attention (csrc/cpu_ops.cpp), and
+    # a compiled step announced to the C++ paged_attention (csrc/cpu_ops.cpp), and
     # cleared after it (slot_mapping None): its layers' caches and scales and the step's metadata
     lib.define("attention_step(int context, Tensor[] k_caches, Tensor[] v_caches, Tensor? slot_mapping, "
                "Tensor? block_tables, Tensor? seq_lens, float[] scales) -> ()")

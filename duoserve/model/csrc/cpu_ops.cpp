@@ -11,8 +11,9 @@
 // - decode_attention: a decode step's attention of one layer (`paged_attention` in attention.py
 //   when every sequence decodes one token): the new keys and values written to their slots,
 //   then the C decode kernel over each sequence's blocks.
-// - paged_attention: a compiled model's attention op; in a step of decodes (announced by
-//   attention_step) decode_attention with no Python, in any other the Python kernel.
+// - paged_attention: a compiled model's attention op; in an announced step (attention_step:
+//   every token a row over its own causal context, prompt tokens included) decode_attention
+//   with no Python, else the Python kernel.
 // - decode_model, decode_step: a model handed over once, then each of its steps of decodes run
 //   whole by decode_step.c (worker/fused_decode.py).
 // What they save is Python: a decode step calls one of them for every linear layer and every
@@ -206,8 +207,8 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
     return out.view({num_seqs, num_heads * head_dim}).to(q.scalar_type());
 }
 
-// What duoserve::paged_attention reads during one forward of a compiled model whose step is all
-// decodes: its caches and the step's metadata, by the model's context handle (custom_ops.py).
+// What duoserve::paged_attention reads during one forward of a compiled model: its caches and the
+// step's slots and per-token tables and lengths, by the model's context handle (custom_ops.py).
 // Set by duoserve::attention_step before the forward and cleared after it, so no tensor is held
 // between steps.
 struct DecodeStep {
@@ -232,8 +233,8 @@ void attention_step(int64_t context, at::TensorList k_caches, at::TensorList v_c
                                        scales.vec()};
 }
 
-// one layer's attention inside a compiled graph: a step of decodes straight to decode_attention,
-// any other step through the Python kernel (duoserve::paged_attention_any)
+// one layer's attention inside a compiled graph: an announced step straight to decode_attention
+// (each token a row), any other through the Python kernel (duoserve::paged_attention_any)
 at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t context,
                            int64_t layer) {
     const DecodeStep *step = nullptr;
