@@ -47,7 +47,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (for the C kernel)
     decode_seq_lens: torch.Tensor | None      # [num_decodes] long
     prefills: list[PrefillSeq]
-    block_size: int = 16
+    block_size: int
     _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None   # see decode_gather
 
     def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,7 +45,7 @@ class StepContext:
         self.native = k_cache.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES and native_attention()
         self._k_caches = [k for k, _ in self.kv_caches]
         self._v_caches = [v for _, v in self.kv_caches]
-        self._scales = [layer.scale for layer in self.layers]
+        self.scales = [layer.scale for layer in self.layers]
 
     def begin(self, meta: AttentionMetadata) -> None:
         """Before a forward: its metadata; where the C++ ``paged_attention`` serves the model, the
@@ -56,7 +56,7 @@ class StepContext:
         if self.native:
             tables, lens = meta.token_contexts()
             torch.ops.duoserve.attention_step(self.handle, self._k_caches, self._v_caches, meta.slot_mapping,
-                                              tables, lens, self._scales)
+                                              tables, lens, self.scales)
             self.announced = True
 
     def end(self) -> None:

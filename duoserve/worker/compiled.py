@@ -90,7 +90,7 @@ class CompiledModel:
         from duoserve.worker.fused_decode import FusedDecodeStep, why_not
 
         reason = why_not(model, kv_caches)
-        self.fused = None if reason else FusedDecodeStep(model, kv_caches, handle, self.context._scales)
+        self.fused = None if reason else FusedDecodeStep(model, kv_caches, handle, self.context.scales)
         if reason:
             logger.info("decode steps run the compiled graph, not the C++ decode step: %s", reason)
 

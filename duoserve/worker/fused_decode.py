@@ -85,7 +85,7 @@ class FusedDecodeStep:
         shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
         torch.ops.duoserve.decode_model(context, tensors, model.norm.weight, model.rotary.cos, model.rotary.sin,
                                         model.embed.packed, arch.vocab_size, shape, arch.rms_norm_eps, scales)
-        self.model, self.context = model, context
+        self.context = context
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return not meta.prefills and meta.num_decode_tokens == num_tokens <= MAX_ROWS
