@@ -136,3 +136,65 @@ def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):
     if paged_decode_kernel() is not None:  # the C kernel, query by query
         by_kernel = attention._prefill_by_decode_kernel(q, k_cache, v_cache, seq, 0.2)
         assert (by_kernel.float() - want).abs().max() < 1e-5
+
+
+def _rows(spec, block_size, num_blocks, rng):
+    """Per-row tables and lengths for runs given as (tokens, keys before the first): each run a
+    sequence of its own blocks, its token i seeing keys + i + 1 keys, as token_contexts() gives."""
+    tables, lens = [], []
+    for count, before in spec:
+        blocks = rng.sample(range(num_blocks), -(-(before + count) // block_size))
+        for i in range(count):
+            tables.append(blocks)
+            lens.append(before + i + 1)
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), tables
+
+
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# head_dim 64 and 128 tile (AVX-512); 32 takes the decode kernel throughout; several groups and block sizes
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8), (12, 1, 64, 32), (8, 2, 32, 16)])
+def test_c_kernel_runs_of_prompt_tokens_match_reference(dtype, shape):
+    """Rows of a prompt chunk (a run: one table, lengths growing by one) go to the tiled kernel,
+    others to the decode kernel, in one call: all match plain softmax attention. Tolerance: 1e-5
+    in float32; in bfloat16 2e-2, the probabilities being rounded to bf16 for the dot products
+    (2^-9 relative) against values of magnitude up to ~4."""
+    torch.set_num_threads(2)
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    k_cache = torch.randn(96, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(96, block_size, num_kv_heads, head_dim).to(dtype)
+    # decodes, a whole prompt, a chunk after 50 cached keys, a run of 2 (decode kernel), 17 rows
+    # (a tile of 16 and one row), one of 3 starting at the first key
+    spec = [(1, 37), (1, 4), (40, 0), (29, 50), (2, 9), (17, 70), (3, 0), (1, 100)]
+    tables, lens, blocks = _rows(spec, block_size, 96, rng)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype).float()
+    got = c_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    want = _reference(q, k_cache, v_cache, lens.tolist(), blocks, 0.125)
+    assert (got - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+def test_rows_group_into_runs_only_over_one_table():
+    """paged_find_runs: consecutive rows whose lengths grow by one and whose tables agree on the
+    blocks the shorter row reads are one run (3 rows or more); anything else is a single row."""
+    import ctypes
+
+    from duoserve.model.cpu_kernels import _load
+
+    P, I = ctypes.c_void_p, ctypes.c_int
+    find = _load("paged_decode", "paged_find_runs", (P, P, I, I, I, P, P, P, P))
+    tables = torch.tensor([[7, 0, 0], [3, 4, 0], [3, 4, 0], [3, 4, 0], [3, 4, 9], [3, 4, 9],  # rows 0-5
+                           [5, 0, 0], [5, 0, 0],                                             # a run of 2
+                           [1, 2, 0], [1, 6, 0], [1, 6, 0], [1, 6, 0],                       # block 2 differs
+                           [8, 0, 0], [8, 0, 0], [8, 0, 0]])                                 # lengths 3, 4, 4
+    lens = torch.tensor([5, 6, 7, 8, 9, 10, 2, 3, 7, 8, 9, 10, 3, 4, 4])
+    firsts, counts, singles = (torch.zeros(15, dtype=torch.int32) for _ in range(3))
+    num_singles = ctypes.c_int()
+    runs = find(tables.data_ptr(), lens.data_ptr(), 15, 3, 4, firsts.data_ptr(), counts.data_ptr(),
+                singles.data_ptr(), ctypes.byref(num_singles))
+    # rows 0..5: lengths 5..10 over [7] then [3, 4, ...]: row 0 reads block 7, row 1 block 3
+    assert runs == 2 and firsts[:2].tolist() == [1, 9] and counts[:2].tolist() == [5, 3]
+    assert singles[:num_singles.value].tolist() == [0, 6, 7, 8, 12, 13, 14]

@@ -67,19 +67,24 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
     return target
 
 
+# what a ctypes library links besides csrc/<name>.c
+_LINKED = {"paged_decode": ("paged_prefill",)}
+
+
 def _build(source: Path) -> Path | None:
     compiler = _compilers()[0]
     if compiler is None:
         logger.info("no C compiler found: %s runs on the torch path", source.stem)
         return None
-    return _cached_build(source.stem, [source], compiler,
-                         lambda tmp, out: [[compiler, *C_FLAGS, "-shared", str(source), "-o", str(out), "-lm"]])
+    sources = [source, *(_CSRC / f"{c}.c" for c in _LINKED.get(source.stem, ()))]
+    return _cached_build(source.stem, sources, compiler,
+                         lambda tmp, out: [[compiler, *C_FLAGS, "-shared", *map(str, sources), "-o", str(out), "-lm"]])
 
 
 @lru_cache(maxsize=None)
 def load_torch_op_library(name: str = "cpu_ops",
                           c_sources: tuple[str, ...] = ("small_m_linear", "packed_linear", "gguf_linear",
-                                                           "paged_decode", "decode_step")) -> bool:
+                                                           "paged_decode", "paged_prefill", "decode_step")) -> bool:
     """Build ``csrc/<name>.cpp`` with ``csrc/<c_sources>.c`` into one library against this torch and
     load it (it registers op kernels); False, with one log line, where it cannot be."""
     if os.environ.get("DUOSERVE_C_KERNELS", "1") == "0":

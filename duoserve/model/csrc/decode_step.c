@@ -34,9 +34,9 @@ void packed_linear_team(const void *x, const void *packed, const void *bias, voi
                         int k);
 int packed_linear_supported(int is_bf16);
 void paged_decode_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
-                       int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
-                       int num_threads, int *failed);
+                       const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *rows,
+                       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                       float scale, int num_threads, int *failed);
 
 struct decode_layer {
     const void *input_norm, *post_norm;                    /* [hidden] */
@@ -192,7 +192,7 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
             const struct decode_layer *layer = &layers[l];
             packed_linear_team(out, layer->qkv, layer->qkv_bias, qkv, bf, m, qkv_size, hidden);
             rotate_and_store(qkv, positions, cos_table, sin_table, slots, layer, s, q, m);
-            paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, m,
+            paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, NULL, m,
                               s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, max_blocks, layer->scale,
                               num_threads, &failed);
             if (bf) {

@@ -14,6 +14,9 @@
  * while it reads this block's: blocks lie anywhere in the cache, and the hardware
  * prefetchers stop at each boundary. Other shapes and CPUs take the portable loop.
  *
+ * A call's rows that are a prompt chunk's consecutive tokens (one block table, lengths growing
+ * by one) go to the tiled kernel of paged_prefill.c instead, in the same parallel region.
+ *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
  */
 #include <math.h>
@@ -22,6 +25,15 @@
 #include <string.h>
 
 #include "bf16.h"
+
+/* the tiled kernel for runs of a prompt chunk's tokens (paged_prefill.c) */
+int paged_prefill_supported(int head_dim, int is_bf16);
+int paged_find_runs(const int64_t *block_tables, const int64_t *seq_lens, int num_rows, int max_blocks,
+                    int block_size, int *run_first, int *run_count, int *singles, int *num_singles);
+void paged_prefill_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                        const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *run_first,
+                        const int *run_count, int num_runs, int num_heads, int num_kv_heads, int head_dim,
+                        int block_size, int max_blocks, float scale);
 
 /* Heads [kv_begin, kv_end) of token t's row, as float32: a pointer into the cache, or (bf16)
  * into ``row`` after conversion. The returned pointer addresses KV head kv_begin. */
@@ -186,12 +198,13 @@ static int attend_fast(const float *q, const void *k_cache, const void *v_cache,
 
 /* The work of one call shared by the threads of the enclosing parallel region (orphaned
  * worksharing, ending in its barrier; alone outside any region): the fused decode step
- * (decode_step.c) calls it inside its own region. Sets *failed when scratch memory could not
- * be allocated. */
+ * (decode_step.c) calls it inside its own region. rows: which of the call's rows to take
+ * (num_seqs of them), or NULL for rows 0..num_seqs-1. Sets *failed when scratch memory could
+ * not be allocated. */
 void paged_decode_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                       const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
-                       int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,
-                       int num_threads, int *failed) {
+                       const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *rows,
+                       int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                       float scale, int num_threads, int *failed) {
     int group = num_heads / num_kv_heads;
     int max_len = max_blocks * block_size;
     /* enough sequences: one item each, whole rows; else one item per (sequence, KV head) */
@@ -208,7 +221,7 @@ void paged_decode_team(const float *q, const void *k_cache, const void *v_cache,
             *failed = 1;
             continue;
         }
-        int b = item / items_per_seq;
+        int b = rows ? rows[item / items_per_seq] : item / items_per_seq;
         int kv_begin = (item % items_per_seq) * heads_per_item;
         int64_t base = (int64_t)b * num_heads * head_dim;
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
@@ -223,15 +236,38 @@ void paged_decode_team(const float *q, const void *k_cache, const void *v_cache,
     free(row);
 }
 
-/* q, out: [num_seqs, num_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int64;
- * seq_lens: [num_seqs] int64. Returns 0, or -1 when scratch memory could not be allocated. */
+/* q, out: [num_rows, num_heads, head_dim] float32; block_tables: [num_rows, max_blocks] int64;
+ * seq_lens: [num_rows] int64: each row a query token over its own context. Runs of a prompt
+ * chunk's consecutive tokens go to the tiled kernel of paged_prefill.c, the other rows to the
+ * decode kernel above, in one parallel region. Returns 0, or -1 when scratch memory could not
+ * be allocated. */
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
-                           int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, float scale, int num_threads) {
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads)
-    paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, num_seqs, num_heads,
-                      num_kv_heads, head_dim, block_size, max_blocks, scale, num_threads, &failed);
+    int failed = 0, num_runs = 0, num_singles = num_rows;
+    int *runs = NULL;
+    if (paged_prefill_supported(head_dim, is_bf16)) {
+        runs = malloc(sizeof(int) * 3 * (size_t)num_rows);   /* firsts, counts, single rows */
+        if (!runs) return -1;
+        num_runs = paged_find_runs(block_tables, seq_lens, num_rows, max_blocks, block_size, runs,
+                                   runs + num_rows, runs + 2 * num_rows, &num_singles);
+    }
+    if (num_runs == 0) {
+        #pragma omp parallel num_threads(num_threads)
+        paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, NULL, num_rows, num_heads,
+                          num_kv_heads, head_dim, block_size, max_blocks, scale, num_threads, &failed);
+    } else {
+        #pragma omp parallel num_threads(num_threads)
+        {
+            if (num_singles)
+                paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, runs + 2 * num_rows,
+                                  num_singles, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                                  num_threads, &failed);
+            paged_prefill_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, runs, runs + num_rows,
+                               num_runs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+        }
+    }
+    free(runs);
     return failed ? -1 : 0;
 }
