@@ -9,7 +9,6 @@ from duoserve.errors import ConfigError
 from duoserve.model.arch import ModelArch
 
 GIB = 1 << 30
-_LAZY_ZERO_BYTES = 32 << 20
 
 
 def bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
@@ -50,15 +49,15 @@ def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: 
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
 
     All of them are views of one buffer. Unwritten slots must hold finite numbers (masked
-    attention multiplies them by 0). On the CPU a buffer over glibc's largest mmap
-    threshold (32 MiB) gets fresh zero pages from ``torch.empty``, which cost memory only
-    once written; a smaller one is zeroed explicitly, as is any GPU buffer.
+    attention multiplies them by 0). The buffer is written whole here, as vLLM and llama.cpp
+    do with theirs: its memory is committed at start (1 GiB in ~0.2 s on the project's
+    machine), and no step pays the kernel's page faults and page zeroing for blocks the pool
+    hands out for the first time, which a cache of fresh zero pages made prompt steps pay
+    (5.6 % of a 32-prompt wave of prefill steps, BENCHMARKS.md, session 9).
     """
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     per_tensor = num_blocks * block_size * arch.num_kv_heads * arch.head_dim
     total = 2 * arch.num_layers * per_tensor
-    nbytes = total * torch.tensor([], dtype=dtype).element_size()
-    lazy = device == "cpu" and nbytes >= _LAZY_ZERO_BYTES
-    buffer = (torch.empty if lazy else torch.zeros)(total, dtype=dtype, device=device)
+    buffer = torch.zeros(total, dtype=dtype, device=device)
     views = buffer.view(arch.num_layers, 2, *shape)
     return [(views[i, 0], views[i, 1]) for i in range(arch.num_layers)]
