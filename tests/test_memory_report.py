@@ -25,7 +25,8 @@ def test_the_report_adds_up_to_the_resident_size():
     assert 500 * 2**20 < weights < 560 * 2**20                 # 135M parameters in fp32
     pool = report["kv_pool"]
     assert pool["bytes"] == pool["blocks"] * 16 * 46080 and pool["tokens"] == pool["blocks"] * 16
-    assert 0 < pool["resident_bytes"] < pool["bytes"]          # pages cost memory once written
+    # written whole at start: all of it resident (its first and last pages may hold other data)
+    assert pool["bytes"] <= pool["resident_bytes"] <= pool["bytes"] + 2 * 4096
     assert 0 < report["prefill_scratch_bytes"] < 512 * 2**20
     # loading (measured before the first forward): the tokenizer, the loader's leftovers
     assert 0 < report["loading_bytes"] < 300 * 2**20

@@ -3,7 +3,8 @@ resident), the temporary memory of the largest prefill chunk (measured), the run
 them, and the process's resident size.
 
 Resident sizes come from the kernel: ``/proc/self/status`` for the process and ``mincore`` for
-the pages of one large buffer (the KV pool, whose pages cost memory only once written). The prefill scratch is measured by resetting the process's peak
+the pages of one large buffer (the KV pool: written whole at start, resident whole unless the
+kernel swaps pages out). The prefill scratch is measured by resetting the process's peak
 (``/proc/self/clear_refs``), running one forward of the step budget's tokens, and taking the
 peak's rise above the resident size before it, less the KV pages that forward wrote.
 """
