@@ -11,9 +11,10 @@ in the batch, then sequences with several new tokens (prefill chunks)::
 
 Decodes attend together: their context slots are gathered once per layer with one
 ``index_select`` (the slot list is built once per step), then two batched matmuls do
-all heads at once (see ``_decode_attention``). With the C kernel, each prefill chunk's
-query tokens are decodes too, each over its own causal context; without it a chunk attends
-with two grouped matmuls, or ``scaled_dot_product_attention`` when long.
+all heads at once (see ``_decode_attention``). With the C kernels, each prefill chunk's
+query tokens are rows over their own causal contexts too, tiled sixteen to a key
+(``csrc/paged_prefill.c``); without them a chunk attends with two grouped matmuls, or
+``scaled_dot_product_attention`` when long.
 """
 
 from __future__ import annotations
@@ -207,11 +208,13 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def _prefill_by_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq,
                               scale: float) -> torch.Tensor | None:
-    """Each query token of the chunk as a decode over its own causal context (its K and V are in
-    the cache already), in the C kernel; None without it. Measured faster here than grouped
-    matmuls or SDPA at every size tried (a 512-token chunk: 2.7 vs 7.9 / 12.2 ms at 512 tokens
-    of context, 16.8 vs 26.9 / 38.4 ms at 2048, bf16): the kernel skips the masked half, and
-    the small GEMMs of one sequence run far below the machine's rate."""
+    """Each query token of the chunk as a row over its own causal context (its K and V are in
+    the cache already), in the C kernels; None without them. The chunk's rows form one run,
+    which ``csrc/paged_prefill.c`` tiles (sixteen rows against each key; runs of 3 tokens or
+    more, head sizes 64 and 128, AVX-512), else each goes through the decode kernel. Faster here
+    than grouped matmuls or SDPA at every size tried: the decode kernel alone took a 512-token
+    chunk in 2.7 against 7.9 / 12.2 ms at 512 tokens of context, 16.8 against 26.9 / 38.4 ms at
+    2048 (bf16), and the tiles take it 3.5x faster again (BENCHMARKS.md, session 9)."""
     return c_decode_attention(q, k_cache, v_cache, seq.token_block_tables, seq.token_seq_lens, scale)
 
 
