@@ -198,3 +198,20 @@ def test_rows_group_into_runs_only_over_one_table():
     # rows 0..5: lengths 5..10 over [7] then [3, 4, ...]: row 0 reads block 7, row 1 block 3
     assert runs == 2 and firsts[:2].tolist() == [1, 9] and counts[:2].tolist() == [5, 3]
     assert singles[:num_singles.value].tolist() == [0, 6, 7, 8, 12, 13, 14]
+
+
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kernel_run_over_a_long_context_matches_reference(dtype):
+    """A chunk of 40 tokens after 1,990 cached keys: the online softmax carried over 127 blocks
+    of sixteen keys, scores far apart (q scaled up), still plain softmax attention."""
+    torch.set_num_threads(2)
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    k_cache = torch.randn(160, 16, 3, 64).to(dtype)
+    v_cache = torch.randn(160, 16, 3, 64).to(dtype)
+    tables, lens, blocks = _rows([(40, 1990)], 16, 160, rng)
+    q = (4 * torch.randn(len(lens), 9, 64)).to(dtype).float()
+    got = c_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    want = _reference(q, k_cache, v_cache, lens.tolist(), blocks, 0.125)
+    assert (got - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
