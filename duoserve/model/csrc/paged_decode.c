@@ -253,20 +253,15 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
         num_runs = paged_find_runs(block_tables, seq_lens, num_rows, max_blocks, block_size, runs,
                                    runs + num_rows, runs + 2 * num_rows, &num_singles);
     }
-    if (num_runs == 0) {
-        #pragma omp parallel num_threads(num_threads)
-        paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, NULL, num_rows, num_heads,
-                          num_kv_heads, head_dim, block_size, max_blocks, scale, num_threads, &failed);
-    } else {
-        #pragma omp parallel num_threads(num_threads)
-        {
-            if (num_singles)
-                paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, runs + 2 * num_rows,
-                                  num_singles, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
-                                  num_threads, &failed);
+    const int *singles = num_runs ? runs + 2 * num_rows : NULL;   /* NULL: every row */
+    #pragma omp parallel num_threads(num_threads)
+    {
+        if (num_singles)
+            paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, singles, num_singles,
+                              num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, num_threads, &failed);
+        if (num_runs)
             paged_prefill_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, runs, runs + num_rows,
                                num_runs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
-        }
     }
     free(runs);
     return failed ? -1 : 0;
