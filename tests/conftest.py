@@ -4,17 +4,59 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import assert_pool_whole, make_tiny_checkpoint
 
 # Most tests run the eager model: compiling every tiny test model would take minutes.
-# The compiled path has its own tests (test_compiled.py), which ask for it explicitly.
+# The compiled path has its own tests (worker/test_compiled.py), which ask for it explicitly.
 os.environ.setdefault("DUOSERVE_ENFORCE_EAGER", "1")
+
+
+_NEW_ENGINES: list[weakref.ref] = []   # engines built during the running test
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    """Every EngineCore built in this process is noted, so that the check below finds it."""
+    from duoserve.engine.core import EngineCore
+
+    build = EngineCore.__init__
+
+    def noting_init(self, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        _NEW_ENGINES.append(weakref.ref(self))
+
+    EngineCore.__init__ = noting_init
+    yield
+    EngineCore.__init__ = build
+
+
+@pytest.fixture(autouse=True)
+def _pool_whole_after_engine_tests(request: pytest.FixtureRequest):
+    """After every test, each engine it built or was handed (an ``LLM`` or ``EngineCore`` fixture)
+    holds no request and has every KV block free: the pool-whole rule, enforced, not remembered.
+    A test that leaves an engine broken on purpose says so with ``@pytest.mark.engine_left_broken``."""
+    _NEW_ENGINES.clear()
+    yield
+    if request.node.get_closest_marker("engine_left_broken"):
+        return
+    engines = [ref() for ref in _NEW_ENGINES]
+    for value in request.node.funcargs.values():
+        engines.append(getattr(value, "engine", value))
+    _NEW_ENGINES.clear()
+    from duoserve.engine.core import EngineCore
+
+    seen: set[int] = set()
+    for engine in engines:
+        if isinstance(engine, EngineCore) and id(engine) not in seen:
+            seen.add(id(engine))
+            assert_pool_whole(engine)
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,14 @@ def assert_same_greedy(got: list[int], want: list[int], step_logits, label: str 
     assert len(got) == len(want), f"{label}: {len(got)} tokens vs {len(want)}"
 
 
-def assert_pool_whole(llm) -> None:
-    pool = llm.engine.kv.pool
+def assert_pool_whole(engine_or_llm) -> None:
+    """No request left, every KV block free again (cached blocks count as free), the swap space
+    empty: what every engine test must leave behind. Takes an ``LLM`` or an ``EngineCore``."""
+    engine = getattr(engine_or_llm, "engine", engine_or_llm)
+    pool = engine.kv.pool
+    assert not engine.has_unfinished() and not engine.scheduler.requests, \
+        f"requests left in the engine: {sorted(engine.scheduler.requests)}"
     assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.num_free_blocks} blocks leaked"
-    assert not llm.engine.has_unfinished() and not llm.engine.scheduler.requests
+    swap = engine.scheduler.swap
+    if swap is not None:
+        assert swap.usage() == 0.0, f"swap space {swap.usage():.0%} used after the test"

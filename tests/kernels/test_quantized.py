@@ -242,7 +242,7 @@ def test_default_model_greedy_text_and_perplexity(default_model, smol_packed):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     dense = _llm_over(default_model, DIRECT_ROWS)
     want = [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
-    text = (Path(__file__).parents[1] / "benchmarks" / "data" / "perplexity.txt").read_text()
+    text = (Path(__file__).parents[2] / "benchmarks" / "data" / "perplexity.txt").read_text()
     tokens = default_model.tokenizer.encode(text)
     windows = [tokens[:256], tokens[256:512]]
     dense_ppl, dense_top = scored(dense, windows)
