@@ -17,8 +17,8 @@ from duoserve import SamplingParams
 from duoserve import messages as msg
 from duoserve.cli import main as cli_main
 from duoserve.core.request import Request
-from duoserve.engine import auth
-from duoserve.engine.auth import AuthKey, Gatekeeper, check_listen, is_loopback, load_key, secure_client
+from duoserve.transport import auth
+from duoserve.transport.auth import AuthKey, Gatekeeper, check_listen, is_loopback, load_key, secure_client
 from duoserve.errors import ConfigError
 from duoserve.frontend.engine_client import EngineClient, EngineStartError
 from duoserve.kv.zmq_connector import PeerRefusedError, PrefillConnector

@@ -13,7 +13,7 @@ notice a vanished or frozen host within ~4 s). An engine that sends nothing, not
 once-a-second stats, for ``SILENCE_TIMEOUT`` seconds while its connection still answers is
 *slow*, not dead: it is logged, ``/health`` says so, and its requests keep waiting.
 
-Every connection proves the deployment key when there is one (``duoserve.engine.auth``);
+Every connection proves the deployment key when there is one (``duoserve.transport.auth``);
 an engine that refuses it fails the start at once, naming the key. An engine serves several
 frontends at once, each under its own ``frontend_id`` (``duoserve.engine.process``).
 """
@@ -36,8 +36,8 @@ from zmq.utils.monitor import parse_monitor_message
 from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve import messages as msg
-from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
-from duoserve.engine.heartbeat import keep_alive
+from duoserve.transport.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
+from duoserve.transport.heartbeat import keep_alive
 from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
 from duoserve.model.tokenizer import Tokenizer

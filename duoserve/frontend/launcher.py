@@ -25,7 +25,7 @@ import tempfile
 import uuid
 
 from duoserve.config import DisaggConfig, EngineConfig
-from duoserve.engine.auth import AuthKey, check_listen, load_key
+from duoserve.transport.auth import AuthKey, check_listen, load_key
 from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient
 
 

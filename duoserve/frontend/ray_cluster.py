@@ -31,7 +31,7 @@ import os
 import msgspec
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
-from duoserve.engine.auth import AuthKey, load_key
+from duoserve.transport.auth import AuthKey, load_key
 from duoserve.errors import ConfigError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, EngineStartError
 
