@@ -380,7 +380,7 @@ def run_engine(args: argparse.Namespace) -> int:
     import msgspec
 
     from duoserve.config import check_engine_address
-    from duoserve.engine.auth import check_listen, load_key
+    from duoserve.transport.auth import check_listen, load_key
     from duoserve.engine.process import engine_main
 
     check_engine_address(args.listen, "listen")
@@ -399,7 +399,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def run_keygen(args: argparse.Namespace) -> int:
-    from duoserve.engine.auth import AuthKey
+    from duoserve.transport.auth import AuthKey
 
     key = AuthKey.generate()
     try:

@@ -319,7 +319,7 @@ class DisaggConfig:
     prefill_addrs: tuple[str, ...] = ()   # engines already running (duoserve prefill --listen ADDR)
     decode_addrs: tuple[str, ...] = ()
     engine_host: str = "127.0.0.1"    # where launched engines listen when they use TCP
-    auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.engine.auth); None: $DUOSERVE_AUTH_KEY*
+    auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.transport.auth); None: $DUOSERVE_AUTH_KEY*
     insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
 
     def __post_init__(self) -> None:

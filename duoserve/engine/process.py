@@ -19,7 +19,7 @@ KV, so the decode engine routes the outputs to the same frontend, whichever engi
 hello to first. A frontend's aborts reach only its own requests. A frontend that says
 ``Shutdown``, whose connection drops (a send to it fails) or that says hello again on a
 new connection loses its requests; the others never notice. With a key
-(``duoserve.engine.auth``) only holders of the deployment key get a hello through at all.
+(``duoserve.transport.auth``) only holders of the deployment key get a hello through at all.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
     import zmq
 
     from duoserve import messages as msg
-    from duoserve.engine.auth import AuthKey, Gatekeeper, restrict_ipc
-    from duoserve.engine.heartbeat import keep_alive
+    from duoserve.transport.auth import AuthKey, Gatekeeper, restrict_ipc
+    from duoserve.transport.heartbeat import keep_alive
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
     log = logging.getLogger(__name__)

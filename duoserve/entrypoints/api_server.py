@@ -218,9 +218,9 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     async def detokenize(body: DetokenizeRequest):
         openai.check_model(body.model)
         require_engine()
-        bad = [t for t in body.tokens if not 0 <= t < engine.handle.vocab_size]
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.handle.vocab_size})",
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.vocab_size})",
                            param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 

@@ -29,7 +29,7 @@ class ChatServing:
         self.engine = base.engine
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if self.engine.handle is None:
+        if self.engine.group is None:
             raise APIError(503, f"the engine is unavailable: {self.engine.not_ready_reason()}")
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:

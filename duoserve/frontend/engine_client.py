@@ -1,11 +1,13 @@
 """The frontend's side of one engine in another process, on this host or another.
 
-``EngineClient`` connects a DEALER socket to the engine's address, says ``Hello`` and
-waits for ``EngineReady``; with a ``config`` it first launches the engine process
-itself (``duoserve.engine.process``), and can relaunch it. Then it plays the
-``EngineHandle`` part: requests and aborts go out as messages, outputs come back
-through ``recv``. The tokenizer arrives in ``EngineReady``, so this process never
-loads the model.
+``EngineClient`` is the connection: ``connect`` opens a DEALER socket to the engine's
+address, says ``Hello`` and waits for ``EngineReady``. Then it plays the ``EngineHandle``
+part: requests and aborts go out as messages, outputs come back through ``recv``. The
+tokenizer arrives in ``EngineReady``, so this process never loads the model. A client
+with a ``config`` stands for an engine this frontend launches: the launcher
+(``duoserve.frontend.launcher``) spawns its process and hands it over as ``process``,
+which the client only watches; the supervisor (``duoserve.frontend.supervisor``) decides
+when to start, relaunch or reconnect.
 
 An engine is taken for dead when its process exits (launched ones) or its connection drops
 (ZeroMQ heartbeats, answered by ZeroMQ's I/O thread whatever the engine's step is doing,
@@ -13,14 +15,13 @@ notice a vanished or frozen host within ~4 s). An engine that sends nothing, not
 once-a-second stats, for ``SILENCE_TIMEOUT`` seconds while its connection still answers is
 *slow*, not dead: it is logged, ``/health`` says so, and its requests keep waiting.
 
-Every connection proves the deployment key when there is one (``duoserve.engine.auth``);
+Every connection proves the deployment key when there is one (``duoserve.transport.auth``);
 an engine that refuses it fails the start at once, naming the key. An engine serves several
 frontends at once, each under its own ``frontend_id`` (``duoserve.engine.process``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import os
@@ -36,11 +37,10 @@ from zmq.utils.monitor import parse_monitor_message
 from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve import messages as msg
-from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
-from duoserve.engine.heartbeat import keep_alive
-from duoserve.engine.process import engine_main
 from duoserve.errors import DuoserveError
 from duoserve.model.tokenizer import Tokenizer
+from duoserve.transport.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
+from duoserve.transport.heartbeat import keep_alive
 
 logger = logging.getLogger(__name__)
 
@@ -107,17 +107,11 @@ class EngineClient:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    async def start(self, timeout: float = 300.0) -> None:
-        """Launch the engine (if this frontend owns it), connect and wait for EngineReady."""
-        if self.launched:
-            spawn = multiprocessing.get_context("spawn")
-            self.process = spawn.Process(
-                target=engine_main, name=f"duoserve-{self.name}", daemon=True,
-                args=(msgspec.msgpack.encode(self.config), self.address,
-                      logging.getLogger().getEffectiveLevel() or logging.INFO, os.getpid(),
-                      None if self.key is None else self.key.secret))
-            self.process.start()
-        self._connect()
+    async def connect(self, timeout: float = 300.0) -> None:
+        """Open a fresh connection and wait for EngineReady (a launched engine's process is
+        started first, by the launcher)."""
+        self.ready = None
+        self._open_socket()
         self._send(self._hello())
         try:
             message = await self._recv(timeout, waiting_for="EngineReady")
@@ -152,13 +146,7 @@ class EngineClient:
         """Where ``prefill`` should send this decode engine KV."""
         return self.address
 
-    async def restart(self, timeout: float = 300.0) -> None:
-        """Relaunch a launched engine, or reconnect to a remote one (it must be running again)."""
-        self.ready = None
-        self._stop_process()
-        await self.start(timeout)
-
-    def _connect(self) -> None:
+    def _open_socket(self) -> None:
         """A fresh socket: nothing queued for a dead engine reaches its successor."""
         self._close_sockets()
         sock = secure_client(limit_messages(keep_alive(self._ctx.socket(zmq.DEALER))), self.key)
@@ -177,12 +165,6 @@ class EngineClient:
             self._sock.close(linger=0)
             self._sock = self._monitor = None
 
-    def _stop_process(self) -> None:
-        if self.process is not None:
-            if self.process.is_alive():
-                self.process.kill()
-            self.process.join(timeout=5)
-
     def is_alive(self) -> bool:
         if self._monitor is not None:
             while self._monitor.poll(0):
@@ -199,26 +181,22 @@ class EngineClient:
         """Alive and past its EngineReady: it can take requests."""
         return self.ready is not None and self.is_alive()
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop a launched engine (a remote one only aborts this frontend's requests)."""
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def say_shutdown(self) -> None:
+        """This frontend leaves: a launched engine stops, a remote one aborts this frontend's requests."""
         if self._sock is not None and self.is_alive():
             try:
                 self._send(msg.Shutdown())
             except EngineDeadError:
                 pass
-        if self.launched and self.process is not None and self.process.is_alive():
-            deadline = asyncio.get_running_loop().time() + timeout
-            while self.process.is_alive() and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.05)
-            if self.process.is_alive():
-                logger.warning("%s did not stop in %.0fs: killing it", self.name, timeout)
-        elif self._sock is not None:
-            await asyncio.sleep(0.1)  # let the Shutdown leave before the socket closes
-        self._stop_process()
+
+    def close(self) -> None:
+        """Close the connection for good (after ``say_shutdown`` had time to leave)."""
         self._close_sockets()
         self._ctx.term()
-        if self.launched and self.address.startswith("ipc://") and os.path.exists(self.address[6:]):
-            os.unlink(self.address[6:])
 
     # ---- EngineHandle -------------------------------------------------------------------
 

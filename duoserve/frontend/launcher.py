@@ -7,6 +7,12 @@ launched here. Launched engines listen on ``ipc://`` paths (KV then moves throug
 shared memory), or on TCP ports of ``engine_host`` with ``--kv-transport tcp`` or when
 any engine is remote (a remote engine cannot reach an ``ipc://`` path).
 
+The launcher also spawns the process of every engine launched here (``spawn_engine``:
+``spawn``, never ``fork``: the child gets none of this process's sockets and threads) and
+kills it (``kill_engine``); when to do either is the supervisor's call
+(``duoserve.frontend.supervisor``). With ``--cluster ray`` the engines are Ray actors
+instead (``duoserve.frontend.ray_cluster``).
+
 Every engine gets the deployment's auth key (``--auth-key-file``); when none is given and
 every engine is launched here, they share a fresh key that never leaves this process tree.
 
@@ -19,14 +25,20 @@ stall each other at every barrier.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import multiprocessing
 import os
 import socket
 import tempfile
 import uuid
 
-from duoserve.config import DisaggConfig, EngineConfig
-from duoserve.engine.auth import AuthKey, check_listen, load_key
+import msgspec
+
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.engine.process import engine_main
 from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient
+from duoserve.frontend.ray_cluster import plan_ray_engines
+from duoserve.transport.auth import AuthKey, check_listen, load_key
 
 
 def _ipc_address(name: str) -> str:
@@ -131,3 +143,37 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None,
         prefill = [client(f"prefill-{i}", address(f"prefill-{i}"), c, peers=peers)
                    for i, c in enumerate(prefill_configs)]
     return decode, prefill
+
+
+def plan_deployment(config: EngineConfig, disagg: DisaggConfig | None, cluster: ClusterConfig | None,
+                    frontend_id: str) -> tuple[list[EngineClient], list[EngineClient]]:
+    """(decode engines, prefill engines) of a deployment: launched here, or Ray actors."""
+    if cluster is not None and cluster.kind == "ray":
+        return plan_ray_engines(config, disagg, cluster, frontend_id)
+    return plan_engines(config, disagg, frontend_id)
+
+
+def spawn_engine(client: EngineClient) -> None:
+    """Start the process of an engine this frontend launches (``client.config``); the client watches it."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=engine_main, name=f"duoserve-{client.name}", daemon=True,
+        args=(msgspec.msgpack.encode(client.config), client.address,
+              logging.getLogger().getEffectiveLevel() or logging.INFO, os.getpid(),
+              None if client.key is None else client.key.secret))
+    process.start()
+    client.process = process
+
+
+def kill_engine(client: EngineClient) -> None:
+    """Kill a launched engine's process if it still runs, and reap it."""
+    if client.process is not None:
+        if client.process.is_alive():
+            client.process.kill()
+        client.process.join(timeout=5)
+
+
+def remove_socket(client: EngineClient) -> None:
+    """After a launched engine stopped: its ``ipc://`` socket file, if it left one."""
+    path = client.address[len("ipc://"):]
+    if client.launched and client.address.startswith("ipc://") and os.path.exists(path):
+        os.unlink(path)

@@ -31,9 +31,9 @@ import os
 import msgspec
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
-from duoserve.engine.auth import AuthKey, load_key
 from duoserve.errors import ConfigError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, EngineStartError
+from duoserve.transport.auth import AuthKey, load_key
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +152,14 @@ class RayEngineClient(EngineClient):
         _ray().kill(self.actor, no_restart=True)
         self.actor = None
 
-    async def start(self, timeout: float = 300.0) -> None:
+    async def connect(self, timeout: float = 300.0) -> None:
+        """Ask Ray where the engine is now, then connect as to any engine."""
         await self.locate()
         if self.decode_peers:   # a prefill engine hands KV to where its decode engines are now
             await asyncio.wait_for(asyncio.gather(*(d.located.wait() for d in self.decode_peers)), timeout)
             self.peers = self.current_peers()
         try:
-            await super().start(timeout)
+            await super().connect(timeout)
         except EngineStartError as exc:   # its hello was answered with why it cannot start
             if exc.config_error and self.ready is None and self.actor is not None and \
                     (await self.actor.info.remote())["failure"] is not None:

@@ -7,8 +7,9 @@ no prefill engine up, every prompt is prefilled on its decode engine.
 
 Among engines of one role the least loaded takes the request (queue depth, counted
 here exactly: a decode engine's unfinished requests, a prefill engine's requests not
-yet prefilled). The frontend does not see the engines' prefix caches, so "uncached
-part" is judged by the whole prompt's length.
+yet prefilled); between equals the first in its list (``decode-0`` before
+``decode-1``), and an engine that is down is passed over. The frontend does not see
+the engines' prefix caches, so "uncached part" is judged by the whole prompt's length.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 
 from duoserve.core.request import Request
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
-from duoserve.model.fingerprint import describe_difference
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,12 @@ class Placement:
 
 
 class EngineGroup:
-    """The ``EngineHandle`` of all the engines one frontend drives, for ``Frontend``.
+    """The ``EngineHandle`` of all the engines one frontend drives: the only object that
+    sends them requests, aborts and releases, and the one ``AsyncEngine`` talks to.
 
     ``decode`` holds the engines that decode (colocated ones too); ``prefill`` may be empty.
-    It is built once the first decode engine is up; engines that come up later are checked
-    to serve the same model (``model_difference``) and announced with ``engine_up``.
+    It is built once the first decode engine is up; engines that come up later (checked by
+    the supervisor to serve the same model) are announced with ``engine_up``.
     """
 
     def __init__(self, decode: list[EngineClient], prefill: list[EngineClient] | None = None,
@@ -98,7 +99,9 @@ class EngineGroup:
         load = self.load
         return min(up, key=lambda c: load[c.name])
 
-    def add_request(self, request: Request) -> None:
+    def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None]:
+        """(decode engine, prefill engine or None) for a new request; the placement rules are
+        the module docstring's. Raises EngineDeadError when no decode engine is up."""
         decode = self._least_loaded(self.decode)
         if decode is None:
             raise EngineDeadError("no decode engine is up")
@@ -108,6 +111,10 @@ class EngineGroup:
             if prefill is None and not self._warned_fallback:
                 logger.warning("no prefill engine is up: prefilling on the decode engines")
             self._warned_fallback = prefill is None
+        return decode, prefill
+
+    def add_request(self, request: Request) -> None:
+        decode, prefill = self.choose(request)
         if prefill is not None:
             prefill.add_request(request, kv_peer=decode.name, kv_peer_instance=decode.ready.instance_id)
         else:
@@ -161,7 +168,3 @@ class EngineGroup:
         self._tell("release", request_id)
         self.placements.pop(request_id, None)
 
-
-def model_difference(a: EngineClient, b: EngineClient) -> str | None:
-    """What differs between two engines' models (they would exchange KV), or None."""
-    return describe_difference(a.name, a.ready.fingerprint, b.name, b.ready.fingerprint)

@@ -28,12 +28,12 @@ import msgspec
 import zmq
 
 from duoserve import messages as msg
-from duoserve.engine.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
-from duoserve.engine.heartbeat import keep_alive
 from duoserve.errors import DuoserveError
 from duoserve.kv import wire
 from duoserve.kv.connector import KVTransfer
 from duoserve.model.fingerprint import describe_difference
+from duoserve.transport.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
+from duoserve.transport.heartbeat import keep_alive
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from duoserve.engine.auth import AuthKey
+from duoserve.transport.auth import AuthKey
 from tests.chaos.harness import check_answers, make_specs, reference, report, soak
 from tests.chaos.test_soak import MODEL
 from tests.server_helpers import Server, alive, free_port, wait_gauges_idle

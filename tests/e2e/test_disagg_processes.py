@@ -10,6 +10,7 @@ from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.launcher import _ipc_address
+from duoserve.frontend.supervisor import start_engine, stop_engine
 from tests.disagg_helpers import GREEDY, SEEDED, STAGE_METRICS, assert_same, generate_all, prompts
 
 def run_disaggregated(path, disagg: DisaggConfig, params_list) -> tuple[list, dict]:
@@ -67,10 +68,10 @@ def _connect_refused(prefill_model: ModelConfig, decode_model: ModelConfig) -> s
         prefill = EngineClient("prefill-0", _ipc_address("prefill-0"), config(prefill_model, "prefill"),
                                peers={"decode-0": decode.address})
         try:
-            results = await asyncio.gather(prefill.start(), decode.start(), return_exceptions=True)
+            results = await asyncio.gather(start_engine(prefill), start_engine(decode), return_exceptions=True)
             return results, prefill.is_up(), decode.is_up()
         finally:
-            await asyncio.gather(prefill.shutdown(), decode.shutdown())
+            await asyncio.gather(stop_engine(prefill), stop_engine(decode))
 
     (refusal, decode_ok), prefill_up, decode_up = asyncio.run(main())
     assert isinstance(refusal, EngineDeadError) and decode_ok is None

@@ -46,9 +46,9 @@ def test_two_prefill_and_two_decode_engines_balance_by_queue_depth(tiny_dir, dis
             tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts())]
             for _ in range(3):
                 await asyncio.sleep(0)  # every task has placed its request
-            placed = {rid: (p.prefill, p.decode) for rid, p in engine.handle.placements.items()}
+            placed = {rid: (p.prefill, p.decode) for rid, p in engine.group.placements.items()}
             outs = await asyncio.gather(*tasks)
-            return placed, outs, await final_stats(engine), dict(engine.handle.load)
+            return placed, outs, await final_stats(engine), dict(engine.group.load)
         finally:
             await engine.shutdown()
 

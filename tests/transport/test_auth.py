@@ -17,11 +17,12 @@ from duoserve import SamplingParams
 from duoserve import messages as msg
 from duoserve.cli import main as cli_main
 from duoserve.core.request import Request
-from duoserve.engine import auth
-from duoserve.engine.auth import AuthKey, Gatekeeper, check_listen, is_loopback, load_key, secure_client
 from duoserve.errors import ConfigError
 from duoserve.frontend.engine_client import EngineClient, EngineStartError
+from duoserve.frontend.supervisor import start_engine, stop_engine
 from duoserve.kv.zmq_connector import PeerRefusedError, PrefillConnector
+from duoserve.transport import auth
+from duoserve.transport.auth import AuthKey, Gatekeeper, check_listen, is_loopback, load_key, secure_client
 from tests.server_helpers import free_port
 
 
@@ -172,8 +173,8 @@ def test_a_keyed_engine_refuses_strangers_and_keeps_its_frontends_apart(tiny_dir
 
     async def refused(client: EngineClient) -> EngineStartError:
         with pytest.raises(EngineStartError) as info:
-            await client.start(timeout=120)
-        await client.shutdown()
+            await start_engine(client, timeout=120)
+        await stop_engine(client)
         return info.value
 
     async def main():
@@ -181,8 +182,8 @@ def test_a_keyed_engine_refuses_strangers_and_keeps_its_frontends_apart(tiny_dir
         none = await refused(EngineClient("decode-0", address, frontend_id="mallory"))
         alice = EngineClient("decode-0", address, key=key, frontend_id="alice")
         bob = EngineClient("decode-0", address, key=key, frontend_id="bob")
-        await alice.start(timeout=120)
-        await bob.start(timeout=30)
+        await start_engine(alice, timeout=120)
+        await start_engine(bob, timeout=30)
         alone, _ = await _run(bob, "solo", [5, 6, 7])
         # the same request id from both at once: alice aborts hers, bob's runs to the end
         (aborted, a_reason), (together, b_reason) = await asyncio.gather(
@@ -199,7 +200,7 @@ def test_a_keyed_engine_refuses_strangers_and_keeps_its_frontends_apart(tiny_dir
                 idle = batch.stats
                 break
         after, _ = await _run(bob, "after", [5, 6, 7])
-        await bob.shutdown()
+        await stop_engine(bob)
         return wrong, none, alone, (aborted, a_reason), (together, b_reason), idle, after
 
     try:
@@ -249,7 +250,7 @@ def test_a_request_the_engine_cannot_read_fails_at_once(tiny_dir):
     client = EngineClient("engine-0", _ipc_address("engine-0"), config, key=AuthKey.generate())
 
     async def main():
-        await client.start(timeout=120)
+        await start_engine(client, timeout=120)
         try:
             good = msgspec.msgpack.decode(msg.encode(msg.AddRequest("bad-1", [1, 2, 3], SamplingParams(max_tokens=2),
                                                                     [0], 16, 0.0)))
@@ -260,7 +261,7 @@ def test_a_request_the_engine_cannot_read_fails_at_once(tiny_dir):
                     if out.request_id == "bad-1":
                         return out
         finally:
-            await client.shutdown()
+            await stop_engine(client)
 
     out = asyncio.run(main())
     assert out.finish_reason == "error" and "could not read this request" in out.error and "top_p" in out.error

@@ -1,0 +1,82 @@
+"""Input processing: a prompt and its SamplingParams in, a ``Request`` for the engines and a
+``RequestState`` for the output processor out.
+
+It tokenizes text prompts, checks token ids against the vocabulary and the prompt against
+the context length, and gives each sample its incremental detokenizer. It knows the model
+only by value (tokenizer, vocabulary size, eos ids) and is told the context length at each
+call (an engine group lowers it when a smaller engine joins); it calls no engine.
+"""
+
+from __future__ import annotations
+
+from duoserve.core.request import Request
+from duoserve.errors import InvalidInputError
+from duoserve.frontend.detokenizer import IncrementalDetokenizer
+from duoserve.frontend.output_processor import RequestState
+from duoserve.model.tokenizer import Tokenizer
+from duoserve.outputs import CompletionOutput
+from duoserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(the text, if it was text; the token ids)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidInputError("prompt", "this model has no tokenizer: send token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:   # "" (OpenAI's API allows it): the model starts a new document
+                start = self.tokenizer.bos_token_id
+                ids = [start if start is not None else self.eos_token_ids[0]]
+            return prompt, ids
+        ids = list(prompt)
+        vocab = self.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidInputError("prompt", f"token id {bad[0]!r} is out of range: ids are integers in [0, {vocab})")
+        return None, ids
+
+    @staticmethod
+    def check_length(prompt_ids: list[int], params: SamplingParams, max_model_len: int, strict: bool) -> None:
+        """Refuse an empty prompt, or one with no room for a token; ``strict`` also counts max_tokens."""
+        if not prompt_ids:
+            raise InvalidInputError("prompt", "the prompt is empty: give at least one token")
+        num = len(prompt_ids)
+        if num >= max_model_len:
+            raise InvalidInputError(
+                "prompt", f"the prompt has {num} tokens, but the context length (max_model_len) is "
+                          f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
+        if strict and params.max_tokens is not None and num + params.max_tokens > max_model_len:
+            raise InvalidInputError(
+                "max_tokens", f"this model's context length is {max_model_len} tokens, but the request "
+                              f"asks for {num + params.max_tokens} ({num} in the prompt + {params.max_tokens} "
+                              "max_tokens); lower max_tokens or shorten the prompt")
+
+    def validate(self, prompt: str | list[int], params: SamplingParams, max_model_len: int,
+                 strict_length: bool) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt: (its text or None, its token ids)."""
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self.check_length(prompt_ids, params, max_model_len, strict_length)
+        return text, prompt_ids
+
+    def build(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams,
+              max_model_len: int) -> tuple[Request, RequestState]:
+        """The engines' ``Request`` and the output processor's ``RequestState`` of a validated prompt."""
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                                   params.include_stop_str_in_output) if self.tokenizer else None
+            for _ in range(params.n)]
+        state = RequestState(request_id, text, prompt_ids, params,
+                             [CompletionOutput(i) for i in range(params.n)], detokenizers,
+                             [None] if params.prompt_logprobs is not None else None)
+        for output in state.outputs:
+            output.logprobs = [] if params.logprobs is not None else None
+        max_total = max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(prompt_ids) + params.max_tokens)
+        return Request(request_id, prompt_ids, params, self.eos_token_ids, max_total), state
