@@ -86,8 +86,8 @@ def main() -> None:
     for i in range(args.repeats):
         start = time.perf_counter()
         keys, values = extract_kv(src, src_blocks, args.tokens)
-        sender.send(KVTransfer(f"r{i}", prompt, SamplingParams(), (2,), None, 0.0, 0, 0, keys, values,
-                               peer="bench-decode", peer_instance="bench"))
+        meta = msg.TransferMeta(f"r{i}", prompt, SamplingParams(), [2], None, 0.0, first_token=0, instance_id="bench")
+        sender.send(KVTransfer(meta, keys, values, peer="bench-decode"))
         transfers = []
         while not transfers:
             take()

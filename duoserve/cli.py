@@ -432,11 +432,11 @@ def run_ray_stop(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
     from duoserve.entrypoints.llm import LLM
     from duoserve.sampling_params import SamplingParams
 
-    llm = LLM.from_engine(EngineCore(engine_config_from_args(args)))
+    llm = LLM.from_engine(build_engine(engine_config_from_args(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]

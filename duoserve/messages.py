@@ -6,6 +6,8 @@ Engine -> frontend: ``EngineReady`` in answer to ``Hello``, then ``EngineOutputs
 deltas, and engine stats every second), or ``EngineFailed`` if it cannot serve.
 Prefill engine <-> decode engine: ``PeerHello`` / ``PeerWelcome`` or ``PeerRefused`` when
 they connect, then ``TransferMeta`` (+ the KV frames) and ``TransferAck``.
+A request's own fields travel as a ``RequestSpec``, which ``AddRequest`` and ``TransferMeta``
+extend (their fields flat on the wire, beside the message's own).
 No pickle: a message is plain data, decoded into these types or refused.
 """
 
@@ -14,7 +16,32 @@ from __future__ import annotations
 import msgspec
 
 from duoserve.core.outputs import EngineCoreOutput, TokenLogprobs
+from duoserve.core.request import Request
 from duoserve.sampling_params import SamplingParams
+
+
+class RequestSpec(msgspec.Struct):
+    """What an engine needs to make a request: the fields that cross processes with it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    max_total_tokens: int | None               # the context length: prompt + outputs never exceed it
+    arrival_time: float                        # the frontend's monotonic clock (queue time, aging)
+    sample_index: int = 0                      # which of an n > 1 prompt's samples
+
+    @classmethod
+    def from_request(cls, request: Request, **fields):
+        """This message for ``request``; ``fields`` are the message's own (or override the request's)."""
+        return cls(**{"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
+                      "params": request.params, "eos_token_ids": list(request.eos_token_ids),
+                      "max_total_tokens": request.max_total_tokens, "arrival_time": request.arrival_time,
+                      "sample_index": request.sample_index, **fields})
+
+    def to_request(self, request_id: str | None = None) -> Request:
+        """A new engine request of these fields (under ``request_id`` when the engine renames it)."""
+        return Request(self.request_id if request_id is None else request_id, self.prompt_token_ids, self.params,
+                       tuple(self.eos_token_ids), self.max_total_tokens, self.sample_index, self.arrival_time)
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -27,13 +54,8 @@ class Hello(msgspec.Struct, tag=True):
                                                # from an earlier one, read late, is ignored
 
 
-class AddRequest(msgspec.Struct, tag=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
-    max_total_tokens: int
-    arrival_time: float
+class AddRequest(RequestSpec, tag=True):
+    max_total_tokens: int                      # always known here: the frontend fills in the context length
     kv_peer: str | None = None                 # prefill role: the decode engine that gets the KV
     kv_peer_instance: str | None = None        # ... and its incarnation (EngineReady.instance_id)
 
@@ -131,22 +153,18 @@ class PeerRefused(msgspec.Struct, tag=True):
     error: str
 
 
-class TransferMeta(msgspec.Struct, tag=True):
-    """Precedes a transfer's wire frames; with ``shm_name`` the frames lie in that shared memory."""
-    request_id: str
-    instance_id: str               # the decode engine this is for: a restarted one refuses its predecessor's
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int]
-    max_total_tokens: int | None
-    arrival_time: float
+class TransferMeta(RequestSpec, tag=True, kw_only=True):
+    """A prefilled request on its way to a decode engine: its spec, its first token, and where its
+    KV is. Precedes a transfer's wire frames; with ``shm_name`` the frames lie in that shared memory."""
     first_token: int
-    sample_index: int
-    frame_sizes: list[int]
-    shm_name: str | None = None
+    instance_id: str = ""          # the decode engine this is for: a restarted one refuses its predecessor's
     first_logprobs: TokenLogprobs | None = None
+    # the prompt's log-probabilities when they were asked for: the decode engine restates them
+    # with the first token, so the frontend has them whichever engine's output comes first
     prompt_logprobs: list[TokenLogprobs] | None = None
     sent_at: float = 0.0           # the sender's monotonic clock: only comparable on one host
+    frame_sizes: list[int] = []    # filled in by the connector that sends the frames
+    shm_name: str | None = None
 
 
 class TransferAck(msgspec.Struct, tag=True):

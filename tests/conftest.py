@@ -102,10 +102,10 @@ def smol_llm(default_model):
     """An offline LLM over the session's default model (0.5 GiB of KV cache)."""
     from duoserve import LLM
     from duoserve.config import CacheConfig, EngineConfig, ModelConfig
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
 
     config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none"), cache=CacheConfig(kv_cache_memory=0.5))
-    return LLM.from_engine(EngineCore(config, loaded=default_model))
+    return LLM.from_engine(build_engine(config, loaded=default_model))
 
 
 API_KEY = "test-key"

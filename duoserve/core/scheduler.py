@@ -10,11 +10,16 @@ costs less than recomputing, its KV is copied out to host memory and back in whe
 resumed (swapped requests resume before anything new is admitted). Waiting requests are
 admitted FIFO while the budget, ``max_num_seqs`` and free blocks allow.
 
-Roles: a ``colocated`` engine does everything above. A ``prefill`` engine stops a
-request at its first token: the request moves to ``KV_LEASED`` (out of the running
-set, blocks kept) until the decode side acknowledges its KV or the lease expires. A
-``decode`` engine takes requests whose prompt KV arrives from elsewhere: they wait in
-``WAITING_FOR_KV`` for blocks, then start decoding with their KV copied in.
+Admission asks the KV sources chosen at start (``duoserve.core.kv_sources``) once per request:
+the prefix cache and the shared KV store for a prompt, the swap space for a swapped request, a
+transfer from a prefill engine for a request waiting for KV. Swapped requests resume first, then
+requests whose KV arrived, then new prompts; each queue stops at its first request that does not fit.
+
+Roles (``duoserve.core.roles``, chosen at start): a colocated or decode engine decodes what it
+prefilled; a prefill engine serves the shortest prompt first and stops a request at its first
+token: it moves to ``KV_LEASED`` (out of the running set, blocks kept) until the decode side
+acknowledges its KV or the lease expires. A decode engine takes requests whose prompt KV arrives
+from elsewhere: they wait in ``WAITING_FOR_KV`` for blocks, then decode with their KV copied in.
 
 Speculative decoding (``duoserve.core.speculation``): a decoding request may compute
 guessed tokens after its last one in the same step; it keeps what the target confirms,
@@ -28,45 +33,57 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.kv_sources import KVHit, KVSource, SwapSource
 from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from duoserve.core.request import Request, RequestStatus
+from duoserve.core.roles import RolePolicy
 from duoserve.core.speculation import SpeculationPolicy
-from duoserve.core.swap_space import SwapCost, SwapSpace
 
 S = RequestStatus
-PREFILL_AGING_SECONDS = 5.0   # prefill role: a request waiting longer than this goes first
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSetup:
+    """What a scheduler is built from, chosen at start (``duoserve.engine.builder``)."""
+    kv: KVCacheManager
+    max_num_batched_tokens: int                    # the token budget of a step
+    max_num_seqs: int                              # the most requests in the running set
+    enable_chunked_prefill: bool = True            # False: a prompt is admitted whole or waits
+    sources: Sequence[KVSource] = ()               # asked in order at admission (kv_sources)
+    swap: SwapSource | None = None                 # where preempted KV may go (also one of sources)
+    role: RolePolicy = field(default_factory=RolePolicy)
+    speculation: SpeculationPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.swap is not None and not any(source is self.swap for source in self.sources):
+            raise ValueError("the swap space must also be one of the sources (its KV comes back at admission)")
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True, role: str = "colocated",
-                 lease_timeout: float = 30.0, speculation: SpeculationPolicy | None = None,
-                 kv_store: object | None = None, swap: SwapSpace | None = None,
-                 swap_cost: SwapCost | None = None) -> None:
-        self.kv = kv
-        self.token_budget = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.enable_chunked_prefill = enable_chunked_prefill
+    def __init__(self, setup: SchedulerSetup) -> None:
+        self.kv = setup.kv
+        self.token_budget = setup.max_num_batched_tokens
+        self.max_num_seqs = setup.max_num_seqs
+        self.enable_chunked_prefill = setup.enable_chunked_prefill
+        self.sources = tuple(setup.sources)
+        self.swap = setup.swap
+        self.role = setup.role
+        self.speculation = setup.speculation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.waiting_for_kv: deque[Request] = deque()   # decode role: their KV is in request.transferred_kv
+        # the queues admission takes from, in order, and the state each request enters
+        self.queues = ((self.swapped, S.RUNNING), (self.waiting_for_kv, S.RUNNING), (self.waiting, S.PREFILLING))
         self.requests: dict[str, Request] = {}
         self.children: dict[str, list[str]] = {}   # n > 1: parent id -> ids of its other samples
         self.pending_copies: list[tuple[int, int]] = []
-        self.num_preemptions = 0
-        self.role = role
-        self.lease_timeout = lease_timeout
-        self.leases: dict[str, float] = {}              # prefill: leased request id -> deadline
-        self.newly_leased: list[tuple[Request, list[int]]] = []  # (request, its blocks) to ship
-        self.waiting_for_kv: deque[tuple[Request, object]] = deque()  # decode: (request, KV payload)
-        self.speculation = speculation
-        # the shared KV tier (duoserve.kv.store.BlockStore): fetch_prefix(request, first_block, block_size)
-        self.kv_store = kv_store
-        self.pending_loads: list[tuple[int, object]] = []
-        self.swap, self.swap_cost = swap, swap_cost
-        self.swapped: deque[Request] = deque()
         self.pending_swap_out: list[tuple[int, int]] = []
+        self.num_preemptions = 0
         self.num_swap_preemptions = 0
 
     # ---- intake -------------------------------------------------------------------------
@@ -76,6 +93,15 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_transferred(self, request: Request, payload: object) -> None:
+        """Decode role: a request prefilled elsewhere, its first token already in its outputs."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.move_to(S.WAITING_FOR_KV)
+        request.transferred_kv = payload
+        self.requests[request.request_id] = request
+        self.waiting_for_kv.append(request)
 
     def abort(self, request_id: str, status: RequestStatus = S.FINISHED_ABORTED,
               error: str | None = None, with_samples: bool = True) -> list[EngineCoreOutput]:
@@ -94,18 +120,44 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return (len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.leases)
+        return (len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + self.role.num_leased
                 + len(self.swapped))
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to compute now (leased KV only waits, it needs no steps)."""
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.swapped)
+
+    # ---- leases (prefill role) ------------------------------------------------------------
+
+    @property
+    def num_leased(self) -> int:
+        return self.role.num_leased
+
+    def acknowledge(self, request_id: str) -> None:
+        """The decode side holds the KV now; free the leased blocks."""
+        if self.role.release(request_id):
+            self._finish(self.requests.pop(request_id), S.FINISHED_STOPPED)  # the frontend follows the decode side
+
+    def expire_leases(self, now: float) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id, error in self.role.expired(now):
+            outputs += self.abort(request_id, S.FINISHED_ERROR, error, with_samples=False)
+        return outputs
+
+    def drain_leased(self) -> list[tuple[Request, list[int]]]:
+        return self.role.drain_leased()
 
     # ---- planning -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         if self.swap is not None:
-            self.swap.end_step()
+            self.swap.space.end_step()
         budget = self.token_budget
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
-        reserved = self._order_shortest_first() if self.role == "prefill" else 0
+        plan = SchedulerOutput([], 0)
+        scheduled = plan.scheduled
+        preempted = plan.preempted_ids
+        reserved = self.role.order(self.waiting, self.running, self.token_budget)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
         i = 0
@@ -133,145 +185,62 @@ class Scheduler:
                 budget -= num_new + num_spec
                 i += 1
         budget += reserved
-        inserts: list[tuple[str, list[int], object]] = []
-        swap_in: list[tuple[int, int]] = []
         if not preempted:
-            budget = self._resume_swapped(budget, scheduled, swap_in)
-            budget = self._admit_transferred(budget, scheduled, inserts)
-            budget = self._admit_waiting(budget, scheduled)
+            for queue, status in self.queues:
+                budget = self._admit(queue, status, budget, plan)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-        copies, self.pending_copies = self.pending_copies, []
-        loads, self.pending_loads = self.pending_loads, []
-        swap_out, self.pending_swap_out = self.pending_swap_out, []
-        return SchedulerOutput(scheduled, self.token_budget - budget, copies, preempted, inserts, loads,
-                               swap_out, swap_in)
+        plan.num_batched_tokens = self.token_budget - budget
+        plan.block_copies, self.pending_copies = self.pending_copies, []
+        plan.swap_out, self.pending_swap_out = self.pending_swap_out, []
+        return plan
 
-    def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest],
-                        swap_in: list[tuple[int, int]]) -> int:
-        """Give swapped requests KV blocks again, have their KV copied back, decode on."""
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.swapped[0]
-            blocks = self.kv.allocate_slots(request, 1)  # its computed tokens and the next one
-            if blocks is None:
-                break
-            self.swapped.popleft()
-            swap_in += zip(request.swap_block_ids, [b.block_id for b in blocks])
-            self.swap.release(request.swap_block_ids)
-            request.swap_block_ids = []
-            request.move_to(S.RUNNING)
-            self.running.append(request)
-            scheduled.append(self._plan(request, 1))
-            budget -= 1
-        return budget
+    def _find_kv(self, request: Request) -> tuple[list[tuple[KVSource, KVHit]], int]:
+        """Every source's hit for ``request``, in order, and the tokens they provide together."""
+        hits, num_found = [], 0
+        for source in self.sources:
+            hit = source.find(request, num_found)
+            if hit is not None:
+                hits.append((source, hit))
+                num_found += hit.num_tokens
+        return hits, num_found
 
-    def _order_shortest_first(self) -> int:
-        """Prefill role: shortest remaining prompt first, so a short prompt never queues behind a
-        long one's chunks (there are no decodes here to keep fluid, only first tokens to hurry).
-
-        Sorts the waiting and prefilling requests; returns the budget to hold back from the
-        prefilling ones for the waiting prompts shorter than the longest of them, as many as
-        fit whole (the prefilling ones always keep at least one token: nothing stalls).
-
-        Aging bounds every wait: a request that arrived more than ``PREFILL_AGING_SECONDS`` ago
-        goes before every younger one, oldest first, and nothing is held back from it, so a
-        long prompt cannot starve behind a steady stream of short ones.
-        """
-        now = time.monotonic()
-
-        def remaining(request: Request) -> int:
-            return request.num_tokens - request.num_computed_tokens
-
-        def order(request: Request) -> tuple[bool, float]:
-            aged = now - request.arrival_time >= PREFILL_AGING_SECONDS
-            return (not aged, request.arrival_time if aged else remaining(request))
-
-        if len(self.waiting) > 1:
-            self.waiting = deque(sorted(self.waiting, key=order))
-        self.running.sort(key=order)
-        if not self.waiting or not self.running or not order(self.running[0])[0]:
-            return 0
-        longest, reserved = remaining(self.running[-1]), 0
-        for request in self.waiting:
-            need = remaining(request)
-            if need >= longest or reserved + need >= self.token_budget:
-                break
-            reserved += need
-        return reserved
-
-    def _admit_transferred(self, budget: int, scheduled: list[ScheduledRequest],
-                           inserts: list[tuple[str, list[int], object]]) -> int:
-        """Decode role: give arrived requests blocks, have their KV copied in, decode their first token."""
-        while self.waiting_for_kv and budget > 0 and len(self.running) < self.max_num_seqs:
-            request, payload = self.waiting_for_kv[0]
-            if self.kv.allocate_slots(request, request.num_tokens) is None:
-                break
-            self.waiting_for_kv.popleft()
-            inserts.append((request.request_id, self.kv.block_ids(request.request_id), payload))
-            request.num_computed_tokens = request.num_prompt_tokens
-            request.first_scheduled_time = time.monotonic()
-            request.move_to(S.RUNNING)
-            self.running.append(request)
-            scheduled.append(self._plan(request, request.num_tokens - request.num_computed_tokens))
-            budget -= 1
-        return budget
-
-    def add_transferred(self, request: Request, payload: object) -> None:
-        """Decode role: a request prefilled elsewhere, its first token already in its outputs."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        request.move_to(S.WAITING_FOR_KV)
-        self.requests[request.request_id] = request
-        self.waiting_for_kv.append((request, payload))
-
-    def acknowledge(self, request_id: str) -> None:
-        """Prefill role: the decode side holds the KV now; free the leased blocks."""
-        if self.leases.pop(request_id, None) is not None:
-            self._finish(self.requests.pop(request_id), S.FINISHED_STOPPED)  # the frontend follows the decode side
-
-    def expire_leases(self, now: float) -> list[EngineCoreOutput]:
-        outputs = []
-        for request_id, deadline in list(self.leases.items()):
-            if now >= deadline:
-                error = (f"the decode engine did not acknowledge the KV of request {request_id} within "
-                         f"{self.lease_timeout:g} s (--kv-lease-timeout); its blocks were freed")
-                outputs += self.abort(request_id, S.FINISHED_ERROR, error, with_samples=False)
-        return outputs
-
-    def drain_leased(self) -> list[tuple[Request, list[int]]]:
-        leased, self.newly_leased = self.newly_leased, []
-        return leased
-
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            has_blocks = request.request_id in self.kv.req_blocks  # a forked sample
-            # prompt log-probabilities need every prompt position run through the model:
-            # such a request takes no prefix hits (its blocks are still cached for others)
-            skip_cache = has_blocks or request.prompt_logprobs is not None
-            cached = [] if skip_cache else self.kv.find_cached_prefix(request)
-            stored = []  # the blocks after those that the shared KV store holds, loaded
-            if self.kv_store is not None and not skip_cache and request.num_computed_tokens == 0:
-                stored = self.kv_store.fetch_prefix(request, len(cached), self.kv.block_size)
-            num_stored = len(stored) * self.kv.block_size
-            num_cached = len(cached) * self.kv.block_size + num_stored
-            remaining = request.num_tokens - request.num_computed_tokens - num_cached
+    def _admit(self, queue: deque[Request], status: RequestStatus, budget: int, plan: SchedulerOutput) -> int:
+        """Move requests from ``queue`` into the running set (as ``status``) while the budget,
+        ``max_num_seqs`` and free blocks allow: their KV from the sources, the rest computed."""
+        while queue and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = queue[0]
+            hits, num_found = self._find_kv(request)
+            shared = hits[0][1].shared_blocks if hits else []
+            remaining = request.num_tokens - request.num_computed_tokens - num_found
             if remaining > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(remaining, budget)
-            new_blocks = self.kv.allocate_slots(request, num_stored + num_new, cached)
+            new_blocks = self.kv.allocate_slots(request, num_found - len(shared) * self.kv.block_size + num_new,
+                                                shared)
             if new_blocks is None:
                 break
-            self.pending_loads += [(block.block_id, kv) for block, kv in zip(new_blocks, stored)]
-            self.waiting.popleft()
-            request.num_computed_tokens += num_cached
+            queue.popleft()
+            self._fill(request, hits, new_blocks, plan)
+            request.num_computed_tokens += num_found
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_cached
-            request.move_to(S.PREFILLING)
+                request.num_cached_tokens = sum(hit.num_tokens for _, hit in hits if hit.cached)
+            request.move_to(status)
             self.running.append(request)
-            scheduled.append(self._plan(request, num_new))
+            plan.scheduled.append(self._plan(request, num_new))
             budget -= num_new
         return budget
+
+    def _fill(self, request: Request, hits: list[tuple[KVSource, KVHit]], new_blocks: list, plan: SchedulerOutput) -> None:
+        """Have each hit's KV copied into the new blocks it fills (shared blocks need nothing)."""
+        if not hits:
+            return
+        block_ids = [block.block_id for block in new_blocks]
+        first = 0
+        for source, hit in hits:
+            source.fill(request, hit, block_ids[first:], plan)
+            if not hit.shared_blocks:
+                first += hit.num_tokens // self.kv.block_size
 
     def _plan(self, request: Request, num_new: int, guesses: list[int] | None = None,
               num_spec: int = 0) -> ScheduledRequest:
@@ -288,21 +257,18 @@ class Scheduler:
         """Swap the request's KV out when that is cheaper and there is room, else drop it to be
         recomputed: either way it leaves the running set and its KV blocks are free."""
         if self.swap is not None and request.status is S.RUNNING:
-            block_ids = self.kv.block_ids(request.request_id)
             num_blocks = self.kv.num_blocks_for(request.num_computed_tokens)
-            if self.swap_cost.prefers_swap(num_blocks, request.num_computed_tokens):
-                swap_ids = self.swap.allocate(num_blocks)
-                if swap_ids is not None:  # swap full: recompute
-                    self.pending_swap_out += zip(block_ids[:num_blocks], swap_ids)
-                    self.kv.free(request)
-                    request.swap_block_ids = swap_ids
-                    request.num_draft_computed = 0   # a draft's KV is not swapped: it catches up
-                    request.move_to(S.SWAPPED)
-                    self.swapped.append(request)
-                    request.num_preemptions += 1
-                    self.num_preemptions += 1
-                    self.num_swap_preemptions += 1
-                    return
+            copies = self.swap.swap_out(request, self.kv.block_ids(request.request_id), num_blocks)
+            if copies is not None:
+                self.pending_swap_out += copies
+                self.kv.free(request)
+                request.num_draft_computed = 0   # a draft's KV is not swapped: it catches up
+                request.move_to(S.SWAPPED)
+                self.swapped.append(request)
+                request.num_preemptions += 1
+                self.num_preemptions += 1
+                self.num_swap_preemptions += 1
+                return
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_draft_computed = 0
@@ -379,10 +345,8 @@ class Scheduler:
                 break
         taken = request.num_output_tokens - position
         if status is None:
-            if request.status is S.PREFILLING and self.role == "prefill":
-                self._lease(request)
-            elif request.status is S.PREFILLING:
-                request.move_to(S.RUNNING)
+            if request.status is S.PREFILLING and self.role.after_prefill(request):
+                self.running.remove(request)   # leased: its KV waits for the decode engine
         else:
             self._finish(request, status)
         out = EngineCoreOutput(request.request_id, tokens[:taken], position,
@@ -393,12 +357,6 @@ class Scheduler:
             out.stages = {"queue": request.first_scheduled_time - request.arrival_time,
                           "prefill": time.monotonic() - request.first_scheduled_time}
         return out
-
-    def _lease(self, request: Request) -> None:
-        request.move_to(S.KV_LEASED)
-        self.running.remove(request)
-        self.leases[request.request_id] = time.monotonic() + self.lease_timeout
-        self.newly_leased.append((request, self.kv.block_ids(request.request_id)))
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params
@@ -418,12 +376,13 @@ class Scheduler:
         if request.status is S.WAITING:
             self.waiting.remove(request)
         elif request.status is S.WAITING_FOR_KV:
-            self.waiting_for_kv = deque(item for item in self.waiting_for_kv if item[0] is not request)
+            self.waiting_for_kv.remove(request)
+            request.transferred_kv = None
         elif request.status is S.KV_LEASED:
-            self.leases.pop(request.request_id, None)
+            self.role.release(request.request_id)
         elif request.status is S.SWAPPED:
             self.swapped.remove(request)
-            self.swap.release(request.swap_block_ids)
+            self.swap.space.release(request.swap_block_ids)
             request.swap_block_ids = []
         elif request in self.running:
             self.running.remove(request)

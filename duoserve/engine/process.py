@@ -127,10 +127,10 @@ def _start_core(config_bytes: bytes):
     import msgspec
 
     from duoserve.config import EngineConfig
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
 
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-    return EngineCore(config)
+    return build_engine(config)
 
 
 def _refuse(sock, failure) -> None:
@@ -360,16 +360,12 @@ class EngineServer:
         self._send_to(identity, _ready(self.core, self.fingerprint_values, self.instance_id))
 
     def _apply(self, tag: str, message) -> list:
-        from duoserve.core.request import Request
         from duoserve import messages as msg
 
         core = self.core
         request_id = tag + TAG_SEP + message.request_id
         if isinstance(message, msg.AddRequest):
-            request = Request(request_id, message.prompt_token_ids, message.params,
-                              tuple(message.eos_token_ids), message.max_total_tokens,
-                              arrival_time=message.arrival_time)
-            core.add_request(request, message.kv_peer, message.kv_peer_instance)
+            core.add_request(message.to_request(request_id), message.kv_peer, message.kv_peer_instance)
             return []
         if isinstance(message, msg.AbortRequest):
             return core.abort(request_id)

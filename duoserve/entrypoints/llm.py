@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from duoserve.config import (DEFAULT_KV_STORE_TIMEOUT_MS, DEFAULT_KV_STORE_TTL, CacheConfig, EngineConfig,
                              KVStoreConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
+from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.frontend.frontend import Frontend
 from duoserve.outputs import RequestOutput
@@ -44,7 +45,7 @@ class LLM:
             kv_store=KVStoreConfig(kv_store, kv_store_ttl, kv_store_timeout) if kv_store else None,
             **({} if enforce_eager is None else {"enforce_eager": enforce_eager}),
         )
-        self._attach(EngineCore(config))
+        self._attach(build_engine(config))
 
     @classmethod
     def from_engine(cls, engine: EngineCore) -> "LLM":

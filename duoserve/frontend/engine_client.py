@@ -221,9 +221,8 @@ class EngineClient:
             raise EngineDeadError(f"{self.name} is not connected") from None
 
     def add_request(self, request: Request, kv_peer: str | None = None, kv_peer_instance: str | None = None) -> None:
-        self._send(msg.AddRequest(request.request_id, request.prompt_token_ids, request.params,
-                                  list(request.eos_token_ids), request.max_total_tokens or self.max_model_len,
-                                  request.arrival_time, kv_peer, kv_peer_instance))
+        self._send(msg.AddRequest.from_request(request, max_total_tokens=request.max_total_tokens or self.max_model_len,
+                                               kv_peer=kv_peer, kv_peer_instance=kv_peer_instance))
 
     def abort(self, request_id: str) -> None:
         self._send(msg.AbortRequest(request_id))

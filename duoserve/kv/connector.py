@@ -12,34 +12,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from duoserve.core.outputs import TokenLogprobs
-from duoserve.sampling_params import SamplingParams
+from duoserve.messages import TransferMeta
 
 
 @dataclass
 class KVTransfer:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: tuple[int, ...]
-    max_total_tokens: int | None
-    arrival_time: float
-    first_token: int
-    sample_index: int
+    meta: TransferMeta    # the request, its first token and the decode engine it is for: what travels ahead
     keys: list[Any]       # per layer [num_prompt_tokens, num_kv_heads, head_dim] tensors
     values: list[Any]
-    first_logprobs: TokenLogprobs | None = None
-    # the prompt's log-probabilities when they were asked for: the decode engine restates them
-    # with the first token, so the frontend has them whichever engine's output comes first
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    sent_at: float = field(default_factory=time.monotonic)
-
     received_at: float | None = None   # set by the decode end when the transfer lands
     peer: str | None = None            # the decode engine it goes to (between processes)
-    peer_instance: str | None = None   # ... and that engine's incarnation
+
+    @property
+    def request_id(self) -> str:
+        return self.meta.request_id
 
     @property
     def num_bytes(self) -> int:

@@ -11,6 +11,10 @@ background thread from a bounded queue (``SET NX EX``: nobody rewrites what is t
 queue drops the block and counts it. Trouble with Redis never fails a request: every call has
 ``timeout_ms``, a request has a time budget for the tier, and a circuit breaker
 (``duoserve.kv.breaker``) stops asking after repeated errors, probing again after a cooldown.
+
+``StoreSource`` is the engine's side: one of the KV sources asked at admission
+(``duoserve.core.kv_sources``), right after the prefix cache, and the writer of the blocks the
+prefix cache publishes once their KV is computed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from collections import OrderedDict
 import torch
 
 from duoserve.config import KVStoreConfig
+from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.kv_sources import KVHit, takes_cached_kv
+from duoserve.core.outputs import SchedulerOutput
+from duoserve.core.request import Request
 from duoserve.kv.breaker import CircuitBreaker
+from duoserve.kv.reblock import extract_kv
+from duoserve.kv.staging import to_host
 from duoserve.kv.store_record import KEY_PREFIX, BadRecord, block_key, decode_record, encode_record, store_root
 
 logger = logging.getLogger(__name__)
@@ -234,6 +244,41 @@ class BlockStore:
             return dict(kv_store_hits=self.hits, kv_store_misses=self.misses, kv_store_errors=dict(self.errors),
                         kv_store_bytes_read=self.bytes_read, kv_store_bytes_written=self.bytes_written,
                         kv_store_dropped_writes=self.dropped_writes, kv_store_breaker_open=self.breaker.is_open)
+
+
+class StoreSource:
+    """The shared KV tier as a KV source: the stored blocks that continue a prompt's prefix-cache
+    hits, loaded into its new blocks; and the writer of what this engine computes."""
+
+    def __init__(self, store: BlockStore, kv: KVCacheManager) -> None:
+        self.store, self.kv = store, kv
+        kv.record_published = True   # the prefix cache keeps what it publishes for write_published
+
+    def find(self, request: Request, num_found: int) -> KVHit | None:
+        if request.num_computed_tokens or not takes_cached_kv(request, self.kv):
+            return None
+        size = self.kv.block_size
+        stored = self.store.fetch_prefix(request, num_found // size, size)
+        return KVHit(len(stored) * size, payload=stored, cached=True) if stored else None
+
+    def fill(self, request: Request, hit: KVHit, block_ids: list[int], plan: SchedulerOutput) -> None:
+        plan.block_loads += zip(block_ids, hit.payload)
+
+    def write_published(self, kv_caches: list) -> None:
+        """Queue the blocks published this step (their KV is computed now) for the store."""
+        published = self.kv.drain_published()
+        if not published:
+            return
+        if self.store.breaker.is_open:  # the store is away: not worth reading the blocks out
+            self.store.drop(len(published))
+            return
+        size = self.kv.block_size
+        block_ids = [block_id for block_id, _, _ in published]
+        keys, values = extract_kv(kv_caches, block_ids, len(block_ids) * size)
+        keys, values = to_host(keys), to_host(values)
+        for i, (_, block_hash, token_ids) in enumerate(published):
+            rows = slice(i * size, (i + 1) * size)
+            self.store.submit(block_hash, token_ids, [k[rows] for k in keys], [v[rows] for v in values])
 
 
 def safe_url(url: str) -> str:

@@ -202,18 +202,14 @@ class PrefillConnector:
             raise KVSendError(f"no decode engine named {transfer.peer!r} is connected "
                               f"(connected: {', '.join(self.peers) or 'none'})")
         start = time.perf_counter()
-        frames = wire.encode(transfer.keys, transfer.values, transfer.prompt_token_ids, self.fingerprint)
+        frames = wire.encode(transfer.keys, transfer.values, transfer.meta.prompt_token_ids, self.fingerprint)
         sizes = [len(f) for f in frames]
-        meta = msg.TransferMeta(transfer.request_id, transfer.peer_instance or "", transfer.prompt_token_ids,
-                                transfer.params, list(transfer.eos_token_ids), transfer.max_total_tokens,
-                                transfer.arrival_time, transfer.first_token, transfer.sample_index, sizes,
-                                first_logprobs=transfer.first_logprobs, prompt_logprobs=transfer.prompt_logprobs,
-                                sent_at=transfer.sent_at)
         if self.addresses[transfer.peer].startswith("ipc://"):
-            meta.shm_name = _write_shm(frames, sizes)
+            meta = msgspec.structs.replace(transfer.meta, frame_sizes=sizes, shm_name=_write_shm(frames, sizes))
             self.segments[transfer.request_id] = (meta.shm_name, time.monotonic())
             sock.send(msg.encode(meta))
         else:
+            meta = msgspec.structs.replace(transfer.meta, frame_sizes=sizes)
             sock.send_multipart([msg.encode(meta), *frames], copy=False)
         self.last_transfer = (sum(sizes), time.perf_counter() - start)
 
@@ -280,11 +276,7 @@ class DecodeConnector:
             logger.error("refused the KV of request %s: %s", message.request_id, exc)
             return
         self._senders[message.request_id] = identity
-        self._arrived.append(KVTransfer(
-            message.request_id, message.prompt_token_ids, message.params, tuple(message.eos_token_ids),
-            message.max_total_tokens, message.arrival_time, message.first_token, message.sample_index, keys,
-            values, message.first_logprobs, message.prompt_logprobs, sent_at=message.sent_at,
-            received_at=time.monotonic()))
+        self._arrived.append(KVTransfer(message, keys, values, received_at=time.monotonic()))
 
     def _answer_hello(self, identity: bytes, hello: msg.PeerHello) -> None:
         difference = describe_difference(hello.name, hello.fingerprint, self.name, self.values)

@@ -7,16 +7,24 @@ import sys
 import pytest
 
 from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.kv_sources import PrefixCacheSource
 from duoserve.core.outputs import RunnerOutput, SchedulerOutput
 from duoserve.core.request import Request, RequestStatus
-from duoserve.core.scheduler import Scheduler
+from duoserve.core.roles import PREFILL_AGING_SECONDS, PrefillOnly
+from duoserve.core.scheduler import Scheduler, SchedulerSetup
 from duoserve.errors import InvalidRequestError
 from duoserve.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=8, chunked=True, caching=True):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, budget, max_seqs, chunked)
+    return Scheduler(SchedulerSetup(kv=kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                    enable_chunked_prefill=chunked, sources=[PrefixCacheSource(kv)]))
+
+
+def prefill_scheduler(kv: KVCacheManager, budget: int, max_seqs: int) -> Scheduler:
+    return Scheduler(SchedulerSetup(kv=kv, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                    sources=[PrefixCacheSource(kv)], role=PrefillOnly(kv, 30.0)))
 
 
 def fake_run(plan: SchedulerOutput, token: int = 7) -> RunnerOutput:
@@ -177,7 +185,7 @@ def test_prefix_hit_in_the_same_step_computes_only_the_rest():
 
 def test_prefill_role_serves_the_shortest_prompts_first():
     kv = KVCacheManager(64, 4, True)
-    s = Scheduler(kv, 8, 8, True, "prefill")
+    s = prefill_scheduler(kv, 8, 8)
     add(s, "long", 30)
     first = s.schedule()
     assert [(x.request.request_id, x.num_new_tokens) for x in first.scheduled] == [("long", 8)]
@@ -206,7 +214,7 @@ def test_prefill_role_serves_the_shortest_prompts_first():
 def test_prefill_role_reserves_budget_only_below_a_whole_step():
     """Waiting prompts that would take the whole budget get none held back: the long one advances."""
     kv = KVCacheManager(64, 4, True)
-    s = Scheduler(kv, 8, 8, True, "prefill")
+    s = prefill_scheduler(kv, 8, 8)
     add(s, "long", 30)
     s.update(plan := s.schedule(), fake_run(plan))
     add(s, "a", 4)
@@ -220,10 +228,8 @@ def test_prefill_role_ages_a_long_prompt_past_a_flood_of_short_ones():
     ever get the token it is guaranteed; once it has waited PREFILL_AGING_SECONDS it goes first."""
     import time
 
-    from duoserve.core import scheduler as scheduler_module
-
     kv = KVCacheManager(256, 4, True)
-    s = Scheduler(kv, 8, 64, True, "prefill")
+    s = prefill_scheduler(kv, 8, 64)
     long = add(s, "long", 40)
     for i in range(6):                      # young: the flood takes the budget, the long one a token
         add(s, f"short{i}", 7)
@@ -231,7 +237,7 @@ def test_prefill_role_ages_a_long_prompt_past_a_flood_of_short_ones():
         got = {x.request.request_id: x.num_new_tokens for x in plan.scheduled}
         assert got.get("long", 0) <= 1, got
         s.update(plan, fake_run(plan))
-    long.arrival_time = time.monotonic() - scheduler_module.PREFILL_AGING_SECONDS - 0.1
+    long.arrival_time = time.monotonic() - PREFILL_AGING_SECONDS - 0.1
     for i in range(6, 12):                  # aged: it takes the budget first, the flood waits
         add(s, f"short{i}", 7)
         plan = s.schedule()

@@ -11,7 +11,7 @@ import torch
 from duoserve import SamplingParams
 from duoserve.config import CacheConfig, EngineConfig, ModelConfig
 from duoserve.core.request import Request
-from duoserve.engine.core import EngineCore
+from duoserve.engine.builder import build_engine
 from duoserve.entrypoints.llm import LLM
 from duoserve.kv.connector import InProcessConnector
 from duoserve.kv.staging import pinned_like, to_device, to_host
@@ -38,8 +38,8 @@ def test_cpu_prefill_gpu_decode_equals_colocated(tiny_dir):
                  .generate(prompts, params, use_tqdm=False)]
 
     def engine(role, device, block):
-        return EngineCore(EngineConfig(model=ModelConfig(model=str(path), dtype="float32", device=device),
-                                       cache=CacheConfig(block_size=block, kv_cache_memory=0.01), role=role))
+        return build_engine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32", device=device),
+                                         cache=CacheConfig(block_size=block, kv_cache_memory=0.01), role=role))
 
     prefill, decode = engine("prefill", "cpu", 16), engine("decode", "cuda", 32)
     link = InProcessConnector()

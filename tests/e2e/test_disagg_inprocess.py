@@ -12,16 +12,16 @@ import time
 from duoserve import SamplingParams
 from duoserve.config import CacheConfig, EngineConfig, ModelConfig
 from duoserve.core.request import Request, RequestStatus
-from duoserve.engine.core import EngineCore
+from duoserve.engine.builder import build_engine
 from duoserve.entrypoints.llm import LLM
 from duoserve.kv.connector import InProcessConnector
 
 
 def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0):
     def make(role, block):
-        return EngineCore(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
-                                       cache=CacheConfig(block_size=block, kv_cache_memory=0.01),
-                                       role=role, kv_lease_timeout=lease_timeout))
+        return build_engine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                                         cache=CacheConfig(block_size=block, kv_cache_memory=0.01),
+                                         role=role, kv_lease_timeout=lease_timeout))
     prefill, decode = make("prefill", prefill_block), make("decode", decode_block)
     link = InProcessConnector()
     prefill.attach_connector(link)
@@ -68,14 +68,14 @@ def test_greedy_and_seeded_equal_colocated_across_block_sizes(tiny_dir):
         assert set(finished.values()) == {"length"}
         assert prefill.kv.num_hits > 0, "the shared prefix must hit the prefill side's cache"
         assert pool_whole(prefill) and pool_whole(decode)
-        assert prefill.num_kv_transfer_bytes > 0
+        assert prefill.handoff.num_transfer_bytes > 0
 
 
 def test_first_token_that_finishes_never_ships_kv(tiny_dir):
     prefill, decode = engines(tiny_dir(kind="llama"))
     got, finished = run(prefill, decode, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=1))
     assert len(got[0]) == 1 and finished == {"r0": "length"}
-    assert prefill.num_kv_transfer_bytes == 0 and pool_whole(prefill) and pool_whole(decode)
+    assert prefill.handoff.num_transfer_bytes == 0 and pool_whole(prefill) and pool_whole(decode)
 
 
 def test_expired_lease_frees_blocks_and_fails_the_request(tiny_dir):
@@ -95,7 +95,7 @@ def test_abort_while_waiting_for_kv_frees_everything(tiny_dir):
     prefill, decode = engines(tiny_dir(kind="llama"))
     prefill.add_request(Request("a", list(range(30)), SamplingParams(temperature=0, max_tokens=8), (), 512))
     prefill.step()  # first token sampled, KV sent
-    decode._exchange_kv()  # arrived: WAITING_FOR_KV
+    decode.handoff.before_step()  # arrived: WAITING_FOR_KV
     assert decode.scheduler.requests["a"].status is RequestStatus.WAITING_FOR_KV
     assert [o.finish_reason for o in decode.abort("a")] == ["abort"]
     prefill.abort("a")
@@ -106,8 +106,8 @@ def test_frontend_keeps_one_copy_of_the_first_token_whichever_engine_reports_fir
     from duoserve.core.outputs import EngineCoreOutput
     from duoserve.frontend.frontend import Frontend
 
-    engine = EngineCore(EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama")), dtype="float32"),
-                                     cache=CacheConfig(kv_cache_memory=0.01)))
+    engine = build_engine(EngineConfig(model=ModelConfig(model=str(tiny_dir(kind="llama")), dtype="float32"),
+                                       cache=CacheConfig(kv_cache_memory=0.01)))
     frontend = Frontend(engine)
     frontend.add_request([1, 2, 3], SamplingParams(max_tokens=4), request_id="x")
     engine.abort("x")  # only the frontend's bookkeeping is under test here

@@ -93,10 +93,10 @@ def test_bfloat16_kv_cache_with_float32_model(baseline):
     """KV stored in bf16 (converted on write, read back by both attention paths) stays close to fp32."""
     path, prompts, ref = baseline
     from duoserve.config import CacheConfig, EngineConfig, ModelConfig
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
 
-    engine = EngineCore(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
-                                     cache=CacheConfig(kv_cache_memory=0.01, kv_cache_dtype="bfloat16")))
+    engine = build_engine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                                       cache=CacheConfig(kv_cache_memory=0.01, kv_cache_dtype="bfloat16")))
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     llm = LLM.from_engine(engine)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)

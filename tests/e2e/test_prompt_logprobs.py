@@ -18,7 +18,7 @@ import torch
 
 from duoserve import LLM, SamplingParams
 from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig
-from duoserve.engine.core import EngineCore
+from duoserve.engine.builder import build_engine
 from duoserve.frontend.async_engine import AsyncEngine
 from tests.helpers import assert_pool_whole, hf_model
 from tests.server_helpers import Server
@@ -70,7 +70,7 @@ def test_offline_prefix_cache_and_chunks(default_model, smol_case):
     context, conts, want = smol_case
     config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none"), cache=CacheConfig(kv_cache_memory=0.5),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16))
-    llm = LLM.from_engine(EngineCore(config, loaded=default_model))
+    llm = LLM.from_engine(build_engine(config, loaded=default_model))
     check_offline(llm, context, conts, want)
     # the scored prompts' blocks were still cached for others: a plain request hits them
     plain = llm.generate([context + conts[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
@@ -86,7 +86,7 @@ def test_offline_under_preemption(default_model, smol_case):
     config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none", max_model_len=64),
                           cache=CacheConfig(kv_cache_memory=8 * block_bytes / 2**30),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16))
-    llm = LLM.from_engine(EngineCore(config, loaded=default_model))
+    llm = LLM.from_engine(build_engine(config, loaded=default_model))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = llm.generate([context + c for c in conts], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -14,7 +14,8 @@ from duoserve.config import SpeculativeConfig
 from duoserve.core.block_pool import hash_block
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.request import Request, RequestStatus
-from duoserve.core.scheduler import Scheduler
+from duoserve.core.kv_sources import PrefixCacheSource
+from duoserve.core.scheduler import Scheduler, SchedulerSetup
 from duoserve.core.speculation import SpeculationPolicy, propose_ngram
 from duoserve.errors import ConfigError
 from duoserve.worker.spec_verify import rejection_sample
@@ -73,7 +74,9 @@ def test_ngram_skips_matches_that_straddle_two_tokens():
 
 def scheduler_with(method="ngram", k=4, disable=2, num_blocks=64):
     policy = SpeculationPolicy(SpeculativeConfig(method=method, num_speculative_tokens=k, disable_batch_size=disable))
-    return Scheduler(KVCacheManager(num_blocks, 4), 64, 8, speculation=policy)
+    kv = KVCacheManager(num_blocks, 4)
+    return Scheduler(SchedulerSetup(kv=kv, max_num_batched_tokens=64, max_num_seqs=8,
+                                    sources=[PrefixCacheSource(kv)], speculation=policy))
 
 
 def decoding(scheduler, request_id, prompt, output, max_tokens=50):
@@ -316,11 +319,11 @@ REPEAT = [{"role": "user", "content": "Repeat this sentence three times: The red
 @pytest.fixture(scope="module")
 def smol_ngram(default_model):
     from duoserve.config import CacheConfig, EngineConfig, ModelConfig
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
 
     config = EngineConfig(model=ModelConfig(dtype="float32", quantization="none"), cache=CacheConfig(kv_cache_memory=0.4),
                           speculative=SpeculativeConfig(method="ngram", ngram_min=1))
-    return LLM.from_engine(EngineCore(config, loaded=default_model))
+    return LLM.from_engine(build_engine(config, loaded=default_model))
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(smol_llm, smol_ngram, monkeypatch):
@@ -395,7 +398,7 @@ def test_the_decode_engine_of_a_handoff_speculates_with_a_draft(tiny_dir):
     """The prefill engine has no draft: the decode engine's draft computes the prompt's draft KV
     itself (its first catch-up), then guesses; the tokens are the colocated engine's."""
     from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
     from duoserve.kv.connector import InProcessConnector
     from tests.test_disagg_inprocess import pool_whole, prompts, run
 
@@ -406,7 +409,7 @@ def test_the_decode_engine_of_a_handoff_speculates_with_a_draft(tiny_dir):
                         speculative=SpeculativeConfig(method="draft", disable_batch_size=ALWAYS))
     prefill_config, decode_config = DisaggConfig().engine_configs(base)
     assert prefill_config.speculative is None and decode_config.speculative is not None
-    prefill, decode = EngineCore(prefill_config), EngineCore(decode_config)
+    prefill, decode = build_engine(prefill_config), build_engine(decode_config)
     assert prefill.draft is None and decode.draft is not None
     link = InProcessConnector()
     prefill.attach_connector(link)

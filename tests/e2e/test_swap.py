@@ -24,7 +24,7 @@ def run(path, prompts, params, **kwargs):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_pool_whole(llm)
     swap = llm.engine.scheduler.swap
-    assert swap is None or swap.is_whole, "swap blocks leaked"
+    assert swap is None or swap.space.is_whole, "swap blocks leaked"
     return llm, [[c.token_ids for c in o.outputs] for o in outs]
 
 
@@ -110,13 +110,13 @@ def test_aborting_a_swapped_request_frees_its_swap_blocks(reference):
             break
     assert scheduler.swapped, "a request should be swapped out by now"
     victim = scheduler.swapped[0]
-    assert victim.swap_block_ids and scheduler.swap.num_free_blocks < 64
+    assert victim.swap_block_ids and scheduler.swap.space.num_free_blocks < 64
     llm.frontend.abort(victim.request_id)
     assert victim.status is RequestStatus.FINISHED_ABORTED and not victim.swap_block_ids
     for request_id in ids:
         llm.frontend.abort(request_id)
     while llm.frontend.has_unfinished():
         llm.frontend.step()
-    scheduler.swap.end_step()
-    assert scheduler.swap.is_whole
+    scheduler.swap.space.end_step()
+    assert scheduler.swap.space.is_whole
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.num_blocks

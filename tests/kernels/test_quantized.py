@@ -185,11 +185,11 @@ def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
 def _llm_over(loaded, budget: int):
     from duoserve import LLM
     from duoserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from duoserve.engine.core import EngineCore
+    from duoserve.engine.builder import build_engine
 
     config = EngineConfig(model=ModelConfig(dtype="float32", max_model_len=2048), cache=CacheConfig(kv_cache_memory=0.3),
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget))
-    return LLM.from_engine(EngineCore(config, loaded=loaded))
+    return LLM.from_engine(build_engine(config, loaded=loaded))
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,8 @@ def test_segments_of_dead_processes_are_unlinked_at_start():
 
 def _transfer(request_id: str) -> KVTransfer:
     kv = [torch.zeros(3, 1, 4)]
-    return KVTransfer(request_id, [1, 2, 3], SamplingParams(), (0,), 8, 0.0, 5, 0, kv, kv, peer="decode-0")
+    meta = msg.TransferMeta(request_id, [1, 2, 3], SamplingParams(), [0], 8, 0.0, first_token=5)
+    return KVTransfer(meta, kv, kv, peer="decode-0")
 
 
 def test_the_sender_unlinks_what_no_decode_engine_took():

@@ -14,7 +14,7 @@ import pytest
 
 from duoserve import LLM, SamplingParams
 from duoserve.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
-from duoserve.engine.core import EngineCore
+from duoserve.engine.builder import build_engine
 from duoserve.kv.store_record import KEY_PREFIX, _RECORD
 from tests.helpers import assert_pool_whole
 
@@ -31,7 +31,7 @@ def engine(path, url: str | None, dtype: str = "float32", block_size: int = BLOC
     kv_store = KVStoreConfig(url, **store) if url else None
     config = EngineConfig(model=ModelConfig(model=str(path), dtype=dtype),
                           cache=CacheConfig(block_size=block_size, kv_cache_memory=0.01), kv_store=kv_store)
-    return LLM.from_engine(EngineCore(config))
+    return LLM.from_engine(build_engine(config))
 
 
 def settle(llm: LLM, timeout: float = 5.0) -> None:
@@ -284,7 +284,7 @@ def test_prefill_and_decode_engines_share_the_store(tiny_dir, redis_server):
     want = LLM(str(path), dtype="float32").generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     for round_ in range(2):
         prefill_config, decode_config = DisaggConfig().engine_configs(base)
-        prefill, decode = EngineCore(prefill_config), EngineCore(decode_config)
+        prefill, decode = build_engine(prefill_config), build_engine(decode_config)
         link = InProcessConnector()
         prefill.attach_connector(link)
         decode.attach_connector(link)

@@ -1,0 +1,189 @@
+"""Build an ``EngineCore``: load the model, size the KV pool, choose the parts, report memory.
+
+Everything an engine's role and configuration decide is decided here, once: which KV
+sources admission asks (``duoserve.core.kv_sources``), the role's scheduling policy
+(``duoserve.core.roles``) and its handoff (``duoserve.engine.handoff``). The engine that
+comes out only steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import time
+
+import torch
+
+from duoserve.config import EngineConfig
+from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.kv_sources import KVSource, PrefixCacheSource, SwapSource, TransferSource
+from duoserve.core.roles import PrefillOnly, RolePolicy
+from duoserve.core.scheduler import Scheduler, SchedulerSetup
+from duoserve.core.speculation import SpeculationPolicy
+from duoserve.core.swap_space import SwapCost, SwapSpace
+from duoserve.engine.core import EngineCore
+from duoserve.engine.handoff import Handoff, ReceiveKV, SendKV
+from duoserve.errors import ConfigError
+from duoserve.kv.store import BlockStore, StoreSource
+from duoserve.model.fingerprint import describe, fingerprint
+from duoserve.model.loader import LoadedModel, check_max_model_len, load_model, weight_bytes
+from duoserve.worker.draft import DraftRunner, load_draft
+from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
+from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
+from duoserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
+    """An engine for ``config``; ``loaded``: a model loaded already (tests share one)."""
+    return EngineBuilder(config, loaded).build()
+
+
+class EngineBuilder:
+    """The steps of one build, in order; each step's results are the next steps' inputs."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.start = time.monotonic()
+        self.runtime_bytes = rss_bytes() if loaded is None else None  # the process before the model
+        self.device = config.model.resolved_device()
+        self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device))
+        self.max_model_len = check_max_model_len(self.loaded.arch, config.model.max_model_len)
+        self.budget = config.scheduler.token_budget(self.max_model_len)
+        cache = config.cache
+        self.kv_dtype = self.loaded.dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)
+        self.block_bytes = bytes_per_token(self.loaded.arch, self.kv_dtype) * cache.block_size
+        self.num_swap_blocks = int(cache.swap_space * (1 << 30)) // self.block_bytes
+
+    def build(self) -> EngineCore:
+        config, cache, loaded = self.config, self.config.cache, self.loaded
+        spec = config.speculative if config.role != "prefill" else None  # a prefill engine never decodes
+        draft = None  # speculative decoding's draft model
+        if spec is not None and spec.method == "draft":
+            draft = load_draft(spec, config.model, loaded, self.max_model_len)
+        num_blocks = num_kv_blocks(loaded.arch, cache, self.kv_dtype, self.device, self.max_model_len,
+                                   draft.arch if draft else None)
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        store = self._open_store(kv) if config.kv_store is not None else None
+        swap = SwapSource(SwapSpace(self.num_swap_blocks), SwapCost(self.block_bytes)) if self.num_swap_blocks else None
+        scheduler = Scheduler(SchedulerSetup(
+            kv=kv, max_num_batched_tokens=self.budget, max_num_seqs=config.scheduler.max_num_seqs,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            sources=_sources(config, kv, store, swap), swap=swap, role=_role_policy(config, kv),
+            speculation=SpeculationPolicy(spec) if spec else None))
+        runner = self._runner(num_blocks, draft)
+        engine = EngineCore(config=config, loaded=loaded, max_model_len=self.max_model_len, scheduler=scheduler,
+                            runner=runner, handoff=_handoff(config, scheduler, runner), store=store, swap=swap,
+                            draft=draft, memory=self._memory_report(runner, num_blocks, draft))
+        # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
+        # out of the garbage collector's sight, a collection during a step scans only new ones.
+        gc.collect()
+        gc.freeze()
+        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
+                    time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget)
+        return engine
+
+    def _runner(self, num_blocks: int, draft) -> ModelRunner:
+        """The model runner with its KV pool (and swap space, and draft runner); measures what
+        loading left resident on the way (``self.weights``, ``self.loading_bytes``)."""
+        config, cache = self.config, self.config.cache
+        compile_model = not config.enforce_eager and self.device == "cpu"
+        runner = ModelRunner(self.loaded, num_blocks, cache.block_size, self.kv_dtype, self.device,
+                             config.model.seed, compile_model=compile_model)
+        self.weights = weight_bytes(self.loaded.model)   # by kind, once: loading and the report both need it
+        self.loading_bytes = self._loading_bytes(runner, sum(self.weights.values()))
+        if self.num_swap_blocks:
+            runner.allocate_swap(self.num_swap_blocks, cache.block_size, self.kv_dtype)
+        if draft is not None:
+            runner.drafter = DraftRunner(draft, num_blocks, cache.block_size, self.kv_dtype, self.device,
+                                         config.model.seed, compile_model, max_catch_up=self.budget)
+        return runner
+
+    def _open_store(self, kv: KVCacheManager) -> StoreSource:
+        """The shared KV tier, keyed by this model's fingerprint and KV layout; it extends the prefix
+        cache, whose block hashes it uses."""
+        config, arch = self.config, self.loaded.arch
+        if not config.cache.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching", False, "on with --kv-store (the store keeps the prefix "
+                              "cache's blocks)")
+        digest = fingerprint(describe(arch, self.loaded.tokenizer, self.loaded.path, self.loaded.quantization))
+        layout = {"dtype": str(self.kv_dtype), "block_size": config.cache.block_size, "num_layers": arch.num_layers,
+                  "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim}
+        return StoreSource(BlockStore(config.kv_store, digest, layout), kv)
+
+    def _loading_bytes(self, runner: ModelRunner, weights: int) -> int | None:
+        """What loading the model and building its runner left resident beyond the weights and
+        the KV pages: the tokenizer, the loader's leftovers, compiled code (before any request)."""
+        if self.runtime_bytes is None or self.device != "cpu":
+            return None
+        kv_pages = tensor_resident_bytes(runner.kv_caches[0][0])  # one buffer holds every layer's
+        return rss_bytes() - self.runtime_bytes - weights - kv_pages
+
+    def _memory_report(self, runner: ModelRunner, num_blocks: int, draft) -> dict:
+        """Where this engine's memory goes (``duoserve.worker.memory``), logged once at start;
+        served at ``/v1/memory`` and as ``duoserve:memory_bytes``."""
+        block_size, per_block, on_cpu = self.config.cache.block_size, self.block_bytes, self.device == "cpu"
+        kv_buffer = runner.kv_caches[0][0]
+        scratch_tokens = min(self.budget, self.max_model_len)
+        scratch = measure_prefill_scratch(lambda: runner.scratch_forward(scratch_tokens), kv_buffer) if on_cpu else None
+        report = {
+            "weights_bytes": {kind: size for kind, size in self.weights.items() if size},
+            "kv_pool": {"blocks": num_blocks, "block_size": block_size, "tokens": num_blocks * block_size,
+                        "dtype": str(self.kv_dtype).removeprefix("torch."), "bytes": num_blocks * per_block,
+                        "resident_bytes": tensor_resident_bytes(kv_buffer) if on_cpu else None},
+            "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
+            "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": scratch_tokens,
+            "runtime_bytes": self.runtime_bytes, "loading_bytes": self.loading_bytes,
+            "rss_bytes": rss_bytes() if on_cpu else None,
+            "pid": os.getpid(),   # which process this is (operators, the chaos tests)
+        }
+        if draft is not None:
+            report["draft_weights_bytes"] = sum(weight_bytes(draft.model).values())
+        _log_memory(report)
+        return report
+
+
+def _sources(config: EngineConfig, kv: KVCacheManager, store: StoreSource | None,
+             swap: SwapSource | None) -> list[KVSource]:
+    """The KV sources admission asks, in order: the prefix cache before the store that extends it."""
+    sources: list[KVSource] = []
+    if config.cache.enable_prefix_caching:
+        sources.append(PrefixCacheSource(kv))
+    if store is not None:
+        sources.append(store)
+    if swap is not None:
+        sources.append(swap)
+    if config.role == "decode":
+        sources.append(TransferSource())
+    return sources
+
+
+def _role_policy(config: EngineConfig, kv: KVCacheManager) -> RolePolicy:
+    return PrefillOnly(kv, config.kv_lease_timeout) if config.role == "prefill" else RolePolicy()
+
+
+def _handoff(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner) -> Handoff:
+    if config.role == "prefill":
+        return SendKV(scheduler, runner, config.kv_lease_timeout)
+    if config.role == "decode":
+        return ReceiveKV(scheduler)
+    return Handoff()
+
+
+def _log_memory(report: dict) -> None:
+    mb = 2 ** 20
+
+    def size(value: int | None) -> str:
+        return "?" if value is None else f"{value / mb:.0f}"
+
+    logger.info("memory: weights %.0f MB, KV pool %.0f MB reserved (%d tokens of %s), swap %.0f MB, "
+                "prefill scratch %s MB (%d tokens), runtime %s MB, loading %s MB, resident %s MB",
+                sum(report["weights_bytes"].values()) / mb, report["kv_pool"]["bytes"] / mb,
+                report["kv_pool"]["tokens"], report["kv_pool"]["dtype"], report["swap"]["bytes"] / mb,
+                size(report["prefill_scratch_bytes"]), report["prefill_scratch_tokens"],
+                size(report["runtime_bytes"]), size(report["loading_bytes"]), size(report["rss_bytes"]))
