@@ -29,7 +29,8 @@ from duoserve.messages import EngineStats
 from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
-from duoserve.model.loader import LoadedModel, check_max_model_len, load_model, weight_bytes
+from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
+from duoserve.worker.backends import load_model
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
 from duoserve.worker.draft import DraftRunner, load_draft
