@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[1] / "duoserve" / "model" / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "duoserve" / "kernels" / "csrc"
 
 
 def build_revision(source: str, headers: dict[str, str], out: Path, like):
     """The kernel of an older paged_decode.c, built with the engine's flags; typed as ``like``."""
-    from duoserve.model.cpu_kernels import C_FLAGS
+    from duoserve.kernels.build import C_FLAGS
 
     work = out.parent / out.stem
     work.mkdir()
@@ -41,6 +41,16 @@ def build_revision(source: str, headers: dict[str, str], out: Path, like):
     return fn
 
 
+def old_source(root: Path, revision: str) -> str:
+    """paged_decode.c at ``revision``: under duoserve/kernels/csrc, or duoserve/model/csrc before the move."""
+    for folder in ("duoserve/kernels/csrc", "duoserve/model/csrc"):
+        found = subprocess.run(["git", "show", f"{revision}:{folder}/paged_decode.c"], cwd=root,
+                               capture_output=True, text=True)
+        if found.returncode == 0:
+            return found.stdout
+    raise SystemExit(f"no paged_decode.c at {revision}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="HEAD", help="git revision of the kernel to compare against")
@@ -48,11 +58,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    from duoserve.model.cpu_kernels import paged_decode_kernel
+    from duoserve.kernels.attention import paged_decode_kernel
 
     root = CSRC.parents[2]
-    old = subprocess.run(["git", "show", f"{args.before}:duoserve/model/csrc/paged_decode.c"], cwd=root,
-                         check=True, capture_output=True, text=True).stdout
+    old = old_source(root, args.before)
     headers = {h.name: h.read_text() for h in CSRC.glob("*.h")}
     dtype = getattr(torch, args.dtype)
     heads, kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 30

@@ -19,7 +19,8 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig
 
     from duoserve.config import ModelConfig
-    from duoserve.model.loader import default_model_path, load_model
+    from duoserve.model.loader import default_model_path
+    from duoserve.worker.backends import load_model
     from duoserve.model.weights import checkpoint_parts
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/smollm2-135m-hf")

@@ -37,13 +37,12 @@ def main() -> None:
     from duoserve import messages as msg
     from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector
     from duoserve.model.attention import AttentionMetadata
-    from duoserve.model.cpu_linear import use_cpu_linears
-    from duoserve.model.loader import load_model
+    from duoserve.worker.backends import load_model, use_cpu_kernels
     from duoserve.sampling_params import SamplingParams
 
     loaded = load_model(ModelConfig(dtype="float32"))
     model, arch = loaded.model, loaded.arch
-    use_cpu_linears(model)
+    use_cpu_kernels(model, torch.float32)   # as the runner does: float32 KV caches below
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.tokens)]
 

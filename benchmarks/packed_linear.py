@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    from duoserve.model.cpu_kernels import c_packed_linear, c_small_m_linear, pack_linear_weight
+    from duoserve.kernels.dense import c_packed_linear, c_small_m_linear, pack_linear_weight
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     args = parser.parse_args()
     from duoserve import LLM
-    from duoserve.model.quantized import DIRECT_ROWS
+    from duoserve.kernels.gguf import DIRECT_ROWS
 
     results = {}
     for quantization, mode in OPTIONS:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from duoserve.model.cpu_kernels import c_decode_attention
+from duoserve.kernels.attention import c_decode_attention
 
 
 def rows(num_seqs: int, new: int, cached: int, block_size: int, num_blocks: int):

@@ -18,10 +18,10 @@ import time
 import torch
 
 from duoserve.config import ModelConfig
-from duoserve.model.cpu_linear import linear_any_m
-from duoserve.model.loader import load_model
-from duoserve.model.quantized import GGUFLinear, packed_linear
-import duoserve.model.quantized as quantized
+import duoserve.kernels.gguf as gguf
+from duoserve.kernels.dense import linear_any_m
+from duoserve.kernels.linear import GGUFLinear
+from duoserve.worker.backends import load_model
 
 
 def timed(fn, repeat: int) -> float:
@@ -43,7 +43,7 @@ def main() -> None:
     model = load_model(ModelConfig(dtype="float32", quantization="gguf")).model
     layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     packed_bytes = sum(p.nbytes for layer in layers for p in layer.parts)
-    dense = {dtype: [quantized.dequantize_rows(p, dtype) for layer in layers for p in layer.parts]
+    dense = {dtype: [gguf.dequantize_rows(p, dtype) for layer in layers for p in layer.parts]
              for dtype in (torch.float32, torch.bfloat16)}
     parts = [p for layer in layers for p in layer.parts]
     results = {"packed_MB": packed_bytes / 1e6, "rows": {}}
@@ -55,13 +55,13 @@ def main() -> None:
             for direct in (True, False):
                 if direct and m > 64:
                     continue
-                saved = quantized.DIRECT_ROWS
-                quantized.DIRECT_ROWS = 10**9 if direct else 0
+                saved = gguf.DIRECT_ROWS
+                gguf.DIRECT_ROWS = 10**9 if direct else 0
                 try:
-                    ms = timed(lambda: [packed_linear(xs[p.cols], p.data, p.type_id, p.cols, mode) for p in parts],
-                               args.repeat)
+                    ms = timed(lambda: [gguf.gguf_linear(xs[p.cols], p.data, gguf.type_id(p), p.cols, mode)
+                                        for p in parts], args.repeat)
                 finally:
-                    quantized.DIRECT_ROWS = saved
+                    gguf.DIRECT_ROWS = saved
                 if direct or mode == "fast":
                     row[f"{mode}_{'blocks' if direct else 'dequant_gemm'}_ms"] = ms
         for dtype, weights in dense.items():

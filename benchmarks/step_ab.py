@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
-    from duoserve.model import attention
+    from duoserve.kernels import attention
 
     engines, real_op = {}, attention.decode_attention_op
     variable, before_value = {"guard-free-step": ("DUOSERVE_COMPILED_GUARDS", "1"),

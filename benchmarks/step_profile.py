@@ -27,9 +27,9 @@ def main() -> None:
     parser.add_argument("--gguf-mode", default="fast", choices=["fast", "exact"])
     args = parser.parse_args()
 
+    import duoserve.kernels.attention as c_attention
+    import duoserve.kernels.linear as linear
     import duoserve.model.attention as attention
-    import duoserve.model.cpu_linear as cpu_linear
-    import duoserve.model.quantized as quantized
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
 
@@ -44,13 +44,14 @@ def main() -> None:
                 seconds[name] += time.perf_counter() - start
         return wrapper
 
-    attention.c_decode_attention = timed("decode attention", attention.c_decode_attention)
+    c_attention.c_decode_attention = timed("decode attention", c_attention.c_decode_attention)
     attention._prefill_attention = timed("prefill attention", attention._prefill_attention)
     attention.write_kv = timed("KV writes", attention.write_kv)
-    cpu_linear.CPULinear.forward = timed("linear layers", cpu_linear.CPULinear.forward)
-    quantized.GGUFLinear.forward = timed("linear layers", quantized.GGUFLinear.forward)
-    quantized.GGUFEmbedding.forward = timed("embedding", quantized.GGUFEmbedding.forward)
-    quantized.Int8Linear.forward = timed("linear layers", quantized.Int8Linear.forward)
+    c_attention.write_kv = timed("KV writes", c_attention.write_kv)
+    linear.CPULinear.forward = timed("linear layers", linear.CPULinear.forward)
+    linear.GGUFLinear.forward = timed("linear layers", linear.GGUFLinear.forward)
+    linear.GGUFEmbedding.forward = timed("embedding", linear.GGUFEmbedding.forward)
+    linear.Int8Linear.forward = timed("linear layers", linear.Int8Linear.forward)
     engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=2, enforce_eager=True,
                  enable_prefix_caching=False, quantization=args.quantization, gguf_mode=args.gguf_mode).engine
     rng = random.Random(0)

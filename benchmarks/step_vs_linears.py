@@ -34,7 +34,7 @@ def main() -> None:
 
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
-    from duoserve.model.cpu_linear import CPULinear
+    from duoserve.kernels.linear import CPULinear
 
     dtype = getattr(torch, args.dtype)
     engine = LLM(dtype=args.dtype, quantization="none", kv_cache_memory=1.0, num_threads=2).engine

@@ -79,7 +79,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
 def default_model():
     """The packaged SmolLM2-135M-Instruct, loaded once per test session (fp32)."""
     from duoserve.config import ModelConfig
-    from duoserve.model.loader import load_model
+    from duoserve.worker.backends import load_model
 
     return load_model(ModelConfig(dtype="float32", quantization="none"))  # exact against transformers
 

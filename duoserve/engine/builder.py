@@ -28,7 +28,8 @@ from duoserve.engine.handoff import Handoff, ReceiveKV, SendKV
 from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.model.fingerprint import describe, fingerprint
-from duoserve.model.loader import LoadedModel, check_max_model_len, load_model, weight_bytes
+from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
+from duoserve.worker.backends import load_model
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes

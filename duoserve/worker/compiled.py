@@ -5,20 +5,20 @@ torch call with its own Python and dispatch overhead: about 25 calls a layer, wh
 or a few sequences costs as much as streaming the weights. Compiled, Inductor fuses that
 glue into generated C++ loops and the decoder is one call per step.
 
-The model code is not touched: at the edge each layer's attention module is swapped for
-``OpAttention`` and the linears call ``duoserve::linear`` while compiling
-(``duoserve.model.custom_ops``), so the graph is whole and its only inputs are the token ids
+The model code is not touched: at the edge each layer's attention module (the C kernels' or
+the torch reference) is wrapped in ``OpAttention`` and the CPU linears are ops while compiling
+(``duoserve.kernels.ops``), so the graph is whole and its only inputs are the token ids
 and positions. Their length is an unbacked dynamic size: one graph serves every token
 count, a single decode token included (a plain dynamic size would specialize 1 into a
 second graph: twice the compile time); ``num_compiles`` counts the graphs. Compiled code is cached on disk under
 ``~/.cache/duoserve/inductor`` (Inductor's FX graph cache), so a later start only traces. The
 step's wrapper is generated as C++ (``cpp_wrapper``): its kernels and the custom ops are called
-without Python between them (paired, 1-2 % faster decode steps; the first compile takes ~16 s more).
+without Python between them (faster decode steps, a longer first compile: BENCHMARKS.md).
 
 Once warmed up with a single graph, a step skips Dynamo altogether: the bytecode Dynamo wrote
 for the step (which calls the compiled graph) is kept when it is made and then called as a
 plain function. Dynamo would otherwise check its guards, one per model parameter among them,
-before every step: ~0.55 ms of a 9 ms one-sequence step here. Nothing a guard protects can
+before every step, a noticeable part of a one-sequence step. Nothing a guard protects can
 change between steps (the weights are fixed, the token count is a dynamic size, the caches
 and the metadata are not graph inputs); with more than one graph the guards choose between
 them, and every call goes through Dynamo as before (as it does with
@@ -35,9 +35,11 @@ import types
 import torch
 from torch import nn
 
+from duoserve.kernels.attention import OpAttention
+from duoserve.kernels.ops import StepContext, register_context
 from duoserve.model.attention import AttentionMetadata
-from duoserve.model.custom_ops import OpAttention, StepContext, register_context
 from duoserve.model.paths import cache_dir
+from duoserve.worker.fused_decode import FusedDecodeStep, why_not
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +88,7 @@ class CompiledModel:
 
         self._hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
 
-        # a step of decodes (up to 64) runs whole in C++ where the model allows it (fused_decode.py)
-        from duoserve.worker.fused_decode import FusedDecodeStep, why_not
-
+        # a step of decodes runs whole in C++ where the model allows it (fused_decode.py)
         reason = why_not(model, kv_caches)
         self.fused = None if reason else FusedDecodeStep(model, kv_caches, handle, self.context.scales)
         if reason:

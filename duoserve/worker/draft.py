@@ -27,8 +27,8 @@ from duoserve.core.outputs import ScheduledRequest
 from duoserve.errors import ConfigError
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata
-from duoserve.model.cpu_linear import use_cpu_linears
-from duoserve.model.loader import LoadedModel, load_model
+from duoserve.model.loader import LoadedModel
+from duoserve.worker.backends import load_model, use_cpu_kernels
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import STREAM_DRAFT, SamplingRow, sample_tensor
 
@@ -95,7 +95,7 @@ class DraftRunner:
                  device: str, seed: int = 0, compile_model: bool = False, max_catch_up: int = 512) -> None:
         self.model = loaded.model
         if self.model.device.type == "cpu":
-            use_cpu_linears(self.model)
+            use_cpu_kernels(self.model, kv_dtype)
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_catch_up = max_catch_up

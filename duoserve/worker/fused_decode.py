@@ -1,9 +1,9 @@
-"""A step of decodes run whole in C++ (``csrc/decode_step.c``), beside the compiled graph.
+"""A step of decodes run whole in C++ (``kernels/csrc/decode_step.c``), beside the compiled graph.
 
-At one sequence a compiled step of the default model spends ~1 ms outside its weights: the
-graph's ~150 op calls through the dispatcher, their tensors allocated and freed, its small
-kernels each forking the threads, all on the main thread while the other waits (BENCHMARKS.md,
-session 8). ``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
+At a few sequences a compiled step spends a good part of its time outside its weights: the
+graph's op calls through the dispatcher, their tensors allocated and freed, its small kernels
+each forking the threads, all on the main thread while the others wait (BENCHMARKS.md).
+``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
 step (the embedding rows included), over the same packed weights, caches and kernels; the
 output projection after it stays as it is. It serves steps in which every sequence decodes one
 token and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and
@@ -18,13 +18,12 @@ import os
 import torch
 from torch import nn
 
+from duoserve.kernels.linear import CPULinear, PackedEmbedding
+from duoserve.kernels.ops import decode_step_available
 from duoserve.model.attention import AttentionMetadata
-from duoserve.model.cpu_linear import CPULinear, PackedEmbedding
 
-# the most sequences a step may have to run here: faster than the compiled graph at every batch
-# measured, 1 to 64 (step_ab.py --change decode-step, two sittings: fp32 -9 to -18 % at 1, -5 % at
-# 32 and 64; bf16 -11 to -15 % at 1, -4 to -5 % at 32, -1 to -2 % at 64); larger steps are left to
-# the graph
+# the most sequences a step may have to run here: it beat the compiled graph at every batch
+# measured up to this (``benchmarks/step_ab.py --change decode-step``); larger steps are left to the graph
 MAX_ROWS = 64
 
 
@@ -37,10 +36,7 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     """Why this model's decode steps cannot run in ``decode_step``, or None when they can."""
     if os.environ.get("DUOSERVE_DECODE_STEP", "1") == "0":
         return "DUOSERVE_DECODE_STEP=0"
-    from duoserve.model.custom_ops import define_ops
-
-    define_ops()
-    if not torch._C._dispatch_has_kernel("duoserve::decode_step"):
+    if not decode_step_available():
         return "csrc/cpu_ops.cpp is not built"
     arch = getattr(model, "arch", None)
     if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary"):

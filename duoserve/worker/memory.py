@@ -104,7 +104,8 @@ def plan(config) -> dict:
     import torch
 
     from duoserve.errors import ConfigError
-    from duoserve.model.loader import check_max_model_len, resolve_model_path, resolve_quantization
+    from duoserve.model.loader import check_max_model_len, resolve_model_path
+    from duoserve.worker.backends import choose_quantization
     from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 
     path = resolve_model_path(config.model.model)
@@ -120,7 +121,7 @@ def plan(config) -> dict:
     dtype = getattr(torch, config.model.torch_dtype_name)
     kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
     max_model_len = check_max_model_len(arch, config.model.max_model_len)
-    quantization = resolve_quantization(config.model, path, device)
+    quantization = choose_quantization(config.model, path, device)
     weights = _checkpoint_weights(path, quantization, torch.tensor([], dtype=dtype).element_size())
     blocks = num_kv_blocks(arch, config.cache, kv_dtype, device, max_model_len)  # refuses a pool too small
     per_token = bytes_per_token(arch, kv_dtype)

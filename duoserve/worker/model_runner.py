@@ -20,8 +20,8 @@ from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutpu
 from duoserve.kv.reblock import insert_kv
 from duoserve.kv.staging import to_device
 from duoserve.model.attention import AttentionMetadata
-from duoserve.model.cpu_linear import use_cpu_linears
 from duoserve.model.loader import LoadedModel
+from duoserve.worker.backends import use_cpu_kernels
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, logprobs_of, sample_tensor, top_logprobs
 from duoserve.worker.spec_verify import verify
@@ -34,7 +34,7 @@ class ModelRunner:
                  device: str, seed: int = 0, compile_model: bool = False) -> None:
         self.model = loaded.model
         if self.model.device.type == "cpu":
-            use_cpu_linears(self.model)
+            use_cpu_kernels(self.model, kv_dtype)
         self.arch = loaded.arch
         self.device = torch.device(device)
         self.block_size = block_size

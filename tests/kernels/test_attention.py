@@ -1,4 +1,5 @@
-"""Paged attention: the C decode kernel and the torch path agree; block layout never matters."""
+"""Paged attention: the C kernels (duoserve.kernels.attention) and the torch reference
+(duoserve.model.attention) agree; block layout never matters."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import random
 import pytest
 import torch
 
+from duoserve.kernels import attention as c_attention
+from duoserve.kernels.attention import CAttention, c_decode_attention, paged_decode_kernel
+from duoserve.kernels.build import load_c_function
+from duoserve.kernels.ops import decode_attention_op
 from duoserve.model import attention
-from duoserve.model.attention import AttentionMetadata, _decode_attention, kv_head_slots, paged_attention
-from duoserve.model.cpu_kernels import c_decode_attention, decode_attention_op, paged_decode_kernel
+from duoserve.model.attention import AttentionMetadata, PagedAttention, _decode_attention, kv_head_slots
 
 
 def _setup(dtype, num_seqs=5, num_heads=8, num_kv_heads=2, head_dim=32, block_size=4, num_blocks=64):
@@ -63,14 +67,15 @@ def test_c_decode_kernel_matches_reference(dtype, num_seqs, heads):
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_op_writes_and_attends_as_the_python_path(monkeypatch, dtype, q_dtype):
     """A decode step's attention in one C++ call (duoserve::decode_attention) leaves the caches and
-    returns the output exactly as the Python path (write_kv, then the C kernel through ctypes)."""
+    returns the output exactly as the Python path (the KV write, then the C kernel through ctypes)."""
     q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_heads=9, num_kv_heads=3, head_dim=64)
     q = q.to(q_dtype)
     k, v = torch.randn(5, 3, 64).to(q_dtype), torch.randn(5, 3, 64).to(q_dtype)
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    by_op = paged_attention(q, k, v, *caches[0], meta, 0.125, kv_head_slots(9, 3))
-    monkeypatch.setattr(attention, "decode_attention_op", lambda: None)
-    by_python = paged_attention(q, k, v, *caches[1], meta, 0.125, kv_head_slots(9, 3))
+    layer = CAttention(PagedAttention(9, 3, 64))   # scale 64 ** -0.5 = 0.125
+    by_op = layer(q, k, v, caches[0], meta)
+    monkeypatch.setattr(c_attention, "decode_attention_op", lambda: None)
+    by_python = layer(q, k, v, caches[1], meta)
     assert by_op.dtype == q_dtype and torch.equal(by_op, by_python)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     slot = int(meta.slot_mapping[0])   # the new keys really were written
@@ -105,8 +110,6 @@ def test_decode_step_op_writes_rows_of_a_strided_view_and_refuses_a_slot_outside
 def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):
     """The three prefill paths (the C kernel query by query; without it, grouped matmuls for short
     chunks and SDPA for long ones) against plain causal softmax attention, GQA by repetition."""
-    import duoserve.model.attention as attention
-
     torch.manual_seed(1)
     num_heads, num_kv_heads, head_dim, block_size, chunk = 8, 2, 32, 4, 11
     seq_len = cached + chunk
@@ -134,8 +137,32 @@ def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):
     assert (grouped.float() - want).abs().max() < tolerance
     assert (sdpa.float() - want).abs().max() < tolerance
     if paged_decode_kernel() is not None:  # the C kernel, query by query
-        by_kernel = attention._prefill_by_decode_kernel(q, k_cache, v_cache, seq, 0.2)
+        by_kernel = c_decode_attention(q, k_cache, v_cache, seq.token_block_tables, seq.token_seq_lens, 0.2)
         assert (by_kernel.float() - want).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_backend_runs_a_mixed_step_as_the_torch_reference(dtype):
+    """Decodes and two prompt chunks (one after a cached prefix) in one step: the C backend
+    writes the same caches and attends as the module it replaces."""
+    torch.manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 4
+    query_lens, seq_lens = [1, 1, 6, 5], [9, 3, 6, 12]
+    tables = [[0, 1, 2], [3], [4, 5], [6, 7, 8]]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype) for _ in range(2))
+    shape = (12, block_size, num_kv_heads, head_dim)
+    cache = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    caches = [(cache[0].clone(), cache[1].clone()) for _ in range(2)]
+    reference = PagedAttention(num_heads, num_kv_heads, head_dim)
+    want = reference(q, k, v, caches[0], meta)
+    got = CAttention(reference)(q, k, v, caches[1], meta)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def _rows(spec, block_size, num_blocks, rng):
@@ -182,10 +209,8 @@ def test_rows_group_into_runs_only_over_one_table():
     blocks the shorter row reads are one run (3 rows or more); anything else is a single row."""
     import ctypes
 
-    from duoserve.model.cpu_kernels import _load
-
     P, I = ctypes.c_void_p, ctypes.c_int
-    find = _load("paged_decode", "paged_find_runs", (P, P, I, I, I, P, P, P, P))
+    find = load_c_function("paged_decode", "paged_find_runs", (P, P, I, I, I, P, P, P, P))
     tables = torch.tensor([[7, 0, 0], [3, 4, 0], [3, 4, 0], [3, 4, 0], [3, 4, 9], [3, 4, 9],  # rows 0-5
                            [5, 0, 0], [5, 0, 0],                                             # a run of 2
                            [1, 2, 0], [1, 6, 0], [1, 6, 0], [1, 6, 0],                       # block 2 differs

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from duoserve.model.cpu_kernels import (c_packed_linear, c_small_m_linear, pack_linear_weight, packed_linear_supported,
-                                        small_m_linear_kernel)
-from duoserve.model.cpu_linear import SMALL_M, CPULinear, PackedEmbedding, use_cpu_linears
+from duoserve.kernels.build import load_torch_op_library
+from duoserve.kernels.dense import (SMALL_M, c_packed_linear, c_small_m_linear, linear_any_m, pack_linear_weight,
+                                    packed_linear_supported, small_m_linear_kernel)
+from duoserve.kernels.linear import CPULinear, PackedEmbedding, cpu_linear, replace_linears
+from duoserve.kernels.ops import define_ops
 
 needs_kernel = pytest.mark.skipif(small_m_linear_kernel() is None, reason="no C compiler on this machine")
 
@@ -54,7 +56,7 @@ def test_cpu_linear_every_batch_size(dtype):
 def test_swap_keeps_one_copy_of_each_weight(smol_llm):
     model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
     weights = [model[0].weight.data_ptr(), model[2].weight.data_ptr()]
-    assert use_cpu_linears(model) == 2
+    assert replace_linears(model, cpu_linear) == 2
     assert isinstance(model[0], CPULinear) and isinstance(model[2], CPULinear)
     for layer, plain in zip((model[0], model[2]), weights):
         if packed_linear_supported(torch.float32):   # the packed copy only: the plain one goes with nn.Linear
@@ -62,7 +64,8 @@ def test_swap_keeps_one_copy_of_each_weight(smol_llm):
         else:
             assert layer.packed is None and layer.weight.data_ptr() == plain, "no copy of any weight"
     served = smol_llm.engine.runner.model
-    head = served.tied_head
+    head = served.lm_head   # tied: the runner's CPULinear over the embedding table
+    assert isinstance(head, CPULinear)
     if head.packed is None:
         assert head.weight.data_ptr() == served.embed.weight.data_ptr(), "the tied head is the table"
     else:
@@ -123,10 +126,6 @@ def test_packed_kernel_refuses_what_it_cannot_run():
 def test_cpp_kernel_of_the_linear_op_equals_the_python_kernel():
     """duoserve::linear's C++ kernel (csrc/cpu_ops.cpp, built in CI) computes what linear_any_m does,
     bit for bit: the same small-row C kernel or the same oneDNN call."""
-    from duoserve.model.cpu_kernels import load_torch_op_library
-    from duoserve.model.cpu_linear import linear_any_m
-    from duoserve.model.custom_ops import define_ops
-
     define_ops()
     assert load_torch_op_library(), "CI has a C++ compiler: the ops' C++ kernels build"
     torch.manual_seed(3)

@@ -10,10 +10,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
+from duoserve.kernels.build import load_torch_op_library
+from duoserve.kernels.gguf import BLOCK_TYPES, DIRECT_ROWS, dequantize_rows, gguf_kernels, gguf_linear
+from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear, Int8Linear
+from duoserve.kernels.ops import define_ops
 from duoserve.model.fingerprint import describe_difference
-from duoserve.model.loader import load_model
-from duoserve.model.quantized import (BLOCK_TYPES, DIRECT_ROWS, GGUFEmbedding, GGUFLinear, Int8Linear, PackedWeight,
-                                      dequantize_rows, kernels, packed_linear)
+from duoserve.model.gguf_loader import GGUFBlocks
+from duoserve.worker.backends import load_model
 from tests.helpers import forward_one
 from tests.test_gguf import F16_FIELDS, PROMPT, write_gguf
 
@@ -38,8 +41,8 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[
     return raw.reshape(rows, -1), ref
 
 
-def packed(raw: np.ndarray, type_name: str, cols: int) -> PackedWeight:
-    return PackedWeight(torch.from_numpy(np.ascontiguousarray(raw)), type_name, raw.shape[0], cols)
+def blocks(raw: np.ndarray, type_name: str, cols: int) -> GGUFBlocks:
+    return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)), type_name, raw.shape[0], cols)
 
 
 def quantize_rows_like_fast_mode(x: torch.Tensor) -> torch.Tensor:
@@ -51,13 +54,13 @@ def quantize_rows_like_fast_mode(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_c_kernels_are_built():
-    assert kernels() is not None, "the CI machine has a C compiler: the GGUF kernels must build"
+    assert gguf_kernels() is not None, "the CI machine has a C compiler: the GGUF kernels must build"
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 def test_dequantize_rows_equal_gguf_reference(type_name):
     raw, ref = random_blocks(type_name, 24, 512)
-    weight = packed(raw, type_name, 512)
+    weight = blocks(raw, type_name, 512)
     assert torch.equal(dequantize_rows(weight, torch.float32), ref)
     ids = torch.tensor([5, 0, 23, 5])
     assert torch.equal(dequantize_rows(weight, torch.float32, ids=ids), ref[ids])
@@ -66,7 +69,7 @@ def test_dequantize_rows_equal_gguf_reference(type_name):
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_packed_linear_against_dequantized_matmul(type_name, mode):
+def test_gguf_linear_against_dequantized_matmul(type_name, mode):
     cols = 512
     raw, ref = random_blocks(type_name, 40, cols, seed=1)
     data = torch.from_numpy(np.ascontiguousarray(raw))
@@ -74,7 +77,7 @@ def test_packed_linear_against_dequantized_matmul(type_name, mode):
     gen = torch.Generator().manual_seed(2)
     for m in ROWS_TO_TRY:
         x = torch.randn(m, cols, generator=gen)
-        got = packed_linear(x, data, type_id, cols, mode)
+        got = gguf_linear(x, data, type_id, cols, mode)
         exact = (x.double() @ ref.double().T).float()
         scale = exact.abs().max().item()
         if mode == "exact" or m > DIRECT_ROWS:  # more rows than DIRECT_ROWS: dequantize + GEMM, both modes
@@ -87,23 +90,23 @@ def test_packed_linear_against_dequantized_matmul(type_name, mode):
             assert (got - exact).norm() / exact.norm() < 0.02
 
 
-def test_packed_linear_keeps_bfloat16_and_leading_dims():
+def test_gguf_linear_keeps_bfloat16_and_leading_dims():
     raw, ref = random_blocks("Q4_1", 48, 256, seed=3)
     data = torch.from_numpy(np.ascontiguousarray(raw))
     for m in (1, 12):
         x = torch.randn(2, m, 256).to(torch.bfloat16)
-        got = packed_linear(x, data, BLOCK_TYPES["Q4_1"][0], 256, "exact")
+        got = gguf_linear(x, data, BLOCK_TYPES["Q4_1"][0], 256, "exact")
         assert got.dtype == torch.bfloat16 and got.shape == (2, m, 48)
         want = x.float() @ ref.to(torch.bfloat16).float().T
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_fused_projection_of_mixed_block_types():
-    """Q/K/V of different types (as in Q4_K_M files): one packed run per type, outputs joined."""
+    """Q/K/V of different types (as in Q4_K_M files): one block run per type, outputs joined."""
     parts, refs = [], []
     for i, type_name in enumerate(["Q4_K", "Q4_K", "Q6_K"]):
         raw, ref = random_blocks(type_name, 16, 256, seed=10 + i)
-        parts.append(packed(raw, type_name, 256))
+        parts.append(blocks(raw, type_name, 256))
         refs.append(ref)
     layer = GGUFLinear(parts, torch.randn(48), "exact")
     assert [p.type_name for p in layer.parts] == ["Q4_K", "Q6_K"] and layer.out_features == 48
@@ -114,7 +117,7 @@ def test_fused_projection_of_mixed_block_types():
 
 def test_embedding_rows_from_blocks():
     raw, ref = random_blocks("Q8_0", 100, 64, seed=4)
-    embed = GGUFEmbedding(packed(raw, "Q8_0", 64), torch.float32)
+    embed = GGUFEmbedding(blocks(raw, "Q8_0", 64), torch.float32)
     ids = torch.tensor([[7, 99], [0, 7]])
     assert torch.equal(embed(ids), ref[ids])
 
@@ -193,18 +196,20 @@ def _llm_over(loaded, budget: int):
 
 
 @pytest.fixture(scope="module")
-def smol_packed():
+def smol_blocks():
     """The default model computed from its blocks: mode -> LoadedModel."""
     return {mode: load_model(ModelConfig(dtype="float32", quantization="gguf", gguf_mode=mode, max_model_len=2048))
             for mode in ("exact", "fast")}
 
 
-def test_default_model_exact_mode_logits_equal_dequantized(default_model, smol_packed):
+def test_default_model_exact_mode_logits_equal_dequantized(default_model, smol_blocks):
     from tests.test_default_model import PROMPTS
 
-    exact = smol_packed["exact"]
+    exact = smol_blocks["exact"]
     assert exact.quantization == "gguf-exact"
     assert {p.type_name for m in exact.model.modules() if isinstance(m, GGUFLinear) for p in m.parts} == {"Q4_1", "Q8_0"}
+    head = exact.model.lm_head   # tied: the embedding's blocks, not a copy
+    assert isinstance(head, GGUFLinear) and head.blocks_0.data_ptr() == exact.model.embed.blocks.data_ptr()
     for prompt in PROMPTS:
         ids = default_model.tokenizer.encode(prompt)
         for tokens in (ids[:DIRECT_ROWS], ids):  # straight from the blocks; dequantize + GEMM
@@ -226,7 +231,7 @@ def scored(llm, windows: list[list[int]]) -> tuple[float, list[int]]:
 MORE_PROMPTS = ["The three primary colors are", "In 1492, Columbus", "Water boils at", "The quick brown fox"]
 
 
-def test_default_model_greedy_text_and_perplexity(default_model, smol_packed):
+def test_default_model_greedy_text_and_perplexity(default_model, smol_blocks):
     """Every matmul through the blocks (an 8-token step budget), against the dequantized model.
     Exact mode: greedy text equal on all 8 prompts (32 tokens), perplexity within 0.05 % and the
     same top-1 token everywhere on 510 scored tokens of the repository's fixed text. Fast mode
@@ -247,7 +252,7 @@ def test_default_model_greedy_text_and_perplexity(default_model, smol_packed):
     windows = [tokens[:256], tokens[256:512]]
     dense_ppl, dense_top = scored(dense, windows)
     for mode, ppl_bound, top_bound in (("exact", 0.0005, 1.0), ("fast", 0.01, 0.93)):
-        llm = _llm_over(smol_packed[mode], DIRECT_ROWS)
+        llm = _llm_over(smol_blocks[mode], DIRECT_ROWS)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         ppl, top = scored(llm, windows)
         assert abs(ppl / dense_ppl - 1) < ppl_bound, (mode, ppl, dense_ppl)
@@ -260,10 +265,7 @@ def test_default_model_greedy_text_and_perplexity(default_model, smol_packed):
 
 
 def test_cpp_kernel_of_the_op_equals_the_python_kernel():
-    """duoserve::gguf_linear's C++ kernel (csrc/cpu_ops.cpp, built in CI) against packed_linear."""
-    from duoserve.model.cpu_kernels import load_torch_op_library
-    from duoserve.model.custom_ops import define_ops
-
+    """duoserve::gguf_linear's C++ kernel (csrc/cpu_ops.cpp, built in CI) against gguf_linear."""
     define_ops()
     assert load_torch_op_library(), "CI has a C++ compiler: the ops' C++ kernels build"
     for type_name in ("Q4_1", "Q6_K"):
@@ -275,7 +277,7 @@ def test_cpp_kernel_of_the_op_equals_the_python_kernel():
                 x = torch.randn(m, 256).to(dtype)
                 for mode in ("fast", "exact"):
                     got = torch.ops.duoserve.gguf_linear(x, data, type_id, 256, mode)
-                    want = packed_linear(x, data, type_id, 256, mode)
+                    want = gguf_linear(x, data, type_id, 256, mode)
                     assert got.dtype == dtype and got.shape == want.shape
                     assert torch.equal(got, want)  # the same kernels: the blocks' or oneDNN's
 
@@ -287,6 +289,6 @@ def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
     data = torch.from_numpy(np.ascontiguousarray(raw))
     for m in (1, 3, DIRECT_ROWS):
         x = torch.randn(m, 96)
-        got = packed_linear(x, data, BLOCK_TYPES[type_name][0], 96, "fast")
+        got = gguf_linear(x, data, BLOCK_TYPES[type_name][0], 96, "fast")
         emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
         torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())

@@ -12,7 +12,7 @@ from duoserve.kv import wire
 from duoserve.kv.reblock import extract_kv, insert_kv
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.fingerprint import describe, fingerprint
-from duoserve.model.loader import load_model
+from duoserve.worker.backends import load_model
 
 FP = bytes(range(32))
 TOKENS = [5, 9, 200, 17, 3, 3, 80]

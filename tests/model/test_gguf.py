@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from duoserve.config import ModelConfig
 from duoserve.model.dequant import dequantize
-from duoserve.model.loader import load_model
+from duoserve.worker.backends import load_model
 from tests.helpers import forward_one
 
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 26, 43, 38, 32, 79, 50, 28, 8]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
-from duoserve.model.loader import load_model
+from duoserve.worker.backends import load_model
 
 
 def test_unknown_dtype():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from duoserve.config import ModelConfig
-from duoserve.model.loader import load_model
+from duoserve.worker.backends import load_model
 from tests.helpers import forward_one, hf_model
 
 PROMPT = [5, 17, 200, 3, 99, 42, 42, 7, 128, 255, 0, 64, 31, 8, 150, 77, 23, 11, 90, 4]

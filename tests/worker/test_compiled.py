@@ -58,6 +58,28 @@ def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
     assert_pool_whole(compiled_llm)
 
 
+class CountingAttention:
+    """A layer's eager attention that counts the Python kernel's calls of it."""
+
+    def __init__(self, layer, calls: list) -> None:
+        self.layer, self.calls, self.scale = layer, calls, layer.scale
+
+    def forward(self, *args):
+        self.calls.append(1)
+        return self.layer.forward(*args)
+
+
+class FlatAttention:
+    """An attention that only counts its calls (and returns q flattened)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def forward(self, q, *args):
+        self.calls.append(1)
+        return q.flatten(1)
+
+
 def test_every_step_attends_in_cpp_and_nothing_stays_announced(compiled_llm, eager_llm, monkeypatch):
     """Without the C++ decode step, every compiled step (a prompt chunk, decodes) is announced to
     the C++ paged_attention, which runs every layer over all the step's tokens with no Python
@@ -66,18 +88,18 @@ def test_every_step_attends_in_cpp_and_nothing_stays_announced(compiled_llm, eag
     import torch
 
     from duoserve.core.request import Request
-    from duoserve.model import custom_ops
-    from duoserve.model.cpu_kernels import _compilers
+    from duoserve.kernels import ops
+    from duoserve.kernels.build import compilers
 
-    if _compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and serve the op
+    if compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and serve the op
         pytest.skip("no C++ compiler on this machine: the attention op is Python")
-    assert custom_ops.native_attention(), "a C++ compiler is here: the C++ paged_attention must be registered"
+    assert ops.native_attention(), "a C++ compiler is here: the C++ paged_attention must be registered"
     forward = compiled_llm.engine.runner.forward
     assert forward.context.native
     monkeypatch.setattr(forward, "fused", None)   # the graph's own decode steps too
     calls = []
-    python_kernel = custom_ops.paged_attention
-    monkeypatch.setattr(custom_ops, "paged_attention", lambda *a: calls.append(1) or python_kernel(*a))
+    # the Python kernel reaches each layer through the context: count its calls there
+    monkeypatch.setattr(forward.context, "layers", [CountingAttention(layer, calls) for layer in forward.context.layers])
     engine = compiled_llm.engine
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
     per_step, tokens = [], {}
@@ -92,7 +114,7 @@ def test_every_step_attends_in_cpp_and_nothing_stays_announced(compiled_llm, eag
     assert per_step == [0, 0, 0] * 2   # each request: its prompt in one chunk, then two decode steps
     want = eager_llm.generate([list(range(5, 11)), list(range(40, 43))], params, use_tqdm=False)
     assert [tokens["first"], tokens["second"]] == [w.outputs[0].token_ids for w in want]
-    monkeypatch.setattr(custom_ops, "paged_attention", lambda q, *a: calls.append(1) or q.flatten(1))
+    monkeypatch.setattr(forward.context, "layers", [FlatAttention(calls)])
     q = torch.zeros(1, 4, 16)
     torch.ops.duoserve.paged_attention(q, q[:, :2], q[:, :2], forward.context.handle, 0)
     assert calls == [1], "a step left its announcement behind"
@@ -114,10 +136,10 @@ class CountingStep:
 
 
 def require_decode_step(llm) -> None:
-    from duoserve.model.cpu_kernels import _compilers
+    from duoserve.kernels.build import compilers
     from duoserve.worker.fused_decode import why_not
 
-    if _compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and take the model
+    if compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and take the model
         pytest.skip("no C++ compiler on this machine: decode steps run the compiled graph")
     forward = llm.engine.runner.forward
     assert forward.fused is not None, why_not(forward.model, llm.engine.runner.kv_caches)

@@ -2,7 +2,7 @@
  *
  * With a few rows of x, a linear layer reads every weight once and does two flops per weight
  * and row: its time is the weight bytes over the memory bandwidth (up to 6 rows in float32 and
- * 4 in bfloat16 here, cpu_linear.SMALL_M; beyond, oneDNN's GEMM is faster). The work is split over
+ * 4 in bfloat16 here, dense.SMALL_M; beyond, oneDNN's GEMM is faster). The work is split over
  * the threads by output rows; each tile holds TILE_N weight rows against up to TILE_M rows
  * of x in registers and prefetches the next tile's rows while it computes, which keeps
  * enough cache misses in flight to stream from DRAM at close to its read bandwidth

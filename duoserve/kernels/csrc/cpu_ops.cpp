@@ -2,13 +2,13 @@
 // duoserve::decode_attention and duoserve::paged_attention in C++, over the C functions of
 // small_m_linear.c, packed_linear.c, gguf_linear.c and paged_decode.c.
 //
-// Each computes what its Python kernel computes (`linear_any_m` in cpu_linear.py,
-// `packed_linear` in quantized.py; those are registered when this file cannot be built):
+// Each computes what its Python kernel computes (`linear_any_m` in dense.py, `gguf_linear`
+// in gguf.py; those are registered by ops.py when this file cannot be built):
 // - linear: up to SMALL_M rows with the bandwidth-bound C kernel, more with oneDNN's linear;
 // - packed_linear: the C kernel over a weight packed at load, for any number of rows;
 // - gguf_linear: up to DIRECT_ROWS rows straight from the blocks, more rows dequantized a
 //   slice at a time into a reused buffer and multiplied by oneDNN.
-// - decode_attention: a decode step's attention of one layer (`paged_attention` in attention.py
+// - decode_attention: a decode step's attention of one layer (`CAttention` in attention.py
 //   when every sequence decodes one token): the new keys and values written to their slots,
 //   then the C decode kernel over each sequence's blocks.
 // - paged_attention: a compiled model's attention op; in an announced step (attention_step:
@@ -65,9 +65,9 @@ int decode_step(const decode_layer *layers, int num_layers, const void *final_no
 
 namespace {
 
-constexpr int64_t DIRECT_ROWS = 8;       // as quantized.DIRECT_ROWS
-constexpr int64_t SMALL_M_F32 = 6, SMALL_M_BF16 = 4;  // as cpu_linear.SMALL_M
-constexpr int64_t SLICE_VALUES = 1 << 21;  // as quantized.SLICE_VALUES
+constexpr int64_t DIRECT_ROWS = 8;       // as gguf.DIRECT_ROWS
+constexpr int64_t SMALL_M_F32 = 6, SMALL_M_BF16 = 4;  // as dense.SMALL_M
+constexpr int64_t SLICE_VALUES = 1 << 21;  // as gguf.SLICE_VALUES
 
 at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
     static thread_local at::Tensor f32, bf16;
@@ -77,7 +77,7 @@ at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
 }
 
 // x @ w^T with oneDNN's linear over a plain weight (twice as fast as at::linear in float32 here,
-// the same in bfloat16: cpu_linear.py measured it), or at::linear without oneDNN
+// the same in bfloat16, as measured), or at::linear without oneDNN
 at::Tensor dense_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias = {}) {
     static const std::optional<c10::OperatorHandle> onednn =
         c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
@@ -103,7 +103,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::opti
     return y;
 }
 
-// x [..., k] @ W^T (+ bias) over W packed by packed_linear.c (cpu_kernels.pack_linear_weight)
+// x [..., k] @ W^T (+ bias) over W packed by packed_linear.c (dense.pack_linear_weight)
 at::Tensor packed_linear_op(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
                             int64_t n) {
     const at::ScalarType dtype = packed.scalar_type();
@@ -208,7 +208,7 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
 }
 
 // What duoserve::paged_attention reads during one forward of a compiled model: its caches and the
-// step's slots and per-token tables and lengths, by the model's context handle (custom_ops.py).
+// step's slots and per-token tables and lengths, by the model's context handle (ops.py).
 // Set by duoserve::attention_step before the forward and cleared after it, so no tensor is held
 // between steps.
 struct DecodeStep {

@@ -1,0 +1,138 @@
+"""Build and load the C and C++ kernels of ``csrc/``, compiled on first use with the system compiler.
+
+Each C file is built into its own shared library and loaded with ctypes (no torch headers, so
+each compiles in about a second); ``csrc/cpu_ops.cpp`` with all of them is built against torch's
+headers once and loaded as a torch library (it registers the C++ kernels of ``duoserve.kernels.ops``).
+Libraries are cached in ``~/.cache/duoserve/kernels`` under a tag of their sources, csrc/'s
+headers, the flags, the compilers and (for the C++ one) the torch version, so a cache built
+from other sources is never loaded. Without a compiler, or with ``DUOSERVE_C_KERNELS=0``, the
+callers run their torch or Python paths; a failed build says so once in the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+
+C_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+
+# the C sources of the C++ op library, linked into it
+OP_LIBRARY_SOURCES = ("small_m_linear", "packed_linear", "gguf_linear", "paged_decode", "paged_prefill", "decode_step")
+
+# what a ctypes library links besides csrc/<name>.c
+_LINKED = {"paged_decode": ("paged_prefill",)}
+
+
+def c_kernels_enabled() -> bool:
+    """False with ``DUOSERVE_C_KERNELS=0``: every caller runs its torch or Python path."""
+    return os.environ.get("DUOSERVE_C_KERNELS", "1") != "0"
+
+
+def kernel_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/duoserve/kernels`` (``~/.cache`` without it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / "kernels"
+
+
+def compilers() -> tuple[str | None, str | None]:
+    """The C and C++ compilers (``$CC``, ``$CXX``, else gcc/cc and g++/c++), None where absent."""
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    return cc, cxx
+
+
+def _cached_build(stem: str, sources: list[Path], salt: str,
+                  commands: Callable[[Path, Path], list[list[str]]]) -> Path | None:
+    """``<cache>/<stem>-<tag>.so``, built by ``commands(tmp_dir, output)`` unless there; the tag
+    covers the sources, the shared headers of csrc/, the C flags and ``salt`` (compilers, torch
+    version). None, with one log line, when a command fails."""
+    text = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
+    tag = hashlib.sha256(text + " ".join(C_FLAGS).encode() + salt.encode()).hexdigest()[:16]
+    target = kernel_cache_dir() / f"{stem}-{tag}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        for cmd in commands(Path(tmp), partial):
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building %s failed, the torch/Python path runs instead: %s", stem,
+                               result.stderr[-2000:])
+                return None
+        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    return target
+
+
+def _build_c(name: str) -> Path | None:
+    compiler = compilers()[0]
+    if compiler is None:
+        logger.info("no C compiler found: %s runs on the torch path", name)
+        return None
+    sources = [CSRC / f"{c}.c" for c in (name, *_LINKED.get(name, ()))]
+    return _cached_build(name, sources, compiler,
+                         lambda tmp, out: [[compiler, *C_FLAGS, "-shared", *map(str, sources), "-o", str(out), "-lm"]])
+
+
+@lru_cache(maxsize=None)
+def load_torch_op_library() -> bool:
+    """Build ``csrc/cpu_ops.cpp`` with the C sources it calls into one library against this torch
+    and load it (it registers op kernels); False, with one log line, where it cannot be."""
+    if not c_kernels_enabled():
+        return False
+    cc, cxx = compilers()
+    if cc is None or cxx is None:
+        logger.info("no C/C++ compiler found: the ops of cpu_ops.cpp run their Python kernels")
+        return False
+    cpp, sources = CSRC / "cpu_ops.cpp", [CSRC / f"{c}.c" for c in OP_LIBRARY_SOURCES]
+    torch_dir = Path(torch.__file__).parent
+
+    def commands(tmp: Path, out: Path) -> list[list[str]]:
+        objects = [tmp / f"{c.stem}.o" for c in sources]
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        return [*([cc, *C_FLAGS, "-c", str(c), "-o", str(o)] for c, o in zip(sources, objects)),
+                [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                 f"-I{torch_dir / 'include'}", str(cpp), *map(str, objects), "-o", str(out),
+                 f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"]]
+
+    target = _cached_build("cpu_ops", [cpp, *sources], f"{cc}{cxx}{torch.__version__}", commands)
+    if target is None:
+        return False
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("cannot load %s, its ops run their Python kernels: %s", target.name, exc)
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def load_c_function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int) -> Callable | None:
+    """The ctypes function ``symbol`` of ``csrc/<name>.c``, or None when C kernels are off or
+    cannot be built."""
+    if not c_kernels_enabled():
+        return None
+    try:
+        path = _build_c(name)
+        if path is None:
+            return None
+        fn = getattr(ctypes.CDLL(str(path)), symbol)
+    except (OSError, AttributeError) as exc:
+        logger.warning("cannot load the C kernel %s, using the torch path: %s", name, exc)
+        return None
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn

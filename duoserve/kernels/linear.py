@@ -1,0 +1,183 @@
+"""Linear and embedding backends for the CPU, swapped for the model's plain ``nn.Linear`` at the edge.
+
+``replace_linears(model, factory)`` puts ``factory(linear)`` where each ``nn.Linear`` was, as
+gpt-fast quantizes a plain model from outside: ``cpu_linear`` (the dense kernels of
+``duoserve.kernels.dense`` over the same weight, packed where the CPU allows) or ``int8_linear``
+(per-channel int8, ``--quantization int8``). The GGUF block modules (``GGUFLinear``,
+``GGUFEmbedding``) are built by the loader where a dense parameter would go, so the dense
+weight never exists. Each module's forward is one op of ``duoserve.kernels.ops``, opaque to
+``torch.compile``. ``weight_kind`` names a module's weights in the memory report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from duoserve.kernels.dense import PACK_COLUMNS, pack_linear_weight
+from duoserve.kernels.gguf import Blocks, gguf_embedding, type_id
+from duoserve.kernels.ops import define_ops
+
+
+def replace_linears(model: nn.Module, factory: Callable[[nn.Linear], nn.Module | None]) -> int:
+    """Put ``factory(linear)`` in place of every ``nn.Linear`` of ``model`` where it returns a module
+    (None keeps the layer); returns how many were replaced."""
+    # parents and names only: a replaced layer's plain weight is freed before the next one is
+    # built (its memory reused for the next copy), so this never holds both copies of every layer
+    targets = [(module, name) for module in model.modules() for name, child in module.named_children()
+               if isinstance(child, nn.Linear)]
+    count = 0
+    for module, name in targets:
+        linear = getattr(module, name)
+        replacement = factory(linear)
+        if replacement is not None:
+            setattr(module, name, replacement)
+            count += 1
+        del linear, replacement
+    return count
+
+
+class CPULinear(nn.Module):
+    """y = x @ W^T (+ b). Where ``csrc/packed_linear.c`` serves the CPU and dtype, over W packed
+    once for it, any number of rows (op ``duoserve::packed_linear``); otherwise the small-row C
+    kernel for a few rows and oneDNN's GEMM for more (op ``duoserve::linear``).
+
+    A packed layer keeps only the packed copy (the plain one is freed with the module it
+    replaces); a tied output projection's embedding reads its rows from it (``PackedEmbedding``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_linear_weight(weight.detach())
+        # plain: shared with the module it replaces, never copied
+        self.weight = weight.detach() if self.packed is None else None
+        self.bias = None if bias is None else bias.detach()
+        define_ops()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.duoserve.packed_linear(x, self.packed, self.bias, self.out_features)
+        return torch.ops.duoserve.linear(x, self.weight, self.bias)
+
+
+def cpu_linear(linear: nn.Linear) -> CPULinear | None:
+    """A ``CPULinear`` over ``linear``'s weight, or None where the CPU kernels do not take it."""
+    weight = linear.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return CPULinear(weight, linear.bias)
+
+
+class PackedEmbedding(nn.Module):
+    """A tied embedding table's rows read from its output projection's packed copy, so that the
+    plain table need not stay beside it: row t sits in block t // 48 at column t % 48, its
+    values k apart (float32) or in pairs (bfloat16), as ``csrc/packed_linear.c`` packs them."""
+
+    def __init__(self, head: CPULinear) -> None:
+        super().__init__()
+        self.packed, self.num_embeddings, self.embedding_dim = head.packed, head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        block, column, k = ids // PACK_COLUMNS, ids % PACK_COLUMNS, self.embedding_dim
+        if self.packed.dtype == torch.bfloat16:
+            table = self.packed.view(-1, k // 2, PACK_COLUMNS, 2)
+            return table[block, :, column, :].reshape(*ids.shape, k)
+        return self.packed.view(-1, k, PACK_COLUMNS)[block, :, column]
+
+
+def release_free_memory() -> None:
+    """Hand freed memory back to the OS (glibc keeps freed heap pages otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W^T (+ b) with W kept as GGUF blocks (op ``duoserve::gguf_linear``). A fused
+    projection (Q/K/V, gate/up) whose parts come in different block types keeps one block weight
+    per type run, outputs joined."""
+
+    weight_kind = "packed blocks"
+
+    def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, mode: str) -> None:
+        super().__init__()
+        self.parts = _merge_same_type(parts)
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        self.bias = bias
+        self.mode = mode
+        define_ops()
+        # (buffer name, type id, columns) of each run: buffers move and count with the module
+        self.runs = [(f"blocks_{i}", type_id(part), part.cols) for i, part in enumerate(self.parts)]
+        for (name, _, _), part in zip(self.runs, self.parts):
+            self.register_buffer(name, part.data, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.ops.duoserve.gguf_linear(x, getattr(self, name), type_id, cols, self.mode)
+                for name, type_id, cols in self.runs]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.type_name for p in self.parts)
+        return f"in={self.in_features}, out={self.out_features}, blocks={types}, mode={self.mode}"
+
+
+def _merge_same_type(parts: list[Blocks]) -> list[Blocks]:
+    merged: list[Blocks] = []
+    for part in parts:
+        if merged and merged[-1].type_name == part.type_name:
+            last = merged[-1]
+            merged[-1] = dataclasses.replace(last, data=torch.cat([last.data, part.data]), rows=last.rows + part.rows)
+        else:
+            merged.append(part)
+    return merged
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings read from GGUF blocks: only the rows of the step's tokens are dequantized."""
+
+    weight_kind = "embedding"
+
+    def __init__(self, weight: Blocks, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.type_id, self.cols, self.dtype = type_id(weight), weight.cols, dtype
+        self.register_buffer("blocks", weight.data, persistent=False)
+        define_ops()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.duoserve.gguf_embedding(ids, self.blocks, self.type_id, self.cols, self.dtype)
+        return gguf_embedding(ids, self.blocks, self.type_id, self.cols, self.dtype)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T (+ b) with W stored as int8 per output channel (``scale = max|row| / 127``),
+    multiplied by torch's int8-weight kernel (``aten._weight_int8pack_mm``)."""
+
+    weight_kind = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(weight.dtype))
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales.to(flat.dtype))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def int8_linear(linear: nn.Linear) -> Int8Linear:
+    """``linear`` quantized to int8 per output channel (a tied output projection gets its own copy)."""
+    return Int8Linear(linear.weight, linear.bias)

@@ -1,0 +1,178 @@
+"""Every custom op of duoserve (``torch.ops.duoserve.*``), defined here once, on first use.
+
+Linears: ``duoserve::linear`` (a plain weight), ``duoserve::packed_linear`` (a dense weight
+repacked at load), ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` (GGUF blocks).
+Attention: ``duoserve::paged_attention`` (a layer of a compiled model), ``duoserve::decode_attention``
+(a decode step's layer, C++ only) and ``duoserve::attention_step``. The C++ decode step:
+``duoserve::decode_model`` and ``duoserve::decode_step`` (``duoserve.worker.fused_decode``).
+
+Inside a compiled graph, a linear layer and a layer's attention are each one call that the
+compiler does not trace into: their kernels (the small-row C kernel or oneDNN's GEMM, the C
+decode attention or the prefill path, the block kernels) are chosen at run time by the batch's
+shape, never guarded on, and the graph never breaks on ctypes. Where ``csrc/cpu_ops.cpp`` builds,
+its C++ kernels are registered; otherwise the Python kernels below.
+
+The attention op's KV caches and the step's metadata are not graph inputs (their shapes vary
+every step and would recompile the graph): they sit in a ``StepContext``, reached by an integer
+handle baked into the graph. Where the C++ ``paged_attention`` serves the model, each step is
+announced to it (``attention_step``: every layer's caches and the step's slots, and every
+token's block table and context length) and each layer runs the C kernel over all the step's
+tokens with no Python; without the announcement the Python kernel ``paged_attention_any`` runs
+the layer's eager attention module. The registry of contexts is the one module-level mutable
+object here, append-only, because an op argument can only be a tensor or a plain value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from duoserve.kernels.build import load_torch_op_library
+from duoserve.kernels.dense import c_packed_linear, linear_any_m
+from duoserve.kernels.gguf import gguf_embedding, gguf_linear
+
+C_CACHE_DTYPES = (torch.float32, torch.bfloat16)   # the KV cache dtypes the C attention kernels read
+
+
+class StepMetadata(Protocol):
+    """What the kernels read of a step's attention metadata (the model's ``AttentionMetadata``)."""
+    slot_mapping: torch.Tensor           # [num_tokens] long
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None   # [num_decodes, max_blocks] long
+    decode_seq_lens: torch.Tensor | None       # [num_decodes] long
+    prefills: list
+
+    def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class StepContext:
+    """What the attention op reads during one forward."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[nn.Module]                  # each layer's eager attention module (it has a ``scale``)
+    meta: StepMetadata | None = None         # set for the duration of one forward
+    handle: int = -1                         # its index in the registry
+    announced: bool = False                  # this forward announced to the C++ op
+
+    def __post_init__(self) -> None:
+        # what every announcement passes, fixed for the model's life: gathered once, not each step
+        k_cache = self.kv_caches[0][0]
+        self.native = k_cache.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES and native_attention()
+        self._k_caches = [k for k, _ in self.kv_caches]
+        self._v_caches = [v for _, v in self.kv_caches]
+        self.scales = [layer.scale for layer in self.layers]
+
+    def begin(self, meta: StepMetadata) -> None:
+        """Before a forward: its metadata; where the C++ ``paged_attention`` serves the model, the
+        step is also announced to it, every token a row over its own causal context (a decode, or
+        a prompt token as the C attention backend runs it), and each layer then runs with no
+        Python (``end`` clears it)."""
+        self.meta = meta
+        if self.native:
+            tables, lens = meta.token_contexts()
+            torch.ops.duoserve.attention_step(self.handle, self._k_caches, self._v_caches, meta.slot_mapping,
+                                              tables, lens, self.scales)
+            self.announced = True
+
+    def end(self) -> None:
+        self.meta = None
+        if self.announced:
+            torch.ops.duoserve.attention_step(self.handle, [], [], None, None, None, [])
+            self.announced = False
+
+
+_CONTEXTS: list[StepContext] = []
+
+
+def register_context(context: StepContext) -> int:
+    define_ops()
+    _CONTEXTS.append(context)
+    context.handle = len(_CONTEXTS) - 1
+    return context.handle
+
+
+def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, layer: int) -> torch.Tensor:
+    """The Python kernel of ``paged_attention``: the layer's eager attention over its context's caches."""
+    ctx = _CONTEXTS[context]
+    return ctx.layers[layer].forward(q, k, v, ctx.kv_caches[layer], ctx.meta)
+
+
+@lru_cache(maxsize=1)
+def native_attention() -> bool:
+    """Whether ``duoserve::paged_attention`` runs its C++ kernel (csrc/cpu_ops.cpp built)."""
+    define_ops()
+    return torch._C._dispatch_has_kernel("duoserve::attention_step")
+
+
+@lru_cache(maxsize=1)
+def decode_attention_op():
+    """``duoserve::decode_attention`` with its C++ kernel (csrc/cpu_ops.cpp), or None without it."""
+    define_ops()
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("duoserve::decode_attention", "CPU"):
+        return None
+    return torch.ops.duoserve.decode_attention.default
+
+
+def decode_step_available() -> bool:
+    """Whether ``duoserve::decode_step`` has its C++ kernel (csrc/cpu_ops.cpp built)."""
+    define_ops()
+    return torch._C._dispatch_has_kernel("duoserve::decode_step")
+
+
+@lru_cache(maxsize=1)
+def define_ops() -> torch.library.Library:
+    lib = torch.library.Library("duoserve", "DEF")
+    _define_linears(lib)
+    _define_attention(lib)
+    # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
+    # per layer its input norm, post norm, q and k norms (or empty tensors), packed qkv, qkv bias
+    # (or an empty tensor), packed o, gate_up and down, K and V caches; its embedding table packed
+    # (PackedEmbedding); shape: hidden, heads, KV heads, head dim, intermediate
+    lib.define("decode_model(int context, Tensor[] layers, Tensor final_norm, Tensor cos, Tensor sin, "
+               "Tensor embedding, int vocab, int[] shape, float eps, float[] scales) -> ()")
+    # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
+    lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
+               "Tensor block_tables, Tensor seq_lens) -> Tensor")
+    native = load_torch_op_library()  # csrc/cpu_ops.cpp: the C++ kernels of the linears and attention
+    if not native:
+        lib.impl("linear", linear_any_m, "CPU")
+        lib.impl("packed_linear", c_packed_linear, "CPU")
+        lib.impl("gguf_linear", gguf_linear, "CPU")
+        lib.impl("paged_attention", layer_attention, "CPU")
+    return lib
+
+
+def _define_linears(lib: torch.library.Library) -> None:
+    lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    lib.impl("linear", lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])), "Meta")
+    # over a dense weight packed at load (dense.pack_linear_weight); n: the output features
+    lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor")
+    lib.impl("packed_linear", lambda x, packed, bias, n: x.new_empty((*x.shape[:-1], n), dtype=packed.dtype), "Meta")
+    lib.define("gguf_linear(Tensor x, Tensor blocks, int type_id, int cols, str mode) -> Tensor")
+    lib.impl("gguf_linear", lambda x, blocks, type_id, cols, mode: x.new_empty((*x.shape[:-1], blocks.shape[0])),
+             "Meta")
+    lib.define("gguf_embedding(Tensor ids, Tensor blocks, int type_id, int cols, ScalarType dtype) -> Tensor")
+    lib.impl("gguf_embedding", gguf_embedding, "CPU")
+    lib.impl("gguf_embedding", lambda ids, blocks, type_id, cols, dtype: ids.new_empty((*ids.shape, cols), dtype=dtype),
+             "Meta")
+
+
+def _define_attention(lib: torch.library.Library) -> None:
+    lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
+    lib.impl("paged_attention", lambda q, k, v, context, layer: q.new_empty((q.shape[0], q.shape[1] * q.shape[2])),
+             "Meta")
+    # its Python kernel, which the C++ one calls for any step but an announced one
+    lib.define("paged_attention_any(Tensor q, Tensor k, Tensor v, int context, int layer) -> Tensor")
+    lib.impl("paged_attention_any", layer_attention, "CPU")
+    # a compiled step announced to the C++ paged_attention (csrc/cpu_ops.cpp), and cleared after it
+    # (slot_mapping None): its layers' caches and scales and the step's metadata
+    lib.define("attention_step(int context, Tensor[] k_caches, Tensor[] v_caches, Tensor? slot_mapping, "
+               "Tensor? block_tables, Tensor? seq_lens, float[] scales) -> ()")
+    # a decode step's attention of one layer, KV written in place: C++ only (csrc/cpu_ops.cpp); without
+    # it the C attention backend makes the same calls from Python
+    lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+               "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")

@@ -1,0 +1,78 @@
+"""Where the kernels meet the model: the CPU backends put into the plain model at the edge.
+
+The model (``duoserve.model``) is plain torch and knows no kernel; ``duoserve.kernels`` knows
+no model. Here, once per model:
+
+* at load, ``--quantization gguf`` builds the linears and the embedding that a GGUF file holds
+  in blocks as ``GGUFLinear`` / ``GGUFEmbedding`` (the dense weight never exists), and
+  ``--quantization int8`` replaces every linear by an ``Int8Linear`` (``load_model``);
+* in the runner, on the CPU, every remaining ``nn.Linear`` becomes a ``CPULinear`` (one
+  ``replace_linears`` call; a tied embedding then reads the head's packed copy) and every
+  layer's attention the C kernels' ``CAttention`` where they read the KV cache's dtype
+  (``use_cpu_kernels``). The compiled step and the C++ decode step build on these.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from duoserve.config import ModelConfig
+from duoserve.kernels.attention import CAttention, c_attention_serves
+from duoserve.kernels.dense import onednn_available
+from duoserve.kernels.gguf import BLOCK_TYPES, gguf_kernels
+from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding, cpu_linear, int8_linear,
+                                     release_free_memory, replace_linears)
+from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
+from duoserve.model.weights import BlockModules
+
+logger = logging.getLogger(__name__)
+
+
+def choose_quantization(config: ModelConfig, path: Path, device: str) -> str:
+    """``none``, ``gguf`` or ``int8`` for this model file and device, given the kernels built here."""
+    return resolve_quantization(config, path, device, gguf_kernels() is not None)
+
+
+def gguf_block_modules(dtype: torch.dtype, mode: str) -> BlockModules:
+    """The GGUF block modules of ``--gguf-mode`` ``mode`` for a model of ``dtype``."""
+    return BlockModules(types=frozenset(BLOCK_TYPES), linear=functools.partial(GGUFLinear, bias=None, mode=mode),
+                        embedding=functools.partial(GGUFEmbedding, dtype=dtype))
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """The model of ``config`` with its weights as ``--quantization`` says: GGUF blocks kept as
+    they are, int8, or dense (``auto``: blocks for a .gguf file on the CPU)."""
+    path = resolve_model_path(config.model)
+    quantization = choose_quantization(config, path, config.resolved_device())
+    dtype = getattr(torch, config.torch_dtype_name)
+    blocks = gguf_block_modules(dtype, config.gguf_mode) if quantization == "gguf" else None
+    label = f"gguf-{config.gguf_mode}" if quantization == "gguf" else quantization
+    loaded = load_checkpoint(config, blocks, label)
+    if quantization == "int8":
+        replace_linears(loaded.model, int8_linear)
+    logger.info("weights in memory: %s", ", ".join(f"{kind} {size / 2**20:.1f} MB"
+                                                   for kind, size in weight_bytes(loaded.model).items() if size))
+    return loaded
+
+
+def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
+    """Swap the CPU kernels into a CPU model: its linears (a tied output projection's included)
+    and, where the C kernels read ``kv_dtype``, its layers' attention."""
+    if onednn_available():
+        replace_linears(model, cpu_linear)
+        head, embed = getattr(model, "lm_head", None), getattr(model, "embed", None)
+        if (model.arch.tie_word_embeddings and isinstance(head, CPULinear) and head.packed is not None
+                and isinstance(embed, nn.Embedding)):
+            model.embed = PackedEmbedding(head)   # one copy of the table: the packed one
+        del head, embed
+        release_free_memory()
+    else:
+        logger.info("oneDNN is not available: CPU matmuls use plain F.linear")
+    if c_attention_serves("cpu", kv_dtype):
+        for layer in model.layers:
+            layer.attn = CAttention(layer.attn)
