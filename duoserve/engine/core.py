@@ -30,6 +30,7 @@ from duoserve.kv.connector import KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.model.loader import LoadedModel, check_max_model_len, load_model, weight_bytes
+from duoserve.platform import resolve_device
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
 from duoserve.worker.draft import DraftRunner, load_draft
@@ -45,7 +46,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         start = time.monotonic()
         runtime_bytes = rss_bytes() if loaded is None else None  # the process before the model
-        self.device = config.model.resolved_device()
+        self.device = resolve_device(config.model)
         self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device))
         self.arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer

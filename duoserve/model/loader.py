@@ -15,6 +15,7 @@ from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import build_model
+from duoserve.platform import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ def resolve_quantization(config: ModelConfig, path: Path, device: str) -> str:
 
 def load_model(config: ModelConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
-    dtype = getattr(torch, config.torch_dtype_name)
-    device = config.resolved_device()
+    dtype = getattr(torch, resolve_dtype(config))
+    device = resolve_device(config)
     quantization = resolve_quantization(config, path, device)
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
