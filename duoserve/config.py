@@ -2,7 +2,9 @@
 
 Every value is checked when its dataclass is built; a ``ConfigError`` names the
 field, the value and what is allowed. The tree is frozen: values found at run time
-(number of KV blocks, eos ids) live in separate objects.
+(number of KV blocks, eos ids) live in separate objects, and what ``auto`` means on this
+machine (device, dtype) is asked in ``duoserve.platform``: this module imports no torch and
+probes no hardware, so the API process builds and checks configs cheaply.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def parse_device(value: str) -> str:
 class ModelConfig:
     model: str | None = None          # HF directory, .gguf file, alias, or None for the default model
     dtype: str = "auto"               # auto = bfloat16 on a GPU or a CPU with native bf16, else float32
-    device: str = "auto"              # auto = cuda when a GPU is visible, else cpu (resolved in the engine)
+    device: str = "auto"              # auto = cuda when a GPU is visible, else cpu
+    # dtype and device auto are resolved where the model runs: duoserve.platform
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
@@ -54,43 +57,6 @@ class ModelConfig:
                               'a JSON object of config.json keys, e.g. {"eos_token_id": [2, 32000]}')
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len", self.max_model_len, "a positive number of tokens")
-
-    @property
-    def torch_dtype_name(self) -> str:
-        """``auto``: bfloat16 on a GPU, and on a CPU whose vector units compute in bf16 (AVX512-BF16
-        or AMX: 1.4-1.7x faster than float32 per step here, BENCHMARKS.md); float32 elsewhere."""
-        if self.dtype != "auto":
-            return self.dtype
-        if self.resolved_device() != "cpu":
-            return "bfloat16"
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
-
-    def resolved_device(self) -> str:
-        """The device to run on; ``auto`` asks torch whether a GPU is visible, ``cuda`` that one is."""
-        if self.device == "cpu":
-            return "cpu"
-        import torch  # only here: the frontend process never needs torch
-
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if not torch.cuda.is_available():
-            build = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
-            raise ConfigError("device", self.device, f"cpu or auto: no CUDA device is visible (torch "
-                                                     f"{torch.__version__}, {build})")
-        index = int(self.device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise ConfigError("device", self.device, f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-        return self.device
-
-
-def cpu_has_native_bf16() -> bool:
-    """The CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), read from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def eager_by_default() -> bool:
@@ -352,8 +318,6 @@ class DisaggConfig:
 
     def engine_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """(prefill, decode) engine configs derived from the decode engine's ``base``."""
-        import dataclasses
-
         device = {"gpu": "cuda", "auto": "cpu"}.get(self.prefill_device, self.prefill_device)
         cache = base.cache
         if self.prefill_block_size is not None:

@@ -73,3 +73,50 @@ def test_bad_prompt_in_a_batch_leaves_nothing_behind(tiny_dir):
         llm.generate([[1, 2], [3, 4], [1, 999]], use_tqdm=False)
     assert not llm.engine.has_unfinished() and not llm.frontend.states
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].finish_reason
+
+
+def test_config_imports_no_torch():
+    """The API process builds configs: duoserve.config probes nothing and imports no torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, duoserve.config; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout == "False\n"
+
+
+@pytest.mark.parametrize("native_bf16,dtype,want", [(True, "auto", "bfloat16"), (False, "auto", "float32"),
+                                                    (True, "float32", "float32"), (False, "float16", "float16")])
+def test_auto_dtype_on_a_cpu_follows_native_bf16(monkeypatch, native_bf16, dtype, want):
+    from duoserve import platform
+    from duoserve.config import ModelConfig
+
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: native_bf16)
+    assert platform.resolve_dtype(ModelConfig(dtype=dtype, device="cpu")) == want
+
+
+def test_this_machine_resolves_auto():
+    """Without AVX512-BF16 or AMX-BF16 in /proc/cpuinfo, auto on a CPU is float32."""
+    from duoserve import platform
+    from duoserve.config import ModelConfig
+
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split())
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert platform.cpu_has_native_bf16() == native
+    assert platform.resolve_dtype(ModelConfig(device="cpu")) == ("bfloat16" if native else "float32")
+
+
+def test_a_missing_gpu_is_a_config_error():
+    import torch
+
+    from duoserve.config import ModelConfig
+    from duoserve.platform import resolve_device
+
+    if torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^device='cuda:99' is not allowed: cuda:0 to cuda:"):
+            resolve_device(ModelConfig(device="cuda:99"))
+    else:
+        with pytest.raises(ConfigError, match=r"^device='cuda' is not allowed: cpu or auto: no CUDA device"):
+            resolve_device(ModelConfig(device="cuda"))
+    assert resolve_device(ModelConfig(device="cpu")) == "cpu"

@@ -29,6 +29,7 @@ from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.model.fingerprint import describe, fingerprint
 from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
+from duoserve.platform import resolve_device
 from duoserve.worker.backends import load_model
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
@@ -52,7 +53,7 @@ class EngineBuilder:
         self.config = config
         self.start = time.monotonic()
         self.runtime_bytes = rss_bytes() if loaded is None else None  # the process before the model
-        self.device = config.model.resolved_device()
+        self.device = resolve_device(config.model)
         self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device))
         self.max_model_len = check_max_model_len(self.loaded.arch, config.model.max_model_len)
         self.budget = config.scheduler.token_budget(self.max_model_len)

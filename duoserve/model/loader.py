@@ -16,6 +16,7 @@ from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import BlockModules, build_model
+from duoserve.platform import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
     ``blocks`` (the caller's modules for ``--quantization gguf``) the weights they compute from stay
     in blocks. ``quantization`` labels the result (the fingerprint covers it)."""
     path = resolve_model_path(config.model)
-    dtype = getattr(torch, config.torch_dtype_name)
-    device = config.resolved_device()
+    dtype = getattr(torch, resolve_dtype(config))
+    device = resolve_device(config)
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 

@@ -29,6 +29,7 @@ from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, Packe
                                      release_free_memory, replace_linears)
 from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
 from duoserve.model.weights import BlockModules
+from duoserve.platform import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     """The model of ``config`` with its weights as ``--quantization`` says: GGUF blocks kept as
     they are, int8, or dense (``auto``: blocks for a .gguf file on the CPU)."""
     path = resolve_model_path(config.model)
-    quantization = choose_quantization(config, path, config.resolved_device())
-    dtype = getattr(torch, config.torch_dtype_name)
+    quantization = choose_quantization(config, path, resolve_device(config))
+    dtype = getattr(torch, resolve_dtype(config))
     blocks = gguf_block_modules(dtype, config.gguf_mode) if quantization == "gguf" else None
     label = f"gguf-{config.gguf_mode}" if quantization == "gguf" else quantization
     loaded = load_checkpoint(config, blocks, label)

@@ -105,11 +105,12 @@ def plan(config) -> dict:
 
     from duoserve.errors import ConfigError
     from duoserve.model.loader import check_max_model_len, resolve_model_path
+    from duoserve.platform import resolve_device, resolve_dtype
     from duoserve.worker.backends import choose_quantization
     from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 
     path = resolve_model_path(config.model.model)
-    device = config.model.resolved_device()
+    device = resolve_device(config.model)
     if path.is_file():
         from duoserve.model.gguf_loader import open_gguf
 
@@ -118,7 +119,7 @@ def plan(config) -> dict:
         from duoserve.model.hf_loader import read_hf_arch
 
         arch = read_hf_arch(path, config.model.hf_overrides)
-    dtype = getattr(torch, config.model.torch_dtype_name)
+    dtype = getattr(torch, resolve_dtype(config.model))
     kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
     max_model_len = check_max_model_len(arch, config.model.max_model_len)
     quantization = choose_quantization(config.model, path, device)

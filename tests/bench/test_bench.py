@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
+import statistics
 import threading
 import time
 
@@ -85,25 +87,42 @@ def test_latencies_throughput_goodput_and_errors_come_out_right(fake):
     assert result["completed"] == 16 and result["failed"] == 3
     assert result["errors"] == {"http_5xx": 2, "stream": 1}
     assert result["total_output_tokens"] == 16 * TOKENS
-    # timer noise on a loaded 2-core machine: a few milliseconds, more at p99; the first token
-    # also waits for the fake server's thread to be scheduled (53 ms late once in a full CI run)
-    assert FIRST_MS <= result["ttft_ms"]["p50"] < FIRST_MS + 60
-    assert EVERY_MS <= result["itl_ms"]["p50"] < EVERY_MS + 10
-    assert EVERY_MS - 2 <= result["tpot_ms"]["mean"] < EVERY_MS + 10
-    expected_e2e = FIRST_MS + (TOKENS - 1) * EVERY_MS
-    assert expected_e2e <= result["e2el_ms"]["p50"] < expected_e2e + 60
-    assert result["goodput"] == pytest.approx(16 / seconds)            # every completed one meets both bounds
+    # Only what the fake server's sleeps guarantee is asserted, never an upper bound: on a loaded
+    # machine the client reads late, which lengthens the times (and can bunch the chunks).
+    ok = [r for r in records if r.ok]
+    assert len(ok) == 16 and all(len(r.chunk_times) == TOKENS == r.output_tokens for r in ok)
+    ttft = [r.chunk_times[0] - r.start for r in ok]
+    e2el = [r.end - r.start for r in ok]
+    assert min(ttft) >= FIRST_MS / 1000
+    assert min(e2el) >= (FIRST_MS + (TOKENS - 1) * EVERY_MS) / 1000
+    # the report is the statistics of those records
+    assert result["ttft_ms"]["p50"] == pytest.approx(1000 * statistics.median(ttft))
+    assert result["e2el_ms"]["mean"] == pytest.approx(1000 * statistics.mean(e2el))
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    assert len(result["samples"]["itl_ms"]) == 16 * (TOKENS - 1)
+    assert result["itl_ms"]["p50"] == pytest.approx(1000 * statistics.median(itl))
+    tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (TOKENS - 1) for r in ok]
+    assert result["tpot_ms"]["mean"] == pytest.approx(1000 * statistics.mean(tpot))
+    good = sum(t <= 0.2 and p <= 0.04 for t, p in zip(ttft, tpot))
+    assert result["goodput_requests"] == good and result["goodput"] == pytest.approx(good / seconds)
     strict = report.summarize(records, seconds, {}, report.parse_goodput(["ttft:50"]))
     assert strict["goodput"] == 0.0
     assert "completed" in report.table(result) and "TTFT" in report.table(result)
 
 
 def test_request_rate_spaces_the_sends(fake):
+    """Poisson arrivals at 20/s, seed 1: exponential gaps of mean 50 ms, drawn as the client
+    documents. A send can start late on a loaded machine, never early: request j starts after
+    request i + 1 was created, so the span from i to j is at least the gaps in between."""
     requests = [BenchRequest(f"p{i}", 5, 2) for i in range(30)]
     records, _ = asyncio.run(run(fake, "/v1/completions", "fake-model", requests, request_rate=20.0, seed=1))
-    starts = sorted(r.start for r in records)
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert 0.03 < sum(gaps) / len(gaps) < 0.08   # Poisson arrivals at 20/s: mean gap 50 ms
+    rng = random.Random(1)
+    gaps = [rng.gammavariate(1.0, 1 / 20) for _ in requests]
+    assert 0.03 < statistics.mean(gaps[:-1]) < 0.08
+    starts = [r.start for r in records]
+    assert starts == sorted(starts)
+    for i, j in [(0, 29), (0, 15), (15, 29)] + [(k, k + 2) for k in range(28)]:
+        assert starts[j] - starts[i] >= sum(gaps[i + 1:j]) - 1e-3, (i, j)
 
 
 def test_workloads_have_the_lengths_they_promise(tmp_path):
@@ -177,9 +196,10 @@ def test_sweep_finds_the_highest_point_that_meets_the_slo(fake, tmp_path):
     from duoserve.bench import sweep
 
     requests = [BenchRequest(f"p{i}", 5, 4) for i in range(8)]
-    # first token at 120 ms: a TTFT bound of 200 ms holds while requests do not queue
+    # first token at 120 ms: a TTFT bound far above it holds at both points (requests do not
+    # queue), even on a loaded machine; one below it (100 ms) can never hold
     results, best = sweep.sweep(fake, "/v1/completions", "fake-model", requests, [1, 4], "concurrency",
-                                report.parse_goodput(["ttft:200"]), 0.9, False, None, 0)
+                                report.parse_goodput(["ttft:5000"]), 0.9, False, None, 0)
     assert [r["config"]["concurrency"] for r in results] == [1, 4]
     assert all(r["slo_met_fraction"] == 1.0 for r in results) and best == 4
     results, best = sweep.sweep(fake, "/v1/completions", "fake-model", requests, [1, 4], "concurrency",

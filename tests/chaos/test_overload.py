@@ -12,7 +12,7 @@ import time
 import httpx
 
 from tests.chaos.harness import FULL, check_answers, make_specs, reference, report, send, tree_rss_mb
-from tests.chaos.test_soak import COMMON, MODEL
+from tests.chaos.test_soak import COMMON, IDLE_WITHIN_S, MODEL
 from tests.server_helpers import Server, wait_gauges_idle
 
 QUEUE = 8
@@ -68,11 +68,11 @@ def test_ten_times_the_sustainable_rate(tmp_path):
     try:
         answers = asyncio.run(reference(srv.url, MODEL, specs))
         sustainable = asyncio.run(_closed_loop_rate(srv.url, specs, 5, QUEUE))
-        wait_gauges_idle(srv.url, within=10)
+        wait_gauges_idle(srv.url, within=IDLE_WITHIN_S)
         steady_rss = tree_rss_mb(srv.proc.pid)
         results, rss = asyncio.run(_flood(srv.url, specs, 10 * sustainable, 60 if FULL else 10, srv.proc.pid))
-        wait_gauges_idle(srv.url, within=30)
-        after = asyncio.run(asyncio.wait_for(_after(srv.url, specs), 120))
+        wait_gauges_idle(srv.url, within=IDLE_WITHIN_S)
+        after = asyncio.run(asyncio.wait_for(_after(srv.url, specs), 5 * IDLE_WITHIN_S))   # a hang fails
     finally:
         srv.stop()
     rejected = [r for r in results if r[0] == 429]
@@ -86,7 +86,11 @@ def test_ten_times_the_sustainable_rate(tmp_path):
                         "p50_429_ms": round(statistics.median(r[1] for r in rejected) * 1000, 1),
                         "p99_429_ms": round(p99 * 1000, 1), "steady_rss_mb": round(steady_rss),
                         "max_rss_mb": round(max(rss)), "after_ok": len(after)})
-    assert p99 < 0.05, f"p99 time to a 429: {p99 * 1000:.0f} ms"
+    # a 429 does not wait for the engine: even its slowest answers come before a typical served
+    # one. Both are slowed alike when other processes share the cores, so this holds on any load,
+    # where a bound in milliseconds would not (the figures are in the report line).
+    served_p50 = statistics.median(r[1] for r in served)
+    assert p99 < served_p50, f"p99 time to a 429 {p99 * 1000:.0f} ms, a served answer's p50 {served_p50 * 1000:.0f} ms"
     assert max(rss) <= 1.5 * steady_rss, f"RSS {max(rss):.0f} MB against {steady_rss:.0f} MB steady"
     check_answers(after, answers)
 

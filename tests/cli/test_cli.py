@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 
-
 def duoserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "duoserve.cli", *args], capture_output=True, text=True, timeout=300)
+    # a safety time-out against a hang, not a speed bound: generate runs a few tokens
+    return subprocess.run([sys.executable, "-m", "duoserve.cli", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_generate_prints_the_greedy_completion(smol_llm):

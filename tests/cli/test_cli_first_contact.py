@@ -13,8 +13,10 @@ import torch
 from tests.server_helpers import free_port
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "duoserve", *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    # the time-out only keeps a hung command from blocking CI; every case refuses before loading
+    # a model (or loads the small default one), however slowly a shared machine runs it
+    return subprocess.run([sys.executable, "-m", "duoserve", *args], capture_output=True, text=True, timeout=600)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -29,15 +31,15 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
 
 
 def test_serve_refuses_a_missing_model_and_a_bad_port_before_loading():
-    assert_one_line_error(run_cli("serve", "--model", "/nonexistent", timeout=30),
+    assert_one_line_error(run_cli("serve", "--model", "/nonexistent"),
                           "model='/nonexistent' is not allowed", "Models are not downloaded")
-    assert_one_line_error(run_cli("serve", "--port", "99999", timeout=30),
+    assert_one_line_error(run_cli("serve", "--port", "99999"),
                           "port=99999 is not allowed: a TCP port from 1 to 65535")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert_one_line_error(run_cli("serve", "--port", str(port), timeout=30),
+        assert_one_line_error(run_cli("serve", "--port", str(port)),
                               f"port={port} is not allowed: a free port: 127.0.0.1:{port} cannot be bound")
 
 
@@ -53,14 +55,14 @@ def test_serve_engine_config_errors_are_one_line():
 
 
 def test_generate_config_error_is_the_same_line():
-    assert_one_line_error(run_cli("generate", "--prompt", "x", "--model", "/nonexistent", timeout=60),
+    assert_one_line_error(run_cli("generate", "--prompt", "x", "--model", "/nonexistent"),
                           "model='/nonexistent' is not allowed")
 
 
 def test_python_m_duoserve_and_help():
-    version = run_cli("--version", timeout=30)
+    version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("duoserve ")
-    help_text = run_cli("serve", "--help", timeout=30).stdout
+    help_text = run_cli("serve", "--help").stdout
     assert "log level of the HTTP server's own messages (default: info)" in " ".join(help_text.split())
     assert "(default: 1 on CPU" in " ".join(help_text.split()), "the KV default the README quotes"
 

@@ -5,6 +5,12 @@ smollm2-135m), else nearly every case stops at a 404. Values the schema allows b
 can serve (negative token counts, token ids outside the vocabulary) are brought into range,
 and counts capped so a run stays short: the server refuses those with a 400 naming the
 parameter, which test_hostile_input.py checks case by case.
+
+The work of a request is bounded here, not its time: at most ``MAX_ITEMS`` prompts in a batch,
+messages in a chat or parts in a message, ``MAX_TOKEN_IDS`` ids in a token prompt and
+``MAX_CHARS`` characters in a text, and a few output tokens; so a run takes as long as its
+number of examples says, whatever else shares the machine. Prompts near the context length
+are hand cases too.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import schemathesis
 MODEL = os.environ.get("DUOSERVE_CONFORMANCE_MODEL", "smollm2-135m")
 VOCAB = int(os.environ.get("DUOSERVE_CONFORMANCE_VOCAB", "49152"))
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 2, "best_of": 2}
+MAX_ITEMS = 4
+MAX_TOKEN_IDS = 64
+MAX_CHARS = 256
 
 
 def _is_int(value) -> bool:
@@ -26,12 +35,33 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _token_ids(prompt):
+def _prompt(prompt):
+    """Token ids brought into the vocabulary; batches, token lists and texts cut to the caps."""
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return [t % VOCAB for t in prompt]
+        return [t % VOCAB for t in prompt[:MAX_TOKEN_IDS]]
     if isinstance(prompt, list):
-        return [_token_ids(p) for p in prompt]
-    return prompt
+        return [_prompt(p) for p in prompt[:MAX_ITEMS]]
+    return _text(prompt)
+
+
+def _text(value):
+    return value[:MAX_CHARS] if isinstance(value, str) else value
+
+
+def _messages(messages):
+    """At most MAX_ITEMS messages of at most MAX_ITEMS parts, each text cut to MAX_CHARS."""
+    if not isinstance(messages, list):
+        return messages
+    bounded = []
+    for message in messages[:MAX_ITEMS]:
+        if isinstance(message, dict):
+            content = message.get("content")
+            if isinstance(content, list):
+                content = [{**p, "text": _text(p["text"])} if isinstance(p, dict) and "text" in p else p
+                           for p in content[:MAX_ITEMS]]
+            message = {**message, "content": _text(content)} if "content" in message else message
+        bounded.append(message)
+    return bounded
 
 
 @schemathesis.hook
@@ -53,5 +83,7 @@ def map_body(ctx, body):
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = CAPS["max_tokens"]   # else a chat runs to the end of the context
         if "prompt" in body:   # an empty batch ([]) is refused with a 400, as OpenAI does
-            body["prompt"] = _token_ids(body["prompt"]) if body["prompt"] != [] else ""
+            body["prompt"] = _prompt(body["prompt"]) if body["prompt"] != [] else ""
+        if "messages" in body:
+            body["messages"] = _messages(body["messages"])
     return body

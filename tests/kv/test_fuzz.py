@@ -1,11 +1,11 @@
 """Hostile bytes: the KV wire parser, the store's record parser and the message decoders reject
-random, truncated, oversized and mutated inputs with their own errors, never anything else,
-and never take long."""
+random, truncated, oversized and mutated inputs with their own errors, never anything else.
+What a parser accepts is exactly what its format leaves unchecked (reserved fields), and the
+work is bounded by the number of rounds, not by a clock."""
 
 from __future__ import annotations
 
 import random
-import time
 
 import msgspec
 import pytest
@@ -49,24 +49,31 @@ def kv_tensors():
     return keys, values
 
 
+def differs_only_in(data: bytes, valid: bytes, free: range | set[int]) -> bool:
+    """``data`` is ``valid`` but for the bytes at the offsets in ``free``."""
+    return len(data) == len(valid) and all(a == b for i, (a, b) in enumerate(zip(data, valid)) if i not in free)
+
+
 def test_the_kv_wire_parser_rejects_hostile_frames():
     keys, values = kv_tensors()
     tokens = [1, 2, 3, 4]
     frames = [bytes(f) for f in wire.encode(keys, values, tokens, FINGERPRINT)]
+    # the header's last field (reserved u32) is the only one its checksum leaves out
+    free = range(wire.HEADER_SIZE - 4, wire.HEADER_SIZE)
     rng = random.Random(1)
-    start = time.monotonic()
-    accepted = 0
+    num_accepted = 0
     for header in mutations(frames[0], rng):
         body = frames[1:] if rng.random() < 0.7 else [f[:rng.randrange(len(f) + 1)] for f in frames[1:]]
+        intact = differs_only_in(header, frames[0], free) and body == frames[1:]
         try:
-            wire.decode([header, *body], FINGERPRINT, tokens)
-            accepted += 1
+            _, k, v = wire.decode([header, *body], FINGERPRINT, tokens)
         except wire.KVWireError:
-            pass
-    assert time.monotonic() - start < 30
-    # what got through had an intact header and frames (a byte flip in the header's reserved
-    # fields, or a rotation that changed nothing, is all a mutation can pass with)
-    assert accepted < ROUNDS // 10
+            assert not intact, f"an intact transfer was refused: header {header.hex()}"
+            continue
+        assert intact, f"a damaged transfer was accepted: header {header.hex()}"
+        assert all(torch.equal(a, b) for a, b in zip(k + v, keys + values))
+        num_accepted += 1
+    assert num_accepted > 0, "the mutations include unchanged transfers: the parser must take those"
 
 
 def test_the_store_record_parser_rejects_hostile_values():
@@ -76,30 +83,33 @@ def test_the_store_record_parser_rejects_hostile_values():
     record = encode_record(key, keys, values, tokens, FINGERPRINT)
     k, v = decode_record(record, key, tokens, FINGERPRINT, LAYOUT)
     assert all(torch.equal(a, b) for a, b in zip(k + v, keys + values))
-    rng = random.Random(2)
-    loaded = 0
-    for data in mutations(record, rng):
-        try:
-            decode_record(data, key, tokens, FINGERPRINT, LAYOUT)
-            loaded += 1
-        except BadRecord:
-            pass
     # the crc covers every payload byte, the key digest and magic the rest: only the two
-    # reserved header fields can change and still load
-    assert loaded < ROUNDS // 20
+    # reserved fields of the record header (u16 at 6, u32 at 44) can change and still load
+    free = {6, 7, 44, 45, 46, 47}
+    rng = random.Random(2)
+    num_loaded = 0
+    for data in mutations(record, rng):
+        intact = differs_only_in(data, record, free)
+        try:
+            k, v = decode_record(data, key, tokens, FINGERPRINT, LAYOUT)
+        except BadRecord:
+            assert not intact, f"an intact record was refused: {data[:48].hex()}"
+            continue
+        assert intact, f"a damaged record was loaded: {data[:48].hex()}"
+        assert all(torch.equal(a, b) for a, b in zip(k + v, keys + values))
+        num_loaded += 1
+    assert num_loaded > 0, "the mutations include unchanged records: the parser must load those"
 
 
 @pytest.mark.parametrize("decode", [msg.decode_at_engine, msg.decode_from_engine, msg.decode_at_prefill_peer])
 def test_message_decoders_reject_hostile_bytes(decode):
     valid = msg.encode(msg.AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4), [2], 512, 0.0))
     rng = random.Random(3)
-    start = time.monotonic()
     for data in mutations(valid, rng):
         try:
             decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
-    assert time.monotonic() - start < 30
     huge = msgspec.msgpack.encode({"type": "AddRequest", "request_id": "x", "prompt_token_ids": [1] * 100_000})
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         decode(huge)

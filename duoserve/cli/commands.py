@@ -1,0 +1,167 @@
+"""The ``duoserve`` subcommands: each ``run_*`` takes the parsed flags and returns the exit status.
+
+Heavy imports (torch, uvicorn, the engine) happen inside the runners, so ``--help`` and a
+refused flag are instant; a ``ConfigError`` raised here is printed as one line by ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from duoserve.bench import serve as bench
+from duoserve.cli.configs import cluster_config_from_args, disagg_config_from_args, engine_config_from_args
+from duoserve.config import DEFAULT_MODEL_ALIAS, ClusterConfig, check_engine_address, parse_cpu_list
+from duoserve.errors import ConfigError, DuoserveError
+
+
+def run_command(args: argparse.Namespace, extra_args: list[str]) -> int:
+    """Run ``args.command``; ``extra_args`` are the unknown arguments (only ray-node takes them)."""
+    if args.command == "ray-node":
+        return run_ray_node(args, extra_args)
+    if args.command == "serve" and args.dry_run:
+        return run_dry_run(args)
+    runners = {"generate": run_generate, "serve": run_serve, "prefill": run_engine, "decode": run_engine,
+               "keygen": run_keygen, "ray-stop": run_ray_stop, "bench": run_bench}
+    return runners[args.command](args)
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port out of range or taken before anything loads."""
+    if not 0 < port < 65536:
+        raise ConfigError("port", port, "a TCP port from 1 to 65535")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError("port", port, f"a free port: {host}:{port} cannot be bound ({exc.strerror})") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import uvicorn
+
+    from duoserve.entrypoints.api_server import DrainingServer, ServerConfig, create_app
+    from duoserve.frontend.engine_client import EngineStartError
+    from duoserve.model.paths import resolve_model_path
+
+    disagg = disagg_config_from_args(args)
+    engine_config = engine_config_from_args(args)
+    cluster = cluster_config_from_args(args)
+    check_port(args.host, args.port)
+    if not (disagg and disagg.decode_addrs and disagg.prefill_addrs) and cluster.kind == "local":
+        resolve_model_path(args.model)   # a launched engine loads it: refuse a wrong path now
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
+    server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
+                          max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
+    app = create_app(engine_config, server, disagg, cluster)
+    engine = app.state.engine
+    # uvicorn cancels what still runs a little after the engine ended it with a final event
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
+
+    async def main() -> None:
+        try:
+            await engine.start(wait=False)   # launched engines first: the port opens once they serve
+        except EngineStartError as exc:
+            if exc.config_error:
+                raise DuoserveError(str(exc)) from None
+            raise
+        await DrainingServer(config, engine, args.shutdown_timeout).serve()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it drained on: a clean stop
+        pass
+    return 0
+
+
+def run_dry_run(args: argparse.Namespace) -> int:
+    """``serve --dry-run``: the memory plan of the engine, without loading it."""
+    from duoserve.worker.memory import describe_plan, plan
+
+    print(describe_plan(plan(engine_config_from_args(args))))
+    return 0
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """``duoserve prefill|decode --listen ADDR``: one engine in this process until SIGTERM/SIGINT."""
+    import dataclasses
+    import logging
+    import signal
+
+    import msgspec
+
+    from duoserve.transport.auth import check_listen, load_key
+    from duoserve.engine.process import engine_main
+
+    check_engine_address(args.listen, "listen")
+    key = load_key(args.auth_key_file)
+    check_listen(args.listen, key, args.insecure_no_auth)
+    config = dataclasses.replace(engine_config_from_args(args), role=args.command,
+                                 cpus=parse_cpu_list(args.cpus, "cpus"),
+                                 kv_lease_timeout=getattr(args, "kv_lease_timeout", 30.0))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like on Ctrl-C
+    try:
+        return engine_main(msgspec.msgpack.encode(config), args.listen, logging.INFO,
+                           auth_secret=None if key is None else key.secret)
+    except KeyboardInterrupt:  # before the engine was up (engine_main logs a stop once it serves)
+        logging.getLogger("duoserve").info("%s engine stopped while starting", args.command)
+        return 0
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from duoserve.transport.auth import AuthKey
+
+    key = AuthKey.generate()
+    try:
+        key.save(args.path)
+    except OSError as exc:
+        raise ConfigError("path", args.path, f"a new file that can be created ({exc.strerror})") from None
+    print(f"wrote a deployment key to {args.path} (public part {key.public.decode()}); give every frontend and "
+          "engine --auth-key-file with a copy of it")
+    return 0
+
+
+def run_ray_node(args: argparse.Namespace, ray_args: list[str]) -> int:
+    import subprocess
+
+    from duoserve.frontend.ray_cluster import ray_start_command
+
+    if args.engines < 1:
+        raise ConfigError("engines", args.engines, "a positive number of engines")
+    command = ray_start_command(args.role, args.engines, args.address, [a for a in ray_args if a != "--"])
+    print(" ".join(command), flush=True)
+    return subprocess.call(command)
+
+
+def run_ray_stop(args: argparse.Namespace) -> int:
+    from duoserve.frontend.ray_cluster import stop_engines
+
+    stopped = stop_engines(ClusterConfig(kind="ray", ray_address=args.ray_address, ray_namespace=args.ray_namespace))
+    print(f"stopped {len(stopped)} engine actor(s) in namespace {args.ray_namespace}: {', '.join(stopped) or 'none'}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from duoserve.engine.builder import build_engine
+    from duoserve.entrypoints.llm import LLM
+    from duoserve.sampling_params import SamplingParams
+
+    llm = LLM.from_engine(build_engine(engine_config_from_args(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return {"serve": bench.run_bench_serve, "sweep": bench.run_bench_sweep, "prompts": bench.run_bench_prompts,
+            "compare": bench.run_bench_compare}[args.bench_command](args)
