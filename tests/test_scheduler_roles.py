@@ -31,6 +31,12 @@ def request(rid: str, num_prompt: int, max_tokens: int = 3, base: int = 100) -> 
     return Request(rid, list(range(base, base + num_prompt)), SamplingParams(max_tokens=max_tokens), (2,))
 
 
+def added(s: Scheduler, rid: str, num_prompt: int, **kwargs) -> Request:
+    r = request(rid, num_prompt, **kwargs)
+    s.add_request(r)
+    return r
+
+
 def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list]:
     plan = s.schedule()
     sampled = {x.request.request_id: [token] * x.num_samples for x in plan.scheduled if x.sample}
@@ -38,19 +44,23 @@ def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list]:
 
 
 @pytest.fixture
-def assert_whole():
+def scheduler_for():
+    """``make``, and at the end of the test: nothing unfinished, every block back in the pool."""
     made: list[Scheduler] = []
-    yield made.append
+
+    def make_whole(role: str, **kwargs) -> Scheduler:
+        made.append(make(role, **kwargs))
+        return made[-1]
+
+    yield make_whole
     for s in made:
         assert not s.num_unfinished, s.requests
         assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks, "KV blocks leaked"
 
 
-def test_colocated_decodes_what_it_prefilled(assert_whole):
-    s = make("colocated")
-    assert_whole(s)
-    a = request("a", 6)
-    s.add_request(a)
+def test_colocated_decodes_what_it_prefilled(scheduler_for):
+    s = scheduler_for("colocated")
+    a = added(s, "a", 6)
     plan, outputs = step(s)
     assert [(x.start, x.num_new_tokens, x.block_ids) for x in plan.scheduled] == [(0, 6, [0, 1])]
     assert a.status is S.RUNNING and s.running == [a] and s.num_leased == 0 and s.drain_leased() == []
@@ -60,11 +70,9 @@ def test_colocated_decodes_what_it_prefilled(assert_whole):
     assert outputs[0].finish_reason == "length" and a.status is S.FINISHED_LENGTH
 
 
-def test_prefill_leases_the_blocks_at_the_first_token_until_acked(assert_whole):
-    s = make("prefill")
-    assert_whole(s)
-    a = request("a", 6)
-    s.add_request(a)
+def test_prefill_leases_the_blocks_at_the_first_token_until_acked(scheduler_for):
+    s = scheduler_for("prefill")
+    a = added(s, "a", 6)
     _, outputs = step(s)
     assert [o.new_token_ids for o in outputs] == [[7]] and not outputs[0].finished
     assert a.status is S.KV_LEASED and s.running == [] and s.num_leased == 1
@@ -78,11 +86,9 @@ def test_prefill_leases_the_blocks_at_the_first_token_until_acked(assert_whole):
     assert a.status is S.FINISHED_STOPPED and "a" not in s.requests and s.num_leased == 0
 
 
-def test_prefill_lease_expires_with_an_error_that_names_the_timeout(assert_whole):
-    s = make("prefill", lease_timeout=0.5)
-    assert_whole(s)
-    a = request("a", 6)
-    s.add_request(a)
+def test_prefill_lease_expires_with_an_error_that_names_the_timeout(scheduler_for):
+    s = scheduler_for("prefill", lease_timeout=0.5)
+    a = added(s, "a", 6)
     step(s)
     s.drain_leased()
     assert s.expire_leases(time.monotonic()) == []               # not yet
@@ -95,9 +101,8 @@ def test_prefill_lease_expires_with_an_error_that_names_the_timeout(assert_whole
     s.forget("a")
 
 
-def test_prefill_abort_of_a_leased_request_frees_its_lease(assert_whole):
-    s = make("prefill")
-    assert_whole(s)
+def test_prefill_abort_of_a_leased_request_frees_its_lease(scheduler_for):
+    s = scheduler_for("prefill")
     s.add_request(request("a", 5))
     step(s)
     assert [o.finish_reason for o in s.abort("a")] == ["abort"]
@@ -105,9 +110,8 @@ def test_prefill_abort_of_a_leased_request_frees_its_lease(assert_whole):
     s.forget("a")
 
 
-def test_prefill_serves_a_short_prompt_before_a_long_ones_chunks(assert_whole):
-    s = make("prefill", num_blocks=32, budget=8)
-    assert_whole(s)
+def test_prefill_serves_a_short_prompt_before_a_long_ones_chunks(scheduler_for):
+    s = scheduler_for("prefill", num_blocks=32, budget=8)
     s.add_request(request("long", 20))
     step(s)
     s.add_request(request("short", 3, base=500))
@@ -128,9 +132,8 @@ def transferred(rid: str, num_prompt: int, first_token: int = 9, payload: object
     return r, payload
 
 
-def test_decode_admits_a_transferred_request_with_its_kv_written_first(assert_whole):
-    s = make("decode")
-    assert_whole(s)
+def test_decode_admits_a_transferred_request_with_its_kv_written_first(scheduler_for):
+    s = scheduler_for("decode")
     a, payload = transferred("a", 6)
     s.add_transferred(a, payload)
     assert a.status is S.WAITING_FOR_KV and a.transferred_kv == "kv" and s.has_work
@@ -144,9 +147,8 @@ def test_decode_admits_a_transferred_request_with_its_kv_written_first(assert_wh
     assert outputs[0].finish_reason == "length" and a.output_token_ids == [9, 8, 7]
 
 
-def test_decode_waits_for_blocks_then_admits_in_arrival_order(assert_whole):
-    s = make("decode", num_blocks=4)
-    assert_whole(s)
+def test_decode_waits_for_blocks_then_admits_in_arrival_order(scheduler_for):
+    s = scheduler_for("decode", num_blocks=4)
     big = transferred("big", 12, payload="big-kv")
     small = transferred("small", 2, payload="small-kv")
     small[0].prompt_token_ids = [600, 601]
@@ -166,9 +168,8 @@ def test_decode_waits_for_blocks_then_admits_in_arrival_order(assert_whole):
         s.forget(rid)
 
 
-def test_decode_abort_while_waiting_for_kv_drops_the_payload(assert_whole):
-    s = make("decode")
-    assert_whole(s)
+def test_decode_abort_while_waiting_for_kv_drops_the_payload(scheduler_for):
+    s = scheduler_for("decode")
     a, payload = transferred("a", 6)
     s.add_transferred(a, payload)
     with pytest.raises(ValueError, match="already in the engine"):

@@ -231,7 +231,8 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _fill(self, request: Request, hits: list[tuple[KVSource, KVHit]], new_blocks: list, plan: SchedulerOutput) -> None:
+    def _fill(self, request: Request, hits: list[tuple[KVSource, KVHit]], new_blocks: list,
+              plan: SchedulerOutput) -> None:
         """Have each hit's KV copied into the new blocks it fills (shared blocks need nothing)."""
         if not hits:
             return
