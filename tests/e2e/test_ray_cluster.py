@@ -20,7 +20,7 @@ from duoserve.config import ClusterConfig, DisaggConfig
 from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError
 from duoserve.frontend.ray_cluster import stop_engines
 from tests.disagg_helpers import GREEDY, assert_same, generate_all, prompts
-from tests.test_disagg_topology import engine_config
+from tests.e2e.test_disagg_topology import engine_config
 
 # one thread per engine: the reference's matmul order
 DISAGG = DisaggConfig(prefill_threads=1, decode_threads=1, kv_lease_timeout=3.0)

@@ -20,7 +20,7 @@ from duoserve.core.speculation import SpeculationPolicy, propose_ngram
 from duoserve.errors import ConfigError
 from duoserve.worker.spec_verify import rejection_sample
 from tests.helpers import assert_pool_whole
-from tests.test_engine_equivalence import prompts_with_shared_prefixes
+from tests.e2e.test_engine_equivalence import prompts_with_shared_prefixes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
@@ -400,7 +400,7 @@ def test_the_decode_engine_of_a_handoff_speculates_with_a_draft(tiny_dir):
     from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
     from duoserve.engine.builder import build_engine
     from duoserve.kv.connector import InProcessConnector
-    from tests.test_disagg_inprocess import pool_whole, prompts, run
+    from tests.e2e.test_disagg_inprocess import pool_whole, prompts, run
 
     path = tiny_dir(kind="llama")
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

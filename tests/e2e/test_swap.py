@@ -10,7 +10,7 @@ from duoserve.core.request import Request, RequestStatus
 from duoserve.core.swap_space import SwapCost, SwapSpace
 from duoserve.errors import InvalidRequestError
 from tests.helpers import assert_pool_whole
-from tests.test_engine_equivalence import prompts_with_shared_prefixes
+from tests.e2e.test_engine_equivalence import prompts_with_shared_prefixes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 # 40 blocks of 4 tokens (512 bytes a token): one full-length sequence fits, the batch does not

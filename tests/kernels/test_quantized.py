@@ -18,7 +18,7 @@ from duoserve.model.fingerprint import describe_difference
 from duoserve.model.gguf_loader import GGUFBlocks
 from duoserve.worker.backends import load_model
 from tests.helpers import forward_one
-from tests.test_gguf import F16_FIELDS, PROMPT, write_gguf
+from tests.model.test_gguf import F16_FIELDS, PROMPT, write_gguf
 
 ROWS_TO_TRY = [1, 2, 3, DIRECT_ROWS, DIRECT_ROWS + 1, 8, 17, 64, 300]
 
@@ -203,7 +203,7 @@ def smol_blocks():
 
 
 def test_default_model_exact_mode_logits_equal_dequantized(default_model, smol_blocks):
-    from tests.test_default_model import PROMPTS
+    from tests.e2e.test_default_model import PROMPTS
 
     exact = smol_blocks["exact"]
     assert exact.quantization == "gguf-exact"
@@ -241,7 +241,7 @@ def test_default_model_greedy_text_and_perplexity(default_model, smol_blocks):
     from pathlib import Path
 
     from duoserve import SamplingParams
-    from tests.test_default_model import PROMPTS
+    from tests.e2e.test_default_model import PROMPTS
 
     prompts = PROMPTS + MORE_PROMPTS
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -275,7 +275,7 @@ def test_prefill_and_decode_engines_share_the_store(tiny_dir, redis_server):
     (from the decode engine); a second prefill engine finds the prompt's there."""
     from duoserve.config import DisaggConfig
     from duoserve.kv.connector import InProcessConnector
-    from tests.test_disagg_inprocess import pool_whole, run
+    from tests.e2e.test_disagg_inprocess import pool_whole, run
 
     path = tiny_dir(kind="llama")
     base = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),

@@ -18,8 +18,8 @@ import pytest
 
 from duoserve import LLM, SamplingParams
 from tests.helpers import assert_pool_whole
-from tests.test_engine_equivalence import PARAMS, assert_same_outputs, prompts_with_shared_prefixes
-from tests.test_gguf import write_gguf
+from tests.e2e.test_engine_equivalence import PARAMS, assert_same_outputs, prompts_with_shared_prefixes
+from tests.model.test_gguf import write_gguf
 
 # 40 blocks of 4 tokens: one full-length sequence fits, the batch does not (heavy preemption)
 SETTINGS = dict(dtype="float32", kv_cache_memory=40 * 4 * 512 / 2**30, max_model_len=128, block_size=4,
