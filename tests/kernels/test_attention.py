@@ -47,7 +47,7 @@ def test_torch_decode_path_matches_reference(dtype):
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5
 
 
-@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_seqs", [1, 3, 9])  # work split by (sequence, KV head) and by sequence
 # head_dim 32: the portable loop; 64 and 128: the register path (AVX-512), several group sizes
@@ -62,7 +62,7 @@ def test_c_decode_kernel_matches_reference(dtype, num_seqs, heads):
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5
 
 
-@pytest.mark.skipif(decode_attention_op() is None, reason="no C++ compiler on this machine")
+@pytest.mark.needs(decode_attention_op, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_op_writes_and_attends_as_the_python_path(monkeypatch, dtype, q_dtype):
@@ -82,7 +82,7 @@ def test_decode_step_op_writes_and_attends_as_the_python_path(monkeypatch, dtype
     assert torch.equal(caches[0][0].view(-1, 3, 64)[slot], k[0].to(dtype))
 
 
-@pytest.mark.skipif(decode_attention_op() is None, reason="no C++ compiler on this machine")
+@pytest.mark.needs(decode_attention_op, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_op_writes_rows_of_a_strided_view_and_refuses_a_slot_outside(dtype):
     """Keys and values as a compiled graph passes them (views into the fused q/k/v rows) land in
@@ -141,7 +141,7 @@ def test_prefill_paths_agree_with_reference(monkeypatch, dtype, cached):
         assert (by_kernel.float() - want).abs().max() < 1e-5
 
 
-@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_backend_runs_a_mixed_step_as_the_torch_reference(dtype):
     """Decodes and two prompt chunks (one after a cached prefix) in one step: the C backend
@@ -178,7 +178,7 @@ def _rows(spec, block_size, num_blocks, rng):
     return torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), tables
 
 
-@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # head_dim 64 and 128 tile (AVX-512); 32 takes the decode kernel throughout; several groups and block sizes
 @pytest.mark.parametrize("shape", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8), (12, 1, 64, 32), (8, 2, 32, 16)])
@@ -203,7 +203,7 @@ def test_c_kernel_runs_of_prompt_tokens_match_reference(dtype, shape):
     assert (got - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 def test_rows_group_into_runs_only_over_one_table():
     """paged_find_runs: consecutive rows whose lengths grow by one and whose tables agree on the
     blocks the shorter row reads are one run (3 rows or more); anything else is a single row."""
@@ -225,7 +225,7 @@ def test_rows_group_into_runs_only_over_one_table():
     assert singles[:num_singles.value].tolist() == [0, 6, 7, 8, 12, 13, 14]
 
 
-@pytest.mark.skipif(paged_decode_kernel() is None, reason="no C compiler on this machine")
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_kernel_run_over_a_long_context_matches_reference(dtype):
     """A chunk of 40 tokens after 1,990 cached keys: the online softmax carried over 127 blocks

@@ -15,7 +15,7 @@ from duoserve.kernels.dense import (SMALL_M, c_packed_linear, c_small_m_linear, 
 from duoserve.kernels.linear import CPULinear, PackedEmbedding, cpu_linear, replace_linears
 from duoserve.kernels.ops import define_ops
 
-needs_kernel = pytest.mark.skipif(small_m_linear_kernel() is None, reason="no C compiler on this machine")
+needs_kernel = pytest.mark.needs(small_m_linear_kernel, reason="no C compiler on this machine")
 
 
 def require_packed(dtype: torch.dtype) -> None:
