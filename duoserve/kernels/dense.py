@@ -12,6 +12,7 @@ GEMM (``mkldnn._linear_pointwise`` over the plain weight) wins; both read the sa
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -29,6 +30,14 @@ PACK_COLUMNS = 48   # output columns of a block of a packed weight: NB in csrc/p
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """oneDNN's linear takes ``dtype`` on this CPU (it refuses bf16 without AVX-512)."""
+    if not onednn_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def small_m_linear_kernel():
@@ -56,6 +65,8 @@ def linear_any_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         out = c_small_m_linear(rows, weight, bias)
         if out is not None:
             return out.view(*x.shape[:-1], weight.shape[0])
+    if not onednn_runs(weight.dtype):
+        return torch.nn.functional.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -76,12 +76,23 @@ at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
     return buffer;
 }
 
-// x @ w^T with oneDNN's linear over a plain weight (twice as fast as at::linear in float32 here,
-// the same in bfloat16, as measured), or at::linear without oneDNN
+// whether oneDNN runs bf16 here: it refuses to on a CPU without AVX-512 (torch's own check)
+bool onednn_runs_bf16() {
+    const std::optional<c10::OperatorHandle> check =
+        c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
+    if (!check) return false;
+    torch::jit::Stack stack;
+    check->callBoxed(&stack);
+    return stack[0].toBool();
+}
+
+// x @ w^T with oneDNN's linear over a plain weight (faster than at::linear in float32, BENCHMARKS.md),
+// or at::linear where oneDNN is missing or cannot run the dtype
 at::Tensor dense_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias = {}) {
     static const std::optional<c10::OperatorHandle> onednn =
         c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-    if (!onednn) return at::linear(x, w, bias);
+    static const bool bf16 = onednn_runs_bf16();
+    if (!onednn || (w.scalar_type() == at::kBFloat16 && !bf16)) return at::linear(x, w, bias);
     torch::jit::Stack stack{x, w, bias ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
                             c10::List<std::optional<at::Scalar>>(), c10::IValue()};
     onednn->callBoxed(&stack);
