@@ -35,11 +35,12 @@ def server(tmp_path_factory):
 
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, tmp_path):
-    """Every check but three: the description documents only 200 (and 429) where OpenAI answers
-    400s too (status_code_conformance), duoserve accepts what OpenAI would refuse
+    """Every check but two: the description documents only 200 (and 429) where OpenAI answers
+    400s too (status_code_conformance), and duoserve accepts what OpenAI would refuse
     (negative_data_rejection: a missing model means the served one, unknown fields are
-    logged, not refused) — the refusals it does make are the hand cases below — and how long a
-    response takes on a shared machine is not what this test checks (max_response_time)."""
+    logged, not refused) — the refusals it does make are the hand cases below. How long a
+    response takes on a shared machine is not checked: the response-time check (10 s unless
+    told) gets the hang time-out."""
     root = Path(__file__).parents[2]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.conformance.schemathesis_hooks",
            "DUOSERVE_CONFORMANCE_MODEL": MODEL,
@@ -47,9 +48,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, tmp_
     done = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", str(SPEC), "--url", f"{server.url}/v1",
          "-H", f"Authorization: Bearer {KEY}", "--checks", "all",
-         "--exclude-checks", "status_code_conformance,negative_data_rejection,max_response_time",
+         "--exclude-checks", "status_code_conformance,negative_data_rejection",
          "--max-examples", "500" if FULL else "60", "--seed", "1", "--request-timeout", str(HANG_TIMEOUT_S),
-         "--workers", "1", "--no-color", "--report", "junit", "--report-dir", str(tmp_path)],
+         "--max-response-time", str(HANG_TIMEOUT_S), "--workers", "1", "--no-color", "--report", "junit", "--report-dir", str(tmp_path)],
         # its cache stays out of the tree; the time-out is for a hang of schemathesis itself
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=6 * HANG_TIMEOUT_S * (5 if FULL else 1))
     summary = done.stdout[-3000:]
