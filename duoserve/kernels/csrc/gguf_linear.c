@@ -14,7 +14,8 @@
  *   gguf_linear_exact   y = x @ w^T, each block widened to float32 in registers, float32 sums;
  *   gguf_linear_fast    y = x @ w^T with x quantized to 8 bits per block of 32 (a float scale,
  *                       round to nearest) and integer dot products (AVX512-VNNI where the
- *                       CPU has it), as llama.cpp computes.
+ *                       CPU has it, 16-bit multiply-adds with AVX2), as llama.cpp computes.
+ * A CPU without AVX-512 but with AVX2 (VEC_AVX2) takes the same steps in 256-bit registers.
  * The work is split over threads by output rows. x [m, k] and y [m, n] are float32, or
  * bfloat16 (io_bf16); products and sums are float32.
  */
@@ -24,7 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -133,8 +134,22 @@ static inline __attribute__((always_inline)) void sub_values(int type, const uin
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-#define VECTOR 1
+#if defined(__AVX2__) && defined(__FMA__)
+#define VEC_AVX2 1     /* sub_values_vec: AVX2 instructions only */
+#endif
+#if defined(VEC_AVX2) && defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define VECTOR 1       /* the float paths in 512-bit registers */
+#endif
+
+#ifdef VEC_AVX2
+/* the sum of a register's 8 floats */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* the same 32 values in one register */
 static inline __attribute__((always_inline)) __m256i sub_values_vec(int type, const uint8_t *b, int sub) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -169,6 +184,9 @@ static inline __attribute__((always_inline)) __m256i sub_values_vec(int type, co
     }
 }
 
+#endif
+
+#ifdef VECTOR
 /* 16 floats -> 16 bfloat16, rounded to nearest even like f32_to_bf16 (NaN aside) */
 static inline __m256i to_bf16_vec(__m512 v) {
     __m512i bits = _mm512_castps_si512(v);
@@ -183,6 +201,18 @@ static inline void sub_floats_vec(__m256i q, const float scale[2], const float o
     __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
     *w0 = _mm512_fmadd_ps(f0, _mm512_set1_ps(scale[0]), _mm512_set1_ps(offset[0]));
     *w1 = _mm512_fmadd_ps(f1, _mm512_set1_ps(scale[1]), _mm512_set1_ps(offset[1]));
+}
+#elif defined(VEC_AVX2)
+/* the 32 values widened, four registers of 8 floats: w = scale * q + offset */
+static inline __attribute__((always_inline)) void sub_floats_vec8(__m256i q, const float scale[2],
+                                                                  const float offset[2], __m256 w[4]) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);  /* halves 0 and 1 */
+    const __m256 s0 = _mm256_set1_ps(scale[0]), o0 = _mm256_set1_ps(offset[0]);
+    const __m256 s1 = _mm256_set1_ps(scale[1]), o1 = _mm256_set1_ps(offset[1]);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s0, o0);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s0, o0);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s1, o1);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s1, o1);
 }
 #endif
 
@@ -204,6 +234,16 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
             } else {
                 _mm512_storeu_ps((float *)out + col, w0);
                 _mm512_storeu_ps((float *)out + col + 16, w1);
+            }
+#elif defined(VEC_AVX2)
+            __m256 wv[4];
+            sub_floats_vec8(sub_values_vec(type, b, s), scale, offset, wv);
+            if (out_bf16) {
+                float v[32];
+                for (int j = 0; j < 4; j++) _mm256_storeu_ps(v + 8 * j, wv[j]);
+                for (int j = 0; j < 32; j++) ((uint16_t *)out)[col + j] = f32_to_bf16(v[j]);
+            } else {
+                for (int j = 0; j < 4; j++) _mm256_storeu_ps((float *)out + col + 8 * j, wv[j]);
             }
 #else
             uint8_t q[32];
@@ -259,6 +299,9 @@ static inline __attribute__((always_inline)) void exact_tile(const float *x, con
 #ifdef VECTOR
     __m512 acc[MAX_ROWS];
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+#elif defined(VEC_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
 #else
     float acc[MAX_ROWS] = {0};
 #endif
@@ -277,6 +320,13 @@ static inline __attribute__((always_inline)) void exact_tile(const float *x, con
                 acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xi), acc[i]);
                 acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xi + 16), acc[i]);
             }
+#elif defined(VEC_AVX2)
+            __m256 wv[4];
+            sub_floats_vec8(sub_values_vec(type, b, s), scale, offset, wv);
+            for (int i = 0; i < rows; i++) {
+                const float *xi = x + (int64_t)i * k + col;
+                for (int j = 0; j < 4; j++) acc[i] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xi + 8 * j), acc[i]);
+            }
 #else
             uint8_t q[32];
             float wv[32];
@@ -294,6 +344,8 @@ static inline __attribute__((always_inline)) void exact_tile(const float *x, con
     for (int i = 0; i < rows; i++) {
 #ifdef VECTOR
         out[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(VEC_AVX2)
+        out[i] = hsum256(acc[i]);
 #else
         out[i] = acc[i];
 #endif
@@ -358,11 +410,13 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *ha
 
 #if defined(VECTOR) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define VNNI 1
+#elif defined(VEC_AVX2)
+#define FAST_AVX2 1    /* no VNNI: x held as int16 (QRows.q16), 16-bit multiply-adds */
 #endif
 
 /* the quantized rows of x: values, the scale of each block of 32 (d; and d8: each repeated 8
  * times, one per lane of a dot product's half), dx * sum per half of 16 */
-typedef struct { const int8_t *q; const float *d, *d8, *half_sums; int xblocks; } QRows;
+typedef struct { const int8_t *q; const float *d, *d8, *half_sums; int xblocks; const int16_t *q16; } QRows;
 
 /* one weight sub-block (q, scales, offsets) against sub-block g of quantized row i, in plain C */
 static inline float sub_dot(const uint8_t q[32], const float scale[2], const float offset[2], QRows xr, int i,
@@ -428,6 +482,42 @@ static inline __attribute__((always_inline)) void fast_tile_vnni(QRows xr, const
 }
 #endif
 
+#ifdef FAST_AVX2
+/* One sub-block (32 values) a step: the weight's values widened to 16 bits, vpmaddwd against
+ * x's (exact: a pair of products is at most 2 * 255 * 127), lanes 0-7 of the first product
+ * summing half 0 and of the second half 1, each converted and scaled by its weight scale and
+ * its block's dx; offsets times the halves' sums in plain C. */
+static inline __attribute__((always_inline)) void fast_tile_avx2(QRows xr, const uint8_t *row, int type, int k,
+                                                                 const int rows, float *out) {
+    const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
+    const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    __m256 acc[MAX_ROWS];
+    float offsets[MAX_ROWS];
+    for (int i = 0; i < rows; i++) { acc[i] = _mm256_setzero_ps(); offsets[i] = 0.0f; }
+    for (int g = 0; g < xblocks; g++) {
+        const uint8_t *b = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
+        const int s = g % subs;
+        if (s == 0) __builtin_prefetch(b + row_bytes);
+        float sc[2], of[2];
+        sub_scales(type, b, s, sc, of);
+        const __m256i q = sub_values_vec(type, b, s);
+        const __m256i q0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+        const __m256i q1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+        const __m256 s0 = _mm256_set1_ps(sc[0]), s1 = _mm256_set1_ps(sc[1]);
+        for (int i = 0; i < rows; i++) {
+            const int64_t at = (int64_t)i * xblocks + g;
+            const int16_t *xv = xr.q16 + (int64_t)i * k + g * 32;
+            const __m256i d0 = _mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)xv));
+            const __m256i d1 = _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(xv + 16)));
+            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, _mm256_mul_ps(_mm256_cvtepi32_ps(d1), s1));
+            acc[i] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(xr.d + at), acc[i]);
+            offsets[i] += of[0] * xr.half_sums[at * 2] + of[1] * xr.half_sums[at * 2 + 1];
+        }
+    }
+    for (int i = 0; i < rows; i++) out[i] = hsum256(acc[i]) + offsets[i];
+}
+#endif
+
 /* the portable version: one sub-block of 32 a step, integer dot products in plain C */
 static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint8_t *row, int type, int k,
                                                             const int rows, float *out) {
@@ -468,15 +558,26 @@ int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n,
         quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2);
     for (int64_t j = 0; j < (int64_t)m * xblocks * 8; j++) d8[j] = dx[j / 8];
     if (io_bf16) free((void *)x);
+    int16_t *xq16 = NULL;
+#ifdef FAST_AVX2
+    xq16 = malloc(sizeof(int16_t) * m * k);
+    if (!xq16) {
+        free(xq); free(dx); free(hs); free(d8);
+        return -2;
+    }
+    for (int64_t j = 0; j < (int64_t)m * k; j++) xq16[j] = xq[j];
+#endif
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int r = 0; r < n; r++) {
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
             int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
             float out[MAX_ROWS] = {0};
             QRows xr = {xq + (int64_t)i0 * k, dx + i0 * xblocks, d8 + (int64_t)i0 * xblocks * 8,
-                        hs + i0 * xblocks * 2, xblocks};
+                        hs + i0 * xblocks * 2, xblocks, xq16 ? xq16 + (int64_t)i0 * k : NULL};
 #ifdef VNNI
 #define FAST(T, R) fast_tile_vnni(xr, w + r * row_bytes, T, k, R, out)
+#elif defined(FAST_AVX2)
+#define FAST(T, R) fast_tile_avx2(xr, w + r * row_bytes, T, k, R, out)
 #else
 #define FAST(T, R) fast_tile(xr, w + r * row_bytes, T, k, R, out)
 #endif
@@ -484,6 +585,6 @@ int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n,
             for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
         }
     }
-    free(xq); free(dx); free(hs); free(d8);
+    free(xq); free(dx); free(hs); free(d8); free(xq16);
     return 0;
 }
