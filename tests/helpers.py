@@ -91,6 +91,6 @@ def assert_pool_whole(engine_or_llm) -> None:
     assert not engine.has_unfinished() and not engine.scheduler.requests, \
         f"requests left in the engine: {sorted(engine.scheduler.requests)}"
     assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_blocks - pool.num_free_blocks} blocks leaked"
-    swap = engine.scheduler.swap
+    swap = engine.scheduler.swap   # a SwapSource: the swap space and its cost model
     if swap is not None:
-        assert swap.usage() == 0.0, f"swap space {swap.usage():.0%} used after the test"
+        assert swap.space.usage == 0.0, f"swap space {swap.space.usage:.0%} used after the test"
