@@ -139,9 +139,16 @@ def require_decode_step(llm) -> None:
     from duoserve.kernels.build import compilers
     from duoserve.worker.fused_decode import why_not
 
+    from duoserve.kernels.dense import packed_linear_supported
+
     if compilers()[1] is None:   # where there is one, csrc/cpu_ops.cpp must build and take the model
         pytest.skip("no C++ compiler on this machine: decode steps run the compiled graph")
     forward = llm.engine.runner.forward
+    dtype = llm.engine.runner.model.dtype
+    if not packed_linear_supported(dtype):   # the C++ step runs over packed weights only
+        assert forward.fused is None
+        pytest.skip(f"this CPU has no vector units for the packed kernel in {dtype} (AVX-512, AVX512-BF16): "
+                    "decode steps run the compiled graph")
     assert forward.fused is not None, why_not(forward.model, llm.engine.runner.kv_caches)
 
 
