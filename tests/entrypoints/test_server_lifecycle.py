@@ -24,20 +24,18 @@ def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
     maps = open(f"/proc/{srv.proc.pid}/maps").read()
     assert "libtorch" not in maps, "the API process must not load torch (it would cost ~250 MB)"
     assert "_raylet" not in maps, "without --cluster ray, Ray is not imported"
-    result = {}
-
-    def request() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True}
-        result["response"] = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
-
-    thread = threading.Thread(target=request)
+    lines: list[str] = []
+    body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    thread = threading.Thread(target=_stream, args=(srv.url, body, lines))
     thread.start()
-    time.sleep(1.0)
+    _wait_for(lambda: lines, 600)   # in flight once its first token came back, however loaded the machine
     # uvicorn drains, shuts the app down, then re-raises the signal: exit by SIGTERM is a clean stop
     assert srv.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
-    thread.join(30)
-    assert result["response"].status_code == 200
-    assert result["response"].json()["usage"]["completion_tokens"] == 40
+    thread.join(600)
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 40
     deadline = time.monotonic() + 10
     while any(alive(p) for p in all_children) and time.monotonic() < deadline:
         time.sleep(0.1)
