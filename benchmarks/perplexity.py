@@ -5,9 +5,8 @@
 The text is ``benchmarks/data/perplexity.txt`` (a snapshot of this repository's
 docs/architecture.md, about 3,000 tokens), cut into windows of ``--window`` tokens, each
 scored from its second token (prompt log-probabilities, no prefix caching across windows).
-The step budget is 8 tokens, so every matmul takes the path of a decode step of up to 8
-sequences: straight from the blocks in gguf's fast or exact mode (larger steps dequantize
-and run a float GEMM in both modes).
+Every row count computes from the blocks in the same arithmetic, so the default step budget
+scores the windows as a decode step would.
 Prints perplexity per option and its change against the dequantized model (``none``).
 """
 
@@ -37,12 +36,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     args = parser.parse_args()
     from duoserve import LLM
-    from duoserve.kernels.gguf import DIRECT_ROWS
 
     results = {}
     for quantization, mode in OPTIONS:
         llm = LLM(dtype=args.dtype, quantization=quantization, gguf_mode=mode, max_model_len=2048,
-                  kv_cache_memory=0.5, enable_prefix_caching=False, max_num_batched_tokens=DIRECT_ROWS)
+                  kv_cache_memory=0.5, enable_prefix_caching=False)
         tokens = llm.engine.tokenizer.encode(TEXT.read_text())
         windows = [tokens[i:i + args.window] for i in range(0, len(tokens) - args.window + 1, args.window)]
         name = quantization if quantization != "gguf" else f"gguf-{mode}"

@@ -3,13 +3,14 @@
 A Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weight stays as its raw blocks (the bytes of the file, a quarter
 to a half of bf16's):
 
-* a decode step's few rows (up to ``DIRECT_ROWS``) go straight through the blocks: in ``fast``
-  mode with the rows quantized to 8 bits per block of 32 and integer dot products (VNNI), as
-  llama.cpp does; in ``exact`` mode with each block widened to float32 in registers (the
-  dequantized model's result up to summation order);
-* more rows (prefill, large batches) dequantize the weight, a slice of rows at a time, into a
-  small buffer in the engine dtype and multiply with oneDNN's GEMM: the buffer stays in cache,
-  so the cost over a dense weight is one pass over the blocks.
+every row count, a decode step's few rows as a prompt's hundreds, goes straight through the
+blocks, with one arithmetic per mode so that a row's result never depends on its batch, its chunk
+or which of its neighbours were cached:
+
+* ``fast``: the rows quantized to 8 bits per block of 32 and integer dot products, as llama.cpp
+  computes; with many rows each tile of weight rows is decoded once and held against them all;
+* ``exact``: each block widened to float32 in registers (the dequantized model's result up to
+  summation order).
 
 ``gguf_linear`` is the Python kernel of the op ``duoserve::gguf_linear``; where a C++ compiler is
 found the op's kernel is ``csrc/cpu_ops.cpp`` instead, the same computation without Python
@@ -24,13 +25,10 @@ from typing import Protocol
 import torch
 
 from duoserve.kernels.build import load_c_function
-from duoserve.kernels.dense import linear_any_m
 
 # GGUF type name -> (id in gguf_linear.c, values per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
                "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210)}
-DIRECT_ROWS = 8             # rows computed straight from the blocks; more: dequantize + GEMM (measured)
-SLICE_VALUES = 1 << 21      # weight values dequantized at a time for the GEMM path (4 MB bf16)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -86,41 +84,17 @@ def dequantize_rows(weight: Blocks, dtype: torch.dtype, ids: torch.Tensor | None
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, type_id: int, cols: int, mode: str) -> torch.Tensor:
     """x [..., cols] @ W^T for W given as GGUF blocks ``data`` [rows, bytes per row]; x's dtype out.
-    The few-row path runs once per linear layer and decode step: kept to the fewest torch calls."""
-    rows_out = data.shape[0]
-    m = x.numel() // cols
-    if m <= DIRECT_ROWS:
-        if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
-            return gguf_linear(x.float().contiguous(), data, type_id, cols, mode).to(x.dtype)
-        y = x.new_empty((*x.shape[:-1], rows_out))
-        (_KERNELS or gguf_kernels())[mode](x.data_ptr(), data.data_ptr(), type_id, m, rows_out, cols, y.data_ptr(),
-                                           x.dtype == torch.bfloat16, torch.get_num_threads())
-        return y
-    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    flat = x.reshape(-1, cols).to(dtype)
-    step = max(1, SLICE_VALUES // cols)
-    buffer = _scratch(dtype, min(step, rows_out) * cols)
-    if step >= rows_out:  # one slice: no copy of the output
-        dense = _dequantize(data, type_id, cols, dtype, None, buffer[: rows_out * cols].view(rows_out, cols))
-        y = linear_any_m(flat, dense, None)
-    else:
-        y = torch.empty(m, rows_out, dtype=dtype)
-        for start in range(0, rows_out, step):
-            stop = min(start + step, rows_out)
-            dense = buffer[: (stop - start) * cols].view(stop - start, cols)
-            y[:, start:stop] = linear_any_m(flat, _dequantize(data[start:stop], type_id, cols, dtype, None, dense),
-                                            None)
-    return y.to(x.dtype).view(*x.shape[:-1], rows_out)
-
-
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}  # one reused buffer per dtype (one step at a time)
-
-
-def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """The buffer for dequantized slices of ``dtype``, grown to at least ``numel`` values."""
-    if dtype not in _SCRATCH or _SCRATCH[dtype].numel() < numel:
-        _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
-    return _SCRATCH[dtype]
+    Every row count runs the same kernel, so a row's result does not depend on its batch. Runs
+    once per linear layer and step: kept to the fewest torch calls."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        return gguf_linear(x.float().contiguous(), data, type_id, cols, mode).to(x.dtype)
+    y = x.new_empty((*x.shape[:-1], data.shape[0]))
+    status = (_KERNELS or gguf_kernels())[mode](x.data_ptr(), data.data_ptr(), type_id, x.numel() // cols,
+                                                data.shape[0], cols, y.data_ptr(), x.dtype == torch.bfloat16,
+                                                torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"gguf_linear: kernel error {status}")
+    return y
 
 
 def gguf_embedding(ids: torch.Tensor, data: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype) -> torch.Tensor:

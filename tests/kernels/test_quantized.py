@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.kernels.build import load_torch_op_library
-from duoserve.kernels.gguf import BLOCK_TYPES, DIRECT_ROWS, dequantize_rows, gguf_kernels, gguf_linear
+from duoserve.kernels.gguf import BLOCK_TYPES, dequantize_rows, gguf_kernels, gguf_linear
 from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear, Int8Linear
 from duoserve.kernels.ops import define_ops
 from duoserve.model.fingerprint import describe_difference
@@ -20,7 +20,7 @@ from duoserve.worker.backends import load_model
 from tests.helpers import forward_one
 from tests.model.test_gguf import F16_FIELDS, PROMPT, write_gguf
 
-ROWS_TO_TRY = [1, 2, 3, DIRECT_ROWS, DIRECT_ROWS + 1, 8, 17, 64, 300]
+ROWS_TO_TRY = [1, 2, 3, 5, 8, 9, 17, 64, 300]
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -53,6 +53,18 @@ def quantize_rows_like_fast_mode(x: torch.Tensor) -> torch.Tensor:
     return (q * scale).reshape(x.shape)
 
 
+def away_from_rounding_ties(x: torch.Tensor) -> torch.Tensor:
+    """x with every value that fast mode's quantization puts within 0.01 of a half step moved a
+    tenth of a step towards zero: how the kernel rounds v / d there depends on how the compiler
+    computes the quotient, a difference of one step that the emulation above cannot follow."""
+    blocks = x.reshape(x.shape[0], -1, 32).clone()
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    steps = blocks / torch.where(scale > 0, scale, 1.0)
+    near_tie = ((steps.abs() % 1) - 0.5).abs() < 0.01
+    blocks = torch.where(near_tie, blocks - 0.1 * scale * torch.sign(blocks), blocks)
+    return blocks.reshape(x.shape)
+
+
 def test_c_kernels_are_built():
     assert gguf_kernels() is not None, "the CI machine has a C compiler: the GGUF kernels must build"
 
@@ -76,11 +88,11 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode):
     type_id = BLOCK_TYPES[type_name][0]
     gen = torch.Generator().manual_seed(2)
     for m in ROWS_TO_TRY:
-        x = torch.randn(m, cols, generator=gen)
+        x = away_from_rounding_ties(torch.randn(m, cols, generator=gen))
         got = gguf_linear(x, data, type_id, cols, mode)
         exact = (x.double() @ ref.double().T).float()
         scale = exact.abs().max().item()
-        if mode == "exact" or m > DIRECT_ROWS:  # more rows than DIRECT_ROWS: dequantize + GEMM, both modes
+        if mode == "exact":
             torch.testing.assert_close(got, exact, rtol=0, atol=2e-5 * scale)
         else:
             # the same function of the 8-bit activations, to float32 rounding ...
@@ -88,6 +100,24 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode):
             torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * scale)
             # ... which is close to the float one
             assert (got - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_its_batch(type_name, mode, dtype):
+    """Bit for bit: a row computed alone, in a decode-sized batch or in a prompt-sized one, at
+    any place in it, against 42 weight rows (not a multiple of the kernel's tile of 4)."""
+    cols = 512
+    raw, _ = random_blocks(type_name, 42, cols, seed=7)
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    type_id = BLOCK_TYPES[type_name][0]
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(8)).to(dtype)
+    whole = gguf_linear(x, data, type_id, cols, mode)
+    for m in (1, 2, 3, 4, 5, 8, 9, 33):
+        for start in (0, 1, 70 - m):
+            part = gguf_linear(x[start:start + m].contiguous(), data, type_id, cols, mode)
+            assert torch.equal(part, whole[start:start + m]), (m, start)
 
 
 def test_gguf_linear_keeps_bfloat16_and_leading_dims():
@@ -212,7 +242,7 @@ def test_default_model_exact_mode_logits_equal_dequantized(default_model, smol_b
     assert isinstance(head, GGUFLinear) and head.blocks_0.data_ptr() == exact.model.embed.blocks.data_ptr()
     for prompt in PROMPTS:
         ids = default_model.tokenizer.encode(prompt)
-        for tokens in (ids[:DIRECT_ROWS], ids):  # straight from the blocks; dequantize + GEMM
+        for tokens in (ids[:3], ids):
             want = forward_one(default_model.model, tokens)
             got = forward_one(exact.model, tokens)
             assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4, prompt
@@ -232,9 +262,9 @@ MORE_PROMPTS = ["The three primary colors are", "In 1492, Columbus", "Water boil
 
 
 def test_default_model_greedy_text_and_perplexity(default_model, smol_blocks):
-    """Every matmul through the blocks (an 8-token step budget), against the dequantized model.
+    """The model computed from its blocks against the dequantized model.
     Exact mode: greedy text equal on all 8 prompts (32 tokens), perplexity within 0.05 % and the
-    same top-1 token everywhere on 510 scored tokens of the repository's fixed text. Fast mode
+    same top-1 token everywhere on the repository's fixed text. Fast mode
     (8-bit activations): perplexity within 1 %, the same top-1 token at 93 % of the positions
     (measured: 95.7 %), and greedy text equal for at least the first 4 tokens on 6 of 8 prompts
     (measured: 7; a flipped near-tie changes the rest of a greedy continuation)."""
@@ -245,14 +275,16 @@ def test_default_model_greedy_text_and_perplexity(default_model, smol_blocks):
 
     prompts = PROMPTS + MORE_PROMPTS
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    dense = _llm_over(default_model, DIRECT_ROWS)
+    dense = _llm_over(default_model, 512)
     want = [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
     text = (Path(__file__).parents[2] / "benchmarks" / "data" / "perplexity.txt").read_text()
     tokens = default_model.tokenizer.encode(text)
-    windows = [tokens[:256], tokens[256:512]]
+    # all of it (3,066 scored tokens): on 510 fast mode's perplexity moved by 0.6 points with the
+    # order of float sums in its kernel (0.4 % or 1.1 % over the dense model; 0.12 % or 0.19 % here)
+    windows = [tokens[i:i + 512] for i in range(0, len(tokens) - 511, 512)]
     dense_ppl, dense_top = scored(dense, windows)
     for mode, ppl_bound, top_bound in (("exact", 0.0005, 1.0), ("fast", 0.01, 0.93)):
-        llm = _llm_over(smol_blocks[mode], DIRECT_ROWS)
+        llm = _llm_over(smol_blocks[mode], 512)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         ppl, top = scored(llm, windows)
         assert abs(ppl / dense_ppl - 1) < ppl_bound, (mode, ppl, dense_ppl)
@@ -272,23 +304,23 @@ def test_cpp_kernel_of_the_op_equals_the_python_kernel():
         raw, _ = random_blocks(type_name, 24, 256, seed=5)
         data = torch.from_numpy(np.ascontiguousarray(raw))
         type_id = BLOCK_TYPES[type_name][0]
-        for m in (1, DIRECT_ROWS, DIRECT_ROWS + 1, 40):
+        for m in (1, 8, 9, 40):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(m, 256).to(dtype)
                 for mode in ("fast", "exact"):
                     got = torch.ops.duoserve.gguf_linear(x, data, type_id, 256, mode)
                     want = gguf_linear(x, data, type_id, 256, mode)
                     assert got.dtype == dtype and got.shape == want.shape
-                    assert torch.equal(got, want)  # the same kernels: the blocks' or oneDNN's
+                    assert torch.equal(got, want)  # the same C kernel
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
-    """Rows of 3 blocks of 32: the VNNI tile takes blocks two at a time and the last one alone."""
+    """Rows of 3 blocks of 32: fewer than the eight lanes of the offsets' sums."""
     raw, ref = random_blocks(type_name, 12, 96, seed=6)
     data = torch.from_numpy(np.ascontiguousarray(raw))
-    for m in (1, 3, DIRECT_ROWS):
-        x = torch.randn(m, 96)
+    for m in (1, 3, 8, 9):
+        x = away_from_rounding_ties(torch.randn(m, 96))
         got = gguf_linear(x, data, BLOCK_TYPES[type_name][0], 96, "fast")
         emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
         torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())

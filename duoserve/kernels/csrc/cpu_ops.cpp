@@ -6,8 +6,7 @@
 // in gguf.py; those are registered by ops.py when this file cannot be built):
 // - linear: up to SMALL_M rows with the bandwidth-bound C kernel, more with oneDNN's linear;
 // - packed_linear: the C kernel over a weight packed at load, for any number of rows;
-// - gguf_linear: up to DIRECT_ROWS rows straight from the blocks, more rows dequantized a
-//   slice at a time into a reused buffer and multiplied by oneDNN.
+// - gguf_linear: straight from the blocks at every row count (one arithmetic per mode).
 // - decode_attention: a decode step's attention of one layer (`CAttention` in attention.py
 //   when every sequence decodes one token): the new keys and values written to their slots,
 //   then the C decode kernel over each sequence's blocks.
@@ -32,8 +31,6 @@
 #include <unordered_map>
 
 extern "C" {
-int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count, void *out,
-                    int out_bf16, int num_threads);
 int gguf_linear_exact(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
                       int num_threads);
 int gguf_linear_fast(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
@@ -65,16 +62,7 @@ int decode_step(const decode_layer *layers, int num_layers, const void *final_no
 
 namespace {
 
-constexpr int64_t DIRECT_ROWS = 8;       // as gguf.DIRECT_ROWS
 constexpr int64_t SMALL_M_F32 = 6, SMALL_M_BF16 = 4;  // as dense.SMALL_M
-constexpr int64_t SLICE_VALUES = 1 << 21;  // as gguf.SLICE_VALUES
-
-at::Tensor &scratch(at::ScalarType dtype, int64_t numel) {
-    static thread_local at::Tensor f32, bf16;
-    at::Tensor &buffer = dtype == at::kBFloat16 ? bf16 : f32;
-    if (!buffer.defined() || buffer.numel() < numel) buffer = at::empty({numel}, at::TensorOptions().dtype(dtype));
-    return buffer;
-}
 
 // whether oneDNN runs bf16 here: it refuses to on a CPU without AVX-512 (torch's own check)
 bool onednn_runs_bf16() {
@@ -142,31 +130,12 @@ at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t ty
     const int threads = at::get_num_threads();
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = n;
-    if (m <= DIRECT_ROWS) {
-        at::Tensor y = at::empty(sizes, x.options());
-        auto fn = mode == "exact" ? gguf_linear_exact : gguf_linear_fast;
-        int status = fn(x.data_ptr(), blocks.data_ptr<uint8_t>(), (int)type_id, (int)m, (int)n, (int)cols,
-                        y.data_ptr(), bf16, threads);
-        TORCH_CHECK(status == 0, "gguf_linear: kernel error ", status);
-        return y;
-    }
-    const at::Tensor flat = x.reshape({m, cols});
-    const int64_t step = std::max<int64_t>(1, SLICE_VALUES / cols);
-    at::Tensor &buffer = scratch(dtype, std::min(step, n) * cols);
-    const int64_t row_bytes = blocks.size(1);
-    auto dense_rows = [&](int64_t start, int64_t stop) {
-        at::Tensor dense = buffer.narrow(0, 0, (stop - start) * cols).view({stop - start, cols});
-        gguf_dequantize(blocks.data_ptr<uint8_t>() + start * row_bytes, (int)type_id, stop - start, (int)cols,
-                        nullptr, 0, dense.data_ptr(), bf16, threads);
-        return dense;
-    };
-    if (step >= n) return dense_linear(flat, dense_rows(0, n)).view(sizes);
-    at::Tensor y = at::empty({m, n}, x.options());
-    for (int64_t start = 0; start < n; start += step) {
-        const int64_t stop = std::min(start + step, n);
-        y.narrow(1, start, stop - start).copy_(dense_linear(flat, dense_rows(start, stop)));
-    }
-    return y.view(sizes);
+    at::Tensor y = at::empty(sizes, x.options());
+    auto fn = mode == "exact" ? gguf_linear_exact : gguf_linear_fast;
+    const int status = fn(x.data_ptr(), blocks.data_ptr<uint8_t>(), (int)type_id, (int)m, (int)n, (int)cols,
+                          y.data_ptr(), bf16, threads);
+    TORCH_CHECK(status == 0, "gguf_linear: kernel error ", status);
+    return y;
 }
 
 // rows [num_tokens, num_kv_heads, head_dim] (each token's heads side by side; any stride between

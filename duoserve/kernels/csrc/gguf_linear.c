@@ -3,7 +3,7 @@
  * Weights stay in the file's own block format: Q4_0, Q4_1, Q8_0 (32 values a block) and
  * Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
  * block. Every block type is read the same way, 32 consecutive values at a time: unsigned
- * integers q[32] (`sub_values`, or `sub_values_vec` in one AVX-512 register) with a scale and
+ * integers q[32] (`sub_values`, or `sub_values_vec` in one 256-bit register) with a scale and
  * an offset for each half of 16 (`sub_scales`), so that
  *     w[j] = scale[j / 16] * q[j] + offset[j / 16]
  * with the same arithmetic as the reference dequantization (ggml's, and the `gguf` Python
@@ -13,11 +13,12 @@
  *   gguf_dequantize     rows of w (all, or gathered by id) as float32 or bfloat16;
  *   gguf_linear_exact   y = x @ w^T, each block widened to float32 in registers, float32 sums;
  *   gguf_linear_fast    y = x @ w^T with x quantized to 8 bits per block of 32 (a float scale,
- *                       round to nearest) and integer dot products (AVX512-VNNI where the
- *                       CPU has it, 16-bit multiply-adds with AVX2), as llama.cpp computes.
- * A CPU without AVX-512 but with AVX2 (VEC_AVX2) takes the same steps in 256-bit registers.
- * The work is split over threads by output rows. x [m, k] and y [m, n] are float32, or
- * bfloat16 (io_bf16); products and sums are float32.
+ *                       round to nearest) and integer dot products (vpmaddubsw with AVX2,
+ *                       vpdpbusd with VNNI: the same integers), as llama.cpp computes.
+ * Both matmuls take any number of rows of x with one arithmetic: a row's result does not
+ * depend on the other rows of its call. A CPU without AVX-512 but with AVX2 (VEC_AVX2) takes
+ * the float steps in 256-bit registers. The work is split over threads by output rows. x [m, k]
+ * and y [m, n] are float32, or bfloat16 (io_bf16); products and sums are float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -389,8 +390,9 @@ int gguf_linear_exact(const void *x_in, const uint8_t *w, int type, int m, int n
 
 /* ---- fast mode: x quantized to int8 per block of 32, integer dot products ---- */
 
-/* One row of x as int8 blocks of 32: values xq, scale dx and, per half of 16, dx * sum(xq). */
-static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *half_sums) {
+/* One row of x as int8 blocks of 32: values xq, scale dx and, per half of 16 and per block,
+ * dx * sum(xq). */
+static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *half_sums, float *block_sums) {
     for (int blk = 0; blk < k / 32; blk++) {
         const float *v = x + blk * 32;
         float amax = 0.0f;
@@ -405,18 +407,12 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *ha
         dx[blk] = d;
         half_sums[2 * blk] = d * (float)sums[0];
         half_sums[2 * blk + 1] = d * (float)sums[1];
+        block_sums[blk] = d * (float)(sums[0] + sums[1]);
     }
 }
 
-#if defined(VECTOR) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
-#define VNNI 1
-#elif defined(VEC_AVX2)
-#define FAST_AVX2 1    /* no VNNI: x held as int16 (QRows.q16), 16-bit multiply-adds */
-#endif
-
-/* the quantized rows of x: values, the scale of each block of 32 (d; and d8: each repeated 8
- * times, one per lane of a dot product's half), dx * sum per half of 16 */
-typedef struct { const int8_t *q; const float *d, *d8, *half_sums; int xblocks; const int16_t *q16; } QRows;
+/* the quantized rows of x: values, the scale of each block of 32, dx * sum per half of 16 */
+typedef struct { const int8_t *q; const float *d, *half_sums; int xblocks; } QRows;
 
 /* one weight sub-block (q, scales, offsets) against sub-block g of quantized row i, in plain C */
 static inline float sub_dot(const uint8_t q[32], const float scale[2], const float offset[2], QRows xr, int i,
@@ -429,92 +425,167 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
            offset[0] * xr.half_sums[at * 2] + offset[1] * xr.half_sums[at * 2 + 1];
 }
 
-#ifdef VNNI
-/* Two sub-blocks (64 values) a step in 512-bit registers: one vpdpbusd for all 64 products,
- * lanes 0-3 / 4-7 / 8-11 / 12-15 summing the four halves of 16, each scaled by its weight
- * scale times its block's dx (d8), offsets times the halves' sums four at a time. */
-static inline __attribute__((always_inline)) void fast_tile_vnni(QRows xr, const uint8_t *row, int type, int k,
-                                                                 const int rows, float *out) {
-    const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
-    const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    __m512 acc[MAX_ROWS];
-    __m128 offset_acc[MAX_ROWS];
-    float tail[MAX_ROWS];
-    for (int i = 0; i < rows; i++) { acc[i] = _mm512_setzero_ps(); offset_acc[i] = _mm_setzero_ps(); tail[i] = 0.0f; }
-    int g = 0;
-    for (; g + 1 < xblocks; g += 2) {
-        const uint8_t *b0 = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
-        const uint8_t *b1 = row + (int64_t)((g + 1) / subs) * BLOCK_BYTES[type];
-        const int s0 = g % subs, s1 = (g + 1) % subs;
-        __builtin_prefetch(b0 + row_bytes);
-        float sc0[2], of0[2], sc1[2], of1[2];
-        sub_scales(type, b0, s0, sc0, of0);
-        sub_scales(type, b1, s1, sc1, of1);
-        const __m512i qv = _mm512_inserti64x4(_mm512_castsi256_si512(sub_values_vec(type, b0, s0)),
-                                              sub_values_vec(type, b1, s1), 1);
-        const __m512 sv = _mm512_insertf32x8(
-            _mm512_castps256_ps512(_mm256_insertf128_ps(_mm256_set1_ps(sc0[0]), _mm_set1_ps(sc0[1]), 1)),
-            _mm256_insertf128_ps(_mm256_set1_ps(sc1[0]), _mm_set1_ps(sc1[1]), 1), 1);
-        const __m128 ov = _mm_setr_ps(of0[0], of0[1], of1[0], of1[1]);
-        for (int i = 0; i < rows; i++) {
-            const int64_t at = (int64_t)i * xblocks + g;
-            __m512i xv = _mm512_loadu_si512((const void *)(xr.q + (int64_t)i * k + g * 32));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qv, xv);
-            __m512 f = _mm512_mul_ps(sv, _mm512_loadu_ps(xr.d8 + at * 8));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), f, acc[i]);
-            offset_acc[i] = _mm_fmadd_ps(ov, _mm_loadu_ps(xr.half_sums + at * 2), offset_acc[i]);
-        }
-    }
-    if (g < xblocks) {  /* an odd number of sub-blocks: the last one on its own */
-        const uint8_t *b = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
-        float scale[2], offset[2];
-        uint8_t q[32];
-        sub_scales(type, b, g % subs, scale, offset);
-        sub_values(type, b, g % subs, q);
-        for (int i = 0; i < rows; i++)
-            tail[i] = sub_dot(q, scale, offset, xr, i, k, g);
-    }
-    for (int i = 0; i < rows; i++) {
-        __m128 o = _mm_add_ps(offset_acc[i], _mm_movehl_ps(offset_acc[i], offset_acc[i]));
-        o = _mm_add_ss(o, _mm_movehdup_ps(o));
-        out[i] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(o) + tail[i];
-    }
-}
-#endif
+#ifdef VEC_AVX2
+#define FAST_VEC 1
+/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q8_0, Q6_K: q - 32), with no
+ * offset term; the others (Q4_1, Q4_K, Q5_K) are scale * q + offset with q unsigned. */
+#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q8_0 || (t) == Q6_K)
+#define TILE_W 4       /* weight rows of a tile (a weight row's sums for TILE_X rows of x in registers) */
+#define TILE_X 2       /* rows of x of a tile */
 
-#ifdef FAST_AVX2
-/* One sub-block (32 values) a step: the weight's values widened to 16 bits, vpmaddwd against
- * x's (exact: a pair of products is at most 2 * 255 * 127), lanes 0-7 of the first product
- * summing half 0 and of the second half 1, each converted and scaled by its weight scale and
- * its block's dx; offsets times the halves' sums in plain C. */
-static inline __attribute__((always_inline)) void fast_tile_avx2(QRows xr, const uint8_t *row, int type, int k,
-                                                                 const int rows, float *out) {
+/* sub-block `sub` of block b as the fast kernel reads it: 32 integers (unsigned, or signed for
+ * SIGNED_WEIGHT), the scale of each lane of a dot product (lanes 0-3 sum half 0, 4-7 half 1) and
+ * the offset (unsigned types; both halves share it) */
+static inline __attribute__((always_inline)) void sub_weight(int type, const uint8_t *b, int sub, __m256i *q,
+                                                             __m256 *lane_scales, float *offset) {
+    float scale[2], off[2];
+    sub_scales(type, b, sub, scale, off);
+    if (type == Q8_0) *q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    else *q = sub_values_vec(type, b, sub);
+    if (type == Q4_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(8));
+    if (type == Q6_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(32));
+    *lane_scales = type == Q6_K ? _mm256_set_m128(_mm_set1_ps(scale[1]), _mm_set1_ps(scale[0])) : _mm256_set1_ps(scale[0]);
+    *offset = off[0];
+}
+
+/* the 32 products of weight values q and int8 x, summed four at a time into 8 int32 lanes. Exact:
+ * |q| <= 128 and |x| <= 127, so a pair of products fits vpmaddubsw's int16 (with VNNI vpdpbusd
+ * sums the same four products in one instruction: the same integers). */
+static inline __attribute__((always_inline)) __m256i dot32(int type, __m256i q, __m256i x) {
+    if (SIGNED_WEIGHT(type)) {  /* u8 x s8 products: |q| unsigned, its sign moved onto x */
+        x = _mm256_sign_epi8(x, q);
+        q = _mm256_abs_epi8(q);
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* weight rows decoded once for many rows of x: values, lane scales and offsets per sub-block */
+typedef struct { int8_t *q; float *lane_scales, *offsets; } Decoded;
+
+static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int rows, int k, Decoded d) {
     const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
-    const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    __m256 acc[MAX_ROWS];
-    float offsets[MAX_ROWS];
-    for (int i = 0; i < rows; i++) { acc[i] = _mm256_setzero_ps(); offsets[i] = 0.0f; }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < xblocks; g++) {
+            __m256i q;
+            __m256 s;
+            sub_weight(type, w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type], g % subs, &q, &s,
+                       d.offsets + (int64_t)r * xblocks + g);
+            _mm256_storeu_si256((__m256i *)(d.q + ((int64_t)r * xblocks + g) * 32), q);
+            _mm256_storeu_ps(d.lane_scales + ((int64_t)r * xblocks + g) * 8, s);
+        }
+}
+
+/* A tile: W weight rows against X rows of quantized x, one sub-block (32 values) a step. Every
+ * (x row, weight row) pair takes the same operations in the same order whatever W, X and the
+ * weights' source (`decoded`, or the blocks decoded in registers), so a row's result does not
+ * depend on its batch: lanes += float(dot) * (lane scales * dx), then the lanes' sum. The
+ * weights' offsets times x's block sums are added by offset_sum (stored into `offsets` here when
+ * the weights come from the blocks). */
+static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const uint8_t *w, int64_t row_bytes,
+                                                                const Decoded *decoded, int type, int k, const int W,
+                                                                const int X, float *offsets, float out[TILE_W][TILE_X]) {
+    const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
+    __m256 acc[TILE_W][TILE_X];
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < X; i++) acc[r][i] = _mm256_setzero_ps();
     for (int g = 0; g < xblocks; g++) {
-        const uint8_t *b = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
-        const int s = g % subs;
-        if (s == 0) __builtin_prefetch(b + row_bytes);
-        float sc[2], of[2];
-        sub_scales(type, b, s, sc, of);
-        const __m256i q = sub_values_vec(type, b, s);
-        const __m256i q0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
-        const __m256i q1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
-        const __m256 s0 = _mm256_set1_ps(sc[0]), s1 = _mm256_set1_ps(sc[1]);
-        for (int i = 0; i < rows; i++) {
-            const int64_t at = (int64_t)i * xblocks + g;
-            const int16_t *xv = xr.q16 + (int64_t)i * k + g * 32;
-            const __m256i d0 = _mm256_madd_epi16(q0, _mm256_loadu_si256((const __m256i *)xv));
-            const __m256i d1 = _mm256_madd_epi16(q1, _mm256_loadu_si256((const __m256i *)(xv + 16)));
-            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s0, _mm256_mul_ps(_mm256_cvtepi32_ps(d1), s1));
-            acc[i] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(xr.d + at), acc[i]);
-            offsets[i] += of[0] * xr.half_sums[at * 2] + of[1] * xr.half_sums[at * 2 + 1];
+        __m256i xv[TILE_X];
+        for (int i = 0; i < X; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(xr.q + (int64_t)i * k + g * 32));
+        for (int r = 0; r < W; r++) {
+            __m256i q;
+            __m256 s;
+            if (decoded) {
+                q = _mm256_loadu_si256((const __m256i *)(decoded->q + ((int64_t)r * xblocks + g) * 32));
+                s = _mm256_loadu_ps(decoded->lane_scales + ((int64_t)r * xblocks + g) * 8);
+            } else {
+                const uint8_t *b = w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type];
+                if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
+                sub_weight(type, b, g % subs, &q, &s, offsets + (int64_t)r * xblocks + g);
+            }
+            for (int i = 0; i < X; i++) {
+                const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr.d + (int64_t)i * xr.xblocks + g));
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(type, q, xv[i])), scale, acc[r][i]);
+            }
         }
     }
-    for (int i = 0; i < rows; i++) out[i] = hsum256(acc[i]) + offsets[i];
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < X; i++) out[r][i] = hsum256(acc[r][i]);
+}
+
+/* sum over sub-blocks of offset * (dx * sum of x's 32 values): eight lanes, their sum, then the
+ * sub-blocks left over, in that order wherever it is inlined */
+static inline __attribute__((always_inline)) float offset_sum(const float *offsets, const float *block_sums,
+                                                              int xblocks) {
+    __m256 acc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= xblocks; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(block_sums + g), acc);
+    float sum = hsum256(acc);
+    for (; g < xblocks; g++) sum = fmaf(offsets[g], block_sums[g], sum);
+    return sum;
+}
+
+#define X_CASES(call, T, W) switch (X) { \
+    case 1: call(T, W, 1); break; default: call(T, W, 2); break; }
+#define W_CASES(call, T) if (W == TILE_W) { X_CASES(call, T, TILE_W) } else { X_CASES(call, T, 1) }
+#define TILE_DISPATCH(call) switch (type) { \
+    case Q4_0: W_CASES(call, Q4_0) break; case Q4_1: W_CASES(call, Q4_1) break; \
+    case Q8_0: W_CASES(call, Q8_0) break; case Q4_K: W_CASES(call, Q4_K) break; \
+    case Q5_K: W_CASES(call, Q5_K) break; default: W_CASES(call, Q6_K) break; }
+
+/* y = x @ w^T over quantized rows xr, the weight rows split over the threads in tiles of TILE_W;
+ * with more than one tile of x rows the tile's weight rows are decoded once into a buffer */
+static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, int type, int m, int n, int k,
+                           void *y, int io_bf16, int num_threads) {
+    const int xblocks = k / 32;
+    const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    const int tiles = (n + TILE_W - 1) / TILE_W, decode_once = m > TILE_X;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
+        float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
+        float *offsets = malloc(sizeof(float) * TILE_W * xblocks);
+        if ((decode_once && (!dq || !scales)) || !offsets) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            #pragma omp for schedule(static)
+            for (int t = 0; t < tiles; t++) {
+                const int r0 = t * TILE_W, full = n - r0 >= TILE_W;
+                /* a tile of fewer than TILE_W rows (n not a multiple) runs its rows one at a time */
+                for (int r1 = r0; r1 < (full ? r0 + 1 : n); r1++) {
+                    const int W = full ? TILE_W : 1;
+                    const uint8_t *wr = w + (int64_t)r1 * row_bytes;
+                    Decoded d = {dq, scales, offsets};
+                    if (decode_once) decode_rows(type, wr, row_bytes, W, k, d);
+                    for (int i0 = 0; i0 < m; i0 += TILE_X) {
+                        const int X = m - i0 < TILE_X ? m - i0 : TILE_X;
+                        float out[TILE_W][TILE_X];
+                        QRows xi = {xr.q + (int64_t)i0 * k, xr.d + (int64_t)i0 * xblocks, NULL, xblocks};
+#define FAST_VEC_TILE(T, WC, XC) fast_tile_vec(xi, wr, row_bytes, decode_once ? &d : NULL, T, k, WC, XC, offsets, out)
+                        TILE_DISPATCH(FAST_VEC_TILE)
+                        for (int r = 0; r < W; r++)
+                            for (int i = 0; i < X; i++) {
+                                float v = out[r][i];
+                                if (!SIGNED_WEIGHT(type))
+                                    v += offset_sum(offsets + (int64_t)r * xblocks, block_sums + (int64_t)(i0 + i) * xblocks,
+                                                    xblocks);
+                                store_out(y, io_bf16, (int64_t)(i0 + i) * n + r1 + r, v);
+                            }
+                    }
+                }
+            }
+        }
+        free(dq); free(scales); free(offsets);
+    }
+    return failed ? -2 : 0;
 }
 #endif
 
@@ -544,47 +615,34 @@ int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n,
     if (type < 0 || type > Q6_K) return -1;
     const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
     if (!x) return -2;
-    int xblocks = k / 32;
-    int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    int xblocks = k / 32, status = 0;
     int8_t *xq = malloc((size_t)m * k);
     float *dx = malloc(sizeof(float) * m * xblocks), *hs = malloc(sizeof(float) * m * xblocks * 2);
-    float *d8 = malloc(sizeof(float) * m * xblocks * 8);
-    if (!xq || !dx || !hs || !d8) {
-        free(xq); free(dx); free(hs); free(d8);
+    float *bs = malloc(sizeof(float) * m * xblocks);
+    if (!xq || !dx || !hs || !bs) {
+        free(xq); free(dx); free(hs); free(bs);
         if (io_bf16) free((void *)x);
         return -2;
     }
     for (int i = 0; i < m; i++)
-        quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2);
-    for (int64_t j = 0; j < (int64_t)m * xblocks * 8; j++) d8[j] = dx[j / 8];
+        quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2, bs + i * xblocks);
     if (io_bf16) free((void *)x);
-    int16_t *xq16 = NULL;
-#ifdef FAST_AVX2
-    xq16 = malloc(sizeof(int16_t) * m * k);
-    if (!xq16) {
-        free(xq); free(dx); free(hs); free(d8);
-        return -2;
-    }
-    for (int64_t j = 0; j < (int64_t)m * k; j++) xq16[j] = xq[j];
-#endif
+#ifdef FAST_VEC
+    status = fast_matmul_vec((QRows){xq, dx, hs, xblocks}, bs, w, type, m, n, k, y, io_bf16, num_threads);
+#else
+    int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int r = 0; r < n; r++) {
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
             int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
             float out[MAX_ROWS] = {0};
-            QRows xr = {xq + (int64_t)i0 * k, dx + i0 * xblocks, d8 + (int64_t)i0 * xblocks * 8,
-                        hs + i0 * xblocks * 2, xblocks, xq16 ? xq16 + (int64_t)i0 * k : NULL};
-#ifdef VNNI
-#define FAST(T, R) fast_tile_vnni(xr, w + r * row_bytes, T, k, R, out)
-#elif defined(FAST_AVX2)
-#define FAST(T, R) fast_tile_avx2(xr, w + r * row_bytes, T, k, R, out)
-#else
-#define FAST(T, R) fast_tile(xr, w + r * row_bytes, T, k, R, out)
-#endif
+            QRows xi = {xq + (int64_t)i0 * k, dx + i0 * xblocks, hs + i0 * xblocks * 2, xblocks};
+#define FAST(T, R) fast_tile(xi, w + r * row_bytes, T, k, R, out)
             DISPATCH(FAST)
             for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
         }
     }
-    free(xq); free(dx); free(hs); free(d8); free(xq16);
-    return 0;
+#endif
+    free(xq); free(dx); free(hs); free(bs);
+    return status;
 }
