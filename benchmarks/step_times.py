@@ -3,8 +3,9 @@
     python benchmarks/step_times.py --dtype float32
     git worktree add ../duoserve-old REV && PYTHONPATH=../duoserve-old python benchmarks/step_times.py
 
-Prompts of 128 random tokens, 64 new tokens each; the median step after the prefills, and
-tokens per second over the whole batch (prefill included). Works against older checkouts
+Prompts of 128 random tokens, 64 new tokens each; the median step after the prefills, the
+median prefill step (128 prompt tokens at batch 1, 512 at batch 32), and tokens per second
+over the whole batch (prefill included). Works against older checkouts
 too (only the public LLM API and EngineCore.step are used), for before/after tables.
 """
 
@@ -37,7 +38,7 @@ def main() -> None:
     engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads, **extra).engine
     rng = random.Random(0)
 
-    def run(batch: int, temperature: float) -> tuple[float, float]:
+    def run(batch: int, temperature: float) -> tuple[float, float, float]:
         params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
         for i in range(batch):
             prompt = [rng.randrange(1000, 40000) for _ in range(128)]
@@ -51,14 +52,16 @@ def main() -> None:
         for request_id in list(engine.scheduler.requests):
             engine.release(request_id)
         num_prefill_steps = -(-batch * 128 // 512)
-        return statistics.median(steps[num_prefill_steps + 2:]) * 1000, batch * 64 / total
+        prefill_ms = statistics.median(steps[:num_prefill_steps]) * 1000  # a step of up to 512 prompt tokens
+        return statistics.median(steps[num_prefill_steps + 2:]) * 1000, batch * 64 / total, prefill_ms
 
     run(2, 0.0)  # warm-up
     result = {"checkout": duoserve.__file__.rsplit("/duoserve/", 1)[0], "dtype": args.dtype, **extra}
     for batch in (1, 32):
         for temperature in (0.0, 1.0):
-            step_ms, tok_s = run(batch, temperature)
-            result[f"batch {batch}, T{temperature:g}"] = {"median_step_ms": round(step_ms, 2), "tok_s": round(tok_s, 1)}
+            step_ms, tok_s, prefill_ms = run(batch, temperature)
+            result[f"batch {batch}, T{temperature:g}"] = {"median_step_ms": round(step_ms, 2), "tok_s": round(tok_s, 1),
+                                                           "median_prefill_step_ms": round(prefill_ms, 1)}
     print(json.dumps(result, indent=2))
 
 
