@@ -110,6 +110,18 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]   # function: deprecated tool
     content: str | list[ContentPart] | None = None
 
+    @model_validator(mode="after")
+    def _content_the_model_can_read(self) -> "ChatMessage":
+        """OpenAI's schema: only an assistant message (which then carries tool calls) or a
+        deprecated function message may have null content; the model reads text parts only, so
+        another kind is refused, not dropped."""
+        if self.content is None and self.role not in ("assistant", "function"):
+            raise ValueError(f"a message with role '{self.role}' needs 'content' (a string or a list of text parts)")
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.type != "text":
+                raise ValueError(f"content part type '{part.type}' is not supported: this model reads 'text' parts only")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
             return "".join(part.text or "" for part in self.content if part.type == "text")

@@ -35,9 +35,20 @@ def test_edge_values_of_the_description():
     assert -(2 ** 63) <= seed < 2 ** 63
     assert CompletionRequest.model_validate({"prompt": "x", "stop": ["", "a"]}).sampling_params(4).stop == ("a",)
     parts = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "text", "text": "hi"},
-                                                   {"type": "image_url", "image_url": {"url": "x"}}]}]})
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "text", "text": "hi"}]}]})
     assert parts.messages[0].text() == "hi"
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "assistant"}]}).messages[0].text() == ""
+
+
+@pytest.mark.parametrize("message,words", [
+    ({"role": "user"}, "a message with role 'user' needs 'content'"),
+    ({"role": "system", "content": None}, "a message with role 'system' needs 'content'"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     "content part type 'image_url' is not supported: this model reads 'text' parts only"),
+])
+def test_a_message_the_model_cannot_read_is_refused_by_name(message, words):
+    with pytest.raises(ValueError, match=words):
+        ChatCompletionRequest.model_validate({"messages": [message]})
 
 
 @pytest.mark.parametrize("field,value,words", [

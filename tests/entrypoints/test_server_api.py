@@ -140,6 +140,8 @@ def test_errors_have_openai_shape_and_status(server):
     assert "8192" in error["message"] and "9001" in error["message"]
     _assert_error(_post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404, "model")
     _assert_error(_post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    error = _assert_error(_post(server, "/v1/chat/completions", {"messages": [{"role": "user"}]}), 400)
+    assert "a message with role 'user' needs 'content'" in error["message"]
     _assert_error(_post(server, "/v1/completions", {"prompt": [1, 10**9]}), 400, "prompt")
     _assert_error(_post(server, "/v1/completions", {"prompt": "x" * (1 << 20)}), 413)
     _assert_error(_post(server, "/v1/completions", {"prompt": "x"}, key=None), 401)
