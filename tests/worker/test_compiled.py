@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import subprocess
 import sys
 
@@ -290,9 +291,10 @@ def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir, monkeypatch):
 def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir):
     """No C or C++ compiler on PATH, an empty cache: the C kernels and the compiled step fall back
     to torch, each saying so once, and generation works; a GGUF file is dequantized at load."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    os.symlink(sys.executable, bin_dir / "python")
+    bin_dir = tmp_path / "bin"   # PATH: python alone, through a script (a symlink to a venv's
+    bin_dir.mkdir()              # python, outside the venv, starts the base interpreter)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     gguf = tmp_path / "tiny-Q4_1.gguf"
     write_gguf(tiny_dir(kind="llama"), gguf, "Q4_1")
     code = ("import logging; logging.basicConfig(level=logging.INFO);"
@@ -306,7 +308,7 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
     env.update(PATH=str(bin_dir), XDG_CACHE_HOME=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR="")
     env.pop("TORCHINDUCTOR_CACHE_DIR")
-    result = subprocess.run([str(bin_dir / "python"), "-c", code], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "TOKENS [4, 4]" in result.stdout
