@@ -198,6 +198,7 @@ class KVStoreConfig:
     write_queue: int = 256                    # blocks waiting to be written; more are dropped (counted)
     breaker_errors: int = 3
     breaker_cooldown: float = 5.0
+    required: bool = False                    # refuse to start when the store does not answer
 
     def __post_init__(self) -> None:
         scheme, sep, rest = self.url.partition("://")

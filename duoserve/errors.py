@@ -37,6 +37,10 @@ class ModelLoadError(DuoserveError):
     """A checkpoint could not be turned into a model (missing or mis-shaped tensor, bad file)."""
 
 
+class KVStoreUnavailable(DuoserveError):
+    """``--kv-store-required`` and the store did not answer at start."""
+
+
 class InvalidRequestError(DuoserveError):
     """A request was asked to do something its state does not allow."""
 

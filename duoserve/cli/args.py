@@ -200,6 +200,9 @@ def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-store-timeout", type=float, default=DEFAULT_KV_STORE_TIMEOUT_MS,
                    help="milliseconds per round trip to the store; past a request's budget it computes "
                         f"(default: {DEFAULT_KV_STORE_TIMEOUT_MS})")
+    k.add_argument("--kv-store-required", action="store_true",
+                   help="refuse to start when the store does not answer (default: warn, naming it, and serve "
+                        "without it until it does)")
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

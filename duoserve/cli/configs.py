@@ -25,7 +25,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         enforce_eager=args.enforce_eager,
         speculative=speculative_config_from_args(args),
-        kv_store=KVStoreConfig(args.kv_store, args.kv_store_ttl, args.kv_store_timeout) if args.kv_store else None,
+        kv_store=KVStoreConfig(args.kv_store, args.kv_store_ttl, args.kv_store_timeout,
+                               required=args.kv_store_required) if args.kv_store else None,
     )
 
 

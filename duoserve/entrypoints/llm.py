@@ -31,7 +31,8 @@ class LLM:
                  quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  kv_store: str | None = None, kv_store_ttl: int = DEFAULT_KV_STORE_TTL,
-                 kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS, swap_space: float = 0.0) -> None:
+                 kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS, kv_store_required: bool = False,
+                 swap_space: float = 0.0) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
@@ -42,7 +43,8 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill),
             num_threads=num_threads,
             speculative=SpeculativeConfig.from_value(speculative_config),
-            kv_store=KVStoreConfig(kv_store, kv_store_ttl, kv_store_timeout) if kv_store else None,
+            kv_store=(KVStoreConfig(kv_store, kv_store_ttl, kv_store_timeout, required=kv_store_required)
+                      if kv_store else None),
             **({} if enforce_eager is None else {"enforce_eager": enforce_eager}),
         )
         self._attach(build_engine(config))

@@ -32,6 +32,7 @@ from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import KVHit, takes_cached_kv
 from duoserve.core.outputs import SchedulerOutput
 from duoserve.core.request import Request
+from duoserve.errors import KVStoreUnavailable
 from duoserve.kv.breaker import CircuitBreaker
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
@@ -69,6 +70,7 @@ class BlockStore:
         self.client = redis.Redis.from_url(config.url, socket_timeout=seconds, socket_connect_timeout=seconds,
                                            retry_on_timeout=False)
         self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown, f"the KV store {safe_url(config.url)}")
+        self._check_answers()
         self.hits = self.misses = self.bytes_read = self.bytes_written = self.dropped_writes = 0
         self.errors: dict[str, int] = {}
         self.known: OrderedDict[bytes, None] = OrderedDict()   # keys seen in the store (not written again)
@@ -76,6 +78,17 @@ class BlockStore:
         self.lock = threading.Lock()
         self.writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
         self.writer.start()
+
+    def _check_answers(self) -> None:
+        """One PING at start: a store that does not answer is a warning naming it (requests
+        compute without it, and the breaker retries it), or with ``required`` a refusal to start."""
+        try:
+            self.client.ping()
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is reported the same way
+            what = f"the KV store {safe_url(self.config.url)} does not answer ({type(exc).__name__}: {exc})"
+            if self.config.required:
+                raise KVStoreUnavailable(f"{what}; --kv-store-required: not starting") from exc
+            logger.warning("%s: serving without it until it does", what)
 
     # ---- reads, on the engine thread ------------------------------------------------------
 

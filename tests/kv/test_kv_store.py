@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import time
 
 import httpx
@@ -241,6 +242,31 @@ def test_a_bad_store_url_is_a_config_error():
             KVStoreConfig(url)
     with pytest.raises(ConfigError, match="kv_store_ttl"):
         KVStoreConfig("redis://localhost:6379/0", ttl=0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_store_that_does_not_answer_at_start_is_named(tiny_dir, caplog):
+    """Nothing listening: a warning naming the address (password left out) and an engine that
+    serves without the store; with ``required`` no engine at all."""
+    from duoserve.errors import KVStoreUnavailable
+
+    path = tiny_dir(kind="llama")
+    url = f"redis://:secret@127.0.0.1:{free_port()}/0"
+    with caplog.at_level(logging.WARNING, logger="duoserve.kv.store"):
+        llm = engine(path, url)
+    warning = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(warning) == 1 and "secret" not in warning[0]
+    assert warning[0].startswith(f"the KV store redis://127.0.0.1:{url.rsplit(':', 1)[1]} does not answer (ConnectionError")
+    assert warning[0].endswith(": serving without it until it does")
+    prompt = long_prompt(60)
+    assert run_through(llm, [prompt]) == run_through(LLM(str(path), dtype="float32"), [prompt])
+    with pytest.raises(KVStoreUnavailable, match=r"does not answer .*; --kv-store-required: not starting"):
+        engine(path, url, required=True)
 
 
 def test_two_servers_share_one_store(redis_server, tmp_path):
