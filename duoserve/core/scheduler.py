@@ -224,7 +224,8 @@ class Scheduler:
             request.num_computed_tokens += num_found
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = sum(hit.num_tokens for _, hit in hits if hit.cached)
+                # += : a transferred request arrives with the prefill engine's count
+                request.num_cached_tokens += sum(hit.num_tokens for _, hit in hits if hit.cached)
             request.move_to(status)
             self.running.append(request)
             plan.scheduled.append(self._plan(request, num_new))

@@ -102,7 +102,8 @@ class SendKV(Handoff):
             meta = TransferMeta.from_request(
                 request, first_token=request.output_token_ids[0], instance_id=instance or "",
                 first_logprobs=first_logprobs.get(request.request_id),
-                prompt_logprobs=prompt_logprobs.get(request.request_id), sent_at=time.monotonic())
+                prompt_logprobs=prompt_logprobs.get(request.request_id), sent_at=time.monotonic(),
+                num_cached_tokens=request.num_cached_tokens)
             transfer = KVTransfer(meta, keys, values, peer=peer)
             try:
                 self.connector.send(transfer)
@@ -145,6 +146,7 @@ class ReceiveKV(Handoff):
             request = transfer.meta.to_request()
             request.output_token_ids.append(transfer.meta.first_token)
             request.prompt_logprobs = None   # the prefill engine delivered them
+            request.num_cached_tokens = transfer.meta.num_cached_tokens   # what the client's usage reports
             try:
                 self.scheduler.add_transferred(request, transfer)
             except ValueError as exc:  # e.g. a duplicate id: refuse this one, keep serving

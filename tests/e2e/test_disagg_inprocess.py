@@ -150,3 +150,25 @@ def test_stop_and_release_that_overtake_the_transfer_drop_it(tiny_dir):
         decode.step()
     assert not decode.scheduler.requests and pool_whole(decode)
     assert pool_whole(prefill), "every dropped transfer was acknowledged: the leases are freed"
+
+
+def test_a_prompt_cached_on_the_prefill_engine_reports_its_cached_tokens(tiny_dir):
+    """usage.cached_tokens in disaggregated mode: the prefill engine's prefix-cache hits travel
+    with the transfer (the decode engine receives the whole prompt's KV and found none itself)."""
+    prefill, decode = engines(tiny_dir(kind="llama"))
+    prompt = prompts()[4]   # 90 tokens: 5 full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    cached = []
+    for i in range(2):
+        prefill.add_request(Request(f"c{i}", prompt, params, (), 512))
+        final = None
+        for _ in range(200):
+            final = next((o for o in prefill.step() + decode.step() if o.finished and o.request_id == f"c{i}"), final)
+            if final is not None and not prefill.has_unfinished() and not decode.has_unfinished():
+                break
+        cached.append(final.num_cached_tokens)
+        for _ in range(3):   # the decode engine's acknowledgement reaches the prefill engine's lease
+            prefill.step(), decode.step()
+    assert cached == [0, 80]
+    assert prefill.kv.num_hits == 80   # tokens
+    assert pool_whole(prefill) and pool_whole(decode)
