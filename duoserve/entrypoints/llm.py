@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +21,19 @@ Prompt = str | list[int]
 Message = dict[str, Any]
 
 
+def show_logs_by_default() -> None:
+    """Offline use with logging left unconfigured (a script, a notebook): duoserve's INFO lines on
+    stderr, as a server prints them, so that a first start that builds kernels and compiles says
+    what it is doing. Configuring logging first, or DUOSERVE_CONFIGURE_LOGGING=0, leaves them out."""
+    ours = logging.getLogger("duoserve")
+    if os.environ.get("DUOSERVE_CONFIGURE_LOGGING", "1") == "0" or logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s duoserve: %(message)s", "%H:%M:%S"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+
+
 class LLM:
     """An engine in this process, for batch generation from Python."""
 
@@ -33,6 +48,7 @@ class LLM:
                  kv_store: str | None = None, kv_store_ttl: int = DEFAULT_KV_STORE_TTL,
                  kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS, kv_store_required: bool = False,
                  swap_space: float = 0.0) -> None:
+        show_logs_by_default()
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
                               hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,

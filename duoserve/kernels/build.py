@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -65,6 +66,8 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the C kernels of %s (once; cached in %s)", stem, target.parent)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         for cmd in commands(Path(tmp), partial):
@@ -74,6 +77,7 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
                                result.stderr[-2000:])
                 return None
         os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    logger.info("built %s in %.1fs", target.name, time.monotonic() - start)
     return target
 
 

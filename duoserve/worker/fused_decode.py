@@ -18,7 +18,8 @@ import os
 import torch
 from torch import nn
 
-from duoserve.kernels.linear import CPULinear, PackedEmbedding
+from duoserve.kernels.dense import packed_linear_supported
+from duoserve.kernels.linear import CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding
 from duoserve.kernels.ops import decode_step_available
 from duoserve.model.attention import AttentionMetadata
 
@@ -48,6 +49,11 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return f"heads of {arch.head_dim} (at most 512)"
     if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.dtype != dtype:
         return f"activations in {dtype}"
+    if any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules()):
+        return ("the model computes from GGUF blocks, and the C++ decode step reads packed dense weights only "
+                "(--quantization none)")
+    if not packed_linear_supported(dtype):
+        return f"packed dense {str(dtype)[6:]} weights need AVX-512 on this CPU"
     embed = model.embed
     if not (isinstance(embed, PackedEmbedding) and embed.packed.dtype == dtype
             and embed.num_embeddings == arch.vocab_size):

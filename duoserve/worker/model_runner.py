@@ -71,6 +71,7 @@ class ModelRunner:
         """Compile the model step; on any failure (no C++ compiler, say) say why once and stay eager."""
         from duoserve.worker.compiled import CompiledModel
 
+        logger.info("compiling the model step (minutes the first time; a later start reads the compile cache)")
         try:
             compiled = CompiledModel(self.model, self.kv_caches)
             seconds = compiled.warm_up(block_size)

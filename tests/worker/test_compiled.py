@@ -319,3 +319,20 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
     assert "no C compiler found: small_m_linear runs on the torch path" in log
     assert log.count("GGUF blocks need the C kernels (no C compiler, or DUOSERVE_C_KERNELS=0): dequantizing the "
                      "weights at load (--quantization none)") == 1
+
+
+def test_a_gguf_model_says_why_it_takes_the_compiled_graph(tiny_dir, tmp_path):
+    """The default model's case: GGUF blocks, which the C++ decode step does not read, said plainly."""
+    from duoserve.config import ModelConfig
+    from duoserve.kernels.ops import decode_step_available
+    from duoserve.worker.backends import load_model
+    from duoserve.worker.fused_decode import why_not
+
+    gguf = tmp_path / "tiny-Q4_1.gguf"
+    write_gguf(tiny_dir(kind="llama"), gguf, "Q4_1")
+    loaded = load_model(ModelConfig(model=str(gguf), dtype="float32", quantization="gguf"))
+    assert loaded.quantization == "gguf-fast"
+    if not decode_step_available():
+        pytest.skip("csrc/cpu_ops.cpp is not built here: that is the reason given first")
+    assert why_not(loaded.model, []) == ("the model computes from GGUF blocks, and the C++ decode step reads "
+                                         "packed dense weights only (--quantization none)")
