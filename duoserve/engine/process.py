@@ -163,20 +163,12 @@ class EngineServer:
         self.connection_of: dict[str, int] = {}  # tag -> the number of that connection (Hello.connection)
         self.name = f"{core.config.role}-engine"
         self.instance_id = uuid.uuid4().hex
-        self.fingerprint_values: dict = {}
         self.kv_arrived = False   # a transfer came in this turn: step, even with nothing else to do
         self.log = logging.getLogger(__name__)
-        role = core.config.role
-        if role != "colocated":
-            from duoserve.kv.zmq_connector import DecodeConnector, PrefillConnector, sweep_orphaned_segments
-            from duoserve.model.fingerprint import fingerprint
+        from duoserve.engine.peer_links import peer_link
 
-            sweep_orphaned_segments()
-
-            self.fingerprint_values = core.fingerprint_values
-            digest = fingerprint(self.fingerprint_values)
-            core.attach_connector(PrefillConnector(digest, self.fingerprint_values, key) if role == "prefill" else
-                                  DecodeConnector(sock, digest, self.fingerprint_values, self.instance_id))
+        self.peers = peer_link(core, sock, key, self.instance_id)   # the one place the role decides
+        self.fingerprint_values = self.peers.fingerprint_values
 
     def send(self, message) -> None:
         """To every frontend (a failure of the whole engine)."""
@@ -284,11 +276,7 @@ class EngineServer:
             self.log.error("dropped a malformed message: %s", exc)
             return self._refuse_request(identity, payload.bytes, exc)
         if isinstance(message, (msg.PeerHello, msg.TransferMeta)):
-            if self.core.config.role != "decode":
-                self.log.error("a %s engine got %s: dropped", self.core.config.role, type(message).__name__)
-            else:
-                self.core.connector.receive(identity, message, frames)
-                self.kv_arrived = True
+            self.kv_arrived |= self.peers.receive(identity, message, frames)
             return []
         if isinstance(message, msg.Hello):
             self._hello(identity, message)
@@ -348,15 +336,12 @@ class EngineServer:
             self.log.info("frontend %s connected (%d connected)", tag, len(self.frontends) + 1)
         self.frontends[identity], self.name = tag, hello.name
         self.connection_of[tag] = hello.connection
-        if self.core.config.role == "decode":
-            self.core.connector.name = hello.name
-        if self.core.config.role == "prefill":
-            try:
-                self.core.connector.connect(hello.name, hello.peers)
-            except Exception as exc:
-                self.log.error("%s", exc)
-                self._send_to(identity, msg.EngineFailed(str(exc)))
-                return
+        try:
+            self.peers.on_hello(hello)
+        except Exception as exc:  # a prefill engine that cannot reach the decode engines named
+            self.log.error("%s", exc)
+            self._send_to(identity, msg.EngineFailed(str(exc)))
+            return
         self._send_to(identity, _ready(self.core, self.fingerprint_values, self.instance_id))
 
     def _apply(self, tag: str, message) -> list:

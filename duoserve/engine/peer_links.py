@@ -1,0 +1,82 @@
+"""What an engine process does with its KV peers, chosen once at start by role: nothing
+(colocated), connect to the decode engines its frontend names (prefill), take the transfers
+prefill engines send (decode). ``EngineServer`` (``process.py``) asks the one it was given and
+never reads the role itself."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class NoPeers:
+    """A colocated engine: no KV crosses processes."""
+
+    role = "colocated"
+    fingerprint_values: dict = {}   # what the engine's ready message states (its peers check it)
+
+    def receive(self, identity: bytes, message, frames) -> bool:
+        """A transfer or a peer's hello reached an engine that takes none: dropped. True when a
+        transfer came in (the engine then steps even with nothing else to do)."""
+        logger.error("a %s engine got %s: dropped", self.role, type(message).__name__)
+        return False
+
+    def on_hello(self, hello) -> None:
+        """A frontend said hello (``hello.name``, ``hello.peers``); raises when its peers cannot be reached."""
+
+
+class _Peers(NoPeers):
+    def __init__(self, core) -> None:
+        from duoserve.kv.zmq_connector import sweep_orphaned_segments
+        from duoserve.model.fingerprint import fingerprint
+
+        sweep_orphaned_segments()
+        self.fingerprint_values = core.fingerprint_values
+        self.digest = fingerprint(self.fingerprint_values)
+
+
+class PrefillPeers(_Peers):
+    """Sends each prefilled request's KV to the decode engine it names."""
+
+    role = "prefill"
+
+    def __init__(self, core, key) -> None:
+        from duoserve.kv.zmq_connector import PrefillConnector
+
+        super().__init__(core)
+        self.connector = PrefillConnector(self.digest, self.fingerprint_values, key)
+        core.attach_connector(self.connector)
+
+    def on_hello(self, hello) -> None:
+        self.connector.connect(hello.name, hello.peers)
+
+
+class DecodePeers(_Peers):
+    """Receives transfers on the engine's own socket."""
+
+    role = "decode"
+
+    def __init__(self, core, sock, instance_id: str) -> None:
+        from duoserve.kv.zmq_connector import DecodeConnector
+
+        super().__init__(core)
+        self.connector = DecodeConnector(sock, self.digest, self.fingerprint_values, instance_id)
+        core.attach_connector(self.connector)
+
+    def receive(self, identity: bytes, message, frames) -> bool:
+        self.connector.receive(identity, message, frames)
+        return True
+
+    def on_hello(self, hello) -> None:
+        self.connector.name = hello.name
+
+
+def peer_link(core, sock, key, instance_id: str) -> NoPeers:
+    """The peer link of ``core``'s role."""
+    role = core.config.role
+    if role == "prefill":
+        return PrefillPeers(core, key)
+    if role == "decode":
+        return DecodePeers(core, sock, instance_id)
+    return NoPeers()
