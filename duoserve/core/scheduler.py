@@ -310,16 +310,20 @@ class Scheduler:
             if item.num_spec_tokens:
                 outputs.append(self._append_tokens(request, tokens, logprobs))
                 continue
-            siblings = [request] + [self._fork(request, k) for k in range(1, item.num_samples)]
-            for k, sibling in enumerate(siblings):
-                if sibling is None:
-                    continue
+            siblings = [(request, True)] + [self._fork(request, k) for k in range(1, item.num_samples)]
+            for k, (sibling, placed) in enumerate(siblings):
                 out = self._append_tokens(sibling, [tokens[k]], [logprobs[k]] if logprobs else None)
                 out.prompt_logprobs = prompt_lp if k == 0 else None
                 outputs.append(out)
+                if not placed and not out.finished:   # no block for its prompt's tail: recompute it later
+                    sibling.move_to(S.WAITING)
+                    self.waiting.append(sibling)
         return outputs
 
-    def _fork(self, parent: Request, sample_index: int) -> Request | None:
+    def _fork(self, parent: Request, sample_index: int) -> tuple[Request, bool]:
+        """Sample ``sample_index`` of ``parent`` after its prompt: sharing the prompt's blocks
+        (True), or without a block for the prompt's tail (False: it waits, unless its first
+        token ends it)."""
         child = Request(f"{parent.request_id}/{sample_index}", parent.prompt_token_ids, parent.params,
                         parent.eos_token_ids, parent.max_total_tokens, sample_index, parent.arrival_time)
         child.first_scheduled_time = parent.first_scheduled_time
@@ -328,14 +332,12 @@ class Scheduler:
         self.children.setdefault(parent.request_id, []).append(child.request_id)
         copies = self.kv.fork(parent, child)
         child.move_to(S.PREFILLING)
-        if copies is None:  # no block for the prompt's tail: recompute this sample later
-            child.move_to(S.WAITING)
-            self.waiting.append(child)
-        else:
-            child.num_computed_tokens = parent.num_prompt_tokens
-            self.pending_copies.extend(copies)
-            self.running.append(child)
-        return child
+        if copies is None:
+            return child, False
+        child.num_computed_tokens = parent.num_prompt_tokens
+        self.pending_copies.extend(copies)
+        self.running.append(child)
+        return child, True
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list | None) -> EngineCoreOutput:
         """Append tokens up to the first that ends the request (the rest are dropped)."""

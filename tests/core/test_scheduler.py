@@ -145,6 +145,26 @@ def test_n_samples_fork_share_prompt_blocks():
     assert s.num_unfinished == 0 and s.kv.pool.num_free_blocks == 16
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_sample_without_a_block_for_its_prompt_tail_waits_or_ends(max_tokens):
+    """Two blocks of 4, a 6-token prompt, n=3: no block is left for the samples' copies of the
+    prompt's tail. With max_tokens=1 their first token ends them there (this raised "cannot
+    move from WAITING to FINISHED_LENGTH"); with more they wait and recompute their prompt."""
+    s = make_scheduler(num_blocks=2, block_size=4, budget=16)
+    add(s, "p", 6, max_tokens=max_tokens, n=3)
+    plan = s.schedule()
+    outs = s.update(plan, RunnerOutput(sampled={"p": [11, 12, 13]}))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("p", [11]), ("p/1", [12]), ("p/2", [13])]
+    if max_tokens == 1:
+        assert all(o.finish_reason == "length" for o in outs) and s.num_unfinished == 0
+    else:
+        assert [r.request_id for r in s.waiting] == ["p/1", "p/2"]
+        assert all(s.requests[r].output_token_ids == [t] for r, t in (("p/1", 12), ("p/2", 13)))
+        run_to_end(s)
+        assert s.num_unfinished == 0
+    assert s.kv.pool.num_free_blocks == 2
+
+
 def test_abort_frees_blocks_and_illegal_transition_raises():
     s = make_scheduler()
     a = add(s, "a", 6)
