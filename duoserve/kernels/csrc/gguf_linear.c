@@ -552,12 +552,15 @@ static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, 
         int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
         float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
         float *offsets = malloc(sizeof(float) * TILE_W * xblocks);
-        if ((decode_once && (!dq || !scales)) || !offsets) {
+        const int ready = !((decode_once && (!dq || !scales)) || !offsets);
+        if (!ready) {
             #pragma omp atomic write
             failed = 1;
-        } else {
+        }
+        {   /* every thread meets the loop (a worksharing construct), one without buffers skips its tiles */
             #pragma omp for schedule(static)
             for (int t = 0; t < tiles; t++) {
+                if (!ready) continue;
                 const int r0 = t * TILE_W, full = n - r0 >= TILE_W;
                 /* a tile of fewer than TILE_W rows (n not a multiple) runs its rows one at a time */
                 for (int r1 = r0; r1 < (full ? r0 + 1 : n); r1++) {
