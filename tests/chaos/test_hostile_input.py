@@ -110,6 +110,11 @@ def test_bodies_that_are_not_requests(server):
     _refused(_post(server, {"model": MODEL, "messages": []}, path="/v1/chat/completions"), 400, "messages")
     _refused(_post(server, {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
                    path="/v1/chat/completions"), 400, "messages.0.role")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    _refused(_post(server, {"model": MODEL, "messages": image}, path="/v1/chat/completions"), 400, "messages.0",
+             "content part type 'image_url' is not supported")
+    _refused(_post(server, {"model": MODEL, "messages": [{"role": "user"}]}, path="/v1/chat/completions"), 400,
+             "messages.0", "a message with role 'user' needs 'content'")
     nul = _post(server, {"model": MODEL, "prompt": "a\u0000b\u0000", "max_tokens": 2})
     assert nul.status_code == 200 and nul.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(f"{server.url}/health", timeout=HANG_TIMEOUT_S).json() == {"status": "ok"}

@@ -4,7 +4,8 @@ Every generated body names the served model ($DUOSERVE_CONFORMANCE_MODEL, defaul
 smollm2-135m), else nearly every case stops at a 404. Values the schema allows but no model
 can serve (negative token counts, token ids outside the vocabulary) are brought into range,
 and counts capped so a run stays short: the server refuses those with a 400 naming the
-parameter, which test_hostile_input.py checks case by case.
+parameter, which test_hostile_input.py checks case by case. Content parts other than text
+(images, audio, files, refusals) are left out for the same reason: the model reads text only.
 
 The work of a request is bounded here, not its time: at most ``MAX_ITEMS`` prompts in a batch,
 messages in a chat or parts in a message, ``MAX_TOKEN_IDS`` ids in a token prompt and
@@ -56,9 +57,9 @@ def _messages(messages):
     for message in messages[:MAX_ITEMS]:
         if isinstance(message, dict):
             content = message.get("content")
-            if isinstance(content, list):
-                content = [{**p, "text": _text(p["text"])} if isinstance(p, dict) and "text" in p else p
-                           for p in content[:MAX_ITEMS]]
+            if isinstance(content, list):   # text parts only: another kind is a 400 naming it (a hand case)
+                content = [{**p, "text": _text(p["text"])} for p in content[:MAX_ITEMS]
+                           if isinstance(p, dict) and p.get("type") == "text" and "text" in p]
             message = {**message, "content": _text(content)} if "content" in message else message
         bounded.append(message)
     return bounded
