@@ -2,7 +2,8 @@
 
 Linears: ``duoserve::linear`` (a plain weight), ``duoserve::packed_linear`` (a dense weight
 repacked at load), ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` (GGUF blocks).
-Attention: ``duoserve::paged_attention`` (a layer of a compiled model), ``duoserve::decode_attention``
+A layer's small ops: ``duoserve::rms_norm``, ``duoserve::rotary``, ``duoserve::silu_mul``
+(``duoserve.kernels.glue``). Attention: ``duoserve::paged_attention`` (a layer of a compiled model), ``duoserve::decode_attention``
 (a decode step's layer, C++ only) and ``duoserve::attention_step``. The C++ decode step:
 ``duoserve::decode_model`` and ``duoserve::decode_step`` (``duoserve.worker.fused_decode``).
 
@@ -128,6 +129,7 @@ def define_ops() -> torch.library.Library:
     lib = torch.library.Library("duoserve", "DEF")
     _define_linears(lib)
     _define_attention(lib)
+    _define_glue(lib)
     # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
     # per layer its input norm, post norm, q and k norms (or empty tensors), packed qkv, qkv bias
     # (or an empty tensor), packed o, gate_up and down, K and V caches; its embedding table packed
@@ -144,6 +146,18 @@ def define_ops() -> torch.library.Library:
         lib.impl("gguf_linear", gguf_linear, "CPU")
         lib.impl("paged_attention", layer_attention, "CPU")
     return lib
+
+
+def _define_glue(lib: torch.library.Library) -> None:
+    """A layer's small ops (``duoserve.kernels.glue``): one call each, never traced into; C++
+    kernels only (every result contiguous, as the shape functions here say)."""
+    lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+    lib.impl("rms_norm", lambda x, weight, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+             "Meta")
+    lib.define("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+    lib.impl("rotary", lambda x, cos, sin: x.new_empty(x.shape), "Meta")
+    lib.define("silu_mul(Tensor gate_up) -> Tensor")
+    lib.impl("silu_mul", lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)), "Meta")
 
 
 def _define_linears(lib: torch.library.Library) -> None:

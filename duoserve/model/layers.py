@@ -1,4 +1,8 @@
-"""Small building blocks of the decoder: RMSNorm and rotary position embeddings."""
+"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, SiLU-and-multiply.
+
+Each piece of arithmetic between the linears is a module (``RMSNorm``, ``Rotary``,
+``SiluAndMul``), so the runner can put an op in its place at the edge (``worker/backends.py``:
+one op call in eager and compiled steps alike, so both compute the same bits)."""
 
 from __future__ import annotations
 
@@ -20,10 +24,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; same arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Over the last dimension, in float32 whatever ``x``'s dtype, then scaled by ``weight`` in
+    ``x``'s dtype (Hugging Face's order of roundings)."""
+    if x.dtype == torch.float32:  # one fused kernel; same arithmetic as below
+        return F.rms_norm(x, weight.shape, weight, eps)
+    normed = F.rms_norm(x.float(), weight.shape, None, eps)
+    return weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -72,3 +82,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)  # [num_tokens, num_heads, head_dim]
     return torch.addcmul(x * cos, swapped, sin)
+
+
+class Rotary(nn.Module):
+    """``apply_rotary`` as a module (no state)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [num_tokens, 2 * intermediate], gate first -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)  # 2 x [num_tokens, intermediate]
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """``silu_mul`` as a module (no state)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)

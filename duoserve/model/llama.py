@@ -9,12 +9,11 @@ layer runs three matmuls, not seven.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata, PagedAttention
-from duoserve.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from duoserve.model.layers import RMSNorm, Rotary, RotaryEmbedding, SiluAndMul
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -34,6 +33,8 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.rotate = Rotary()
+        self.act = SiluAndMul()
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -45,14 +46,13 @@ class DecoderLayer(nn.Module):
         v = qkv[:, arch.q_size + arch.kv_size:].reshape(num_tokens, arch.num_kv_heads, arch.head_dim)
         if arch.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, : arch.num_heads]), self.k_norm(qk[:, arch.num_heads:])], dim=1)
-        qk = apply_rotary(qk, cos, sin)  # [num_tokens, num_heads + num_kv_heads, head_dim]: Q and K at once
+        qk = self.rotate(qk, cos, sin)  # [num_tokens, num_heads + num_kv_heads, head_dim]: Q and K at once
         q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads:]
         out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, q_size]
         return self.o_proj(out)  # [num_tokens, hidden]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [num_tokens, intermediate]
-        return self.down(F.silu(gate) * up)  # [num_tokens, hidden]
+        return self.down(self.act(self.gate_up(x)))  # silu(gate) * up: [num_tokens, intermediate]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -8,8 +8,10 @@ no model. Here, once per model:
   ``--quantization int8`` replaces every linear by an ``Int8Linear`` (``load_model``);
 * in the runner, on the CPU, every remaining ``nn.Linear`` becomes a ``CPULinear`` (one
   ``replace_linears`` call; a tied embedding then reads the head's packed copy) and every
-  layer's attention the C kernels' ``CAttention`` where they read the KV cache's dtype
-  (``use_cpu_kernels``). The compiled step and the C++ decode step build on these.
+  layer's attention the C kernels' ``CAttention`` where they read the KV cache's dtype, and
+  every norm, rotary and SiLU-and-multiply an op call (``use_cpu_kernels``; ``kernels/glue.py``:
+  eager and compiled steps then compute the same bits). The compiled step and the C++ decode
+  step build on these.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from duoserve.config import ModelConfig
 from duoserve.kernels.attention import CAttention, c_attention_serves
 from duoserve.kernels.dense import onednn_available
 from duoserve.kernels.gguf import BLOCK_TYPES, gguf_kernels
+from duoserve.kernels.glue import OpRMSNorm, OpRotary, OpSiluAndMul, glue_ops_available
 from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding, cpu_linear, int8_linear,
                                      release_free_memory, replace_linears)
+from duoserve.model.layers import RMSNorm, Rotary, SiluAndMul
 from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
 from duoserve.model.weights import BlockModules
 from duoserve.platform import resolve_device, resolve_dtype
@@ -62,8 +66,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 
 def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
-    """Swap the CPU kernels into a CPU model: its linears (a tied output projection's included)
-    and, where the C kernels read ``kv_dtype``, its layers' attention."""
+    """Swap the CPU kernels into a CPU model: its linears (a tied output projection's included),
+    its norms, rotary and activations and, where the C kernels read ``kv_dtype``, its layers'
+    attention."""
     if onednn_available():
         replace_linears(model, cpu_linear)
         head, embed = getattr(model, "lm_head", None), getattr(model, "embed", None)
@@ -77,3 +82,19 @@ def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
     if c_attention_serves("cpu", kv_dtype):
         for layer in model.layers:
             layer.attn = CAttention(layer.attn)
+    use_glue_ops(model)
+
+
+def use_glue_ops(model: nn.Module) -> None:
+    """Each ``RMSNorm``, ``Rotary`` and ``SiluAndMul`` of the model becomes its op call, where the
+    ops are built (without them there is no compiled step to differ from the eager one)."""
+    if not glue_ops_available():
+        return
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, OpRMSNorm(child.weight, child.eps))
+            elif isinstance(child, Rotary):
+                setattr(parent, name, OpRotary())
+            elif isinstance(child, SiluAndMul):
+                setattr(parent, name, OpSiluAndMul())

@@ -1,9 +1,12 @@
 """The compiled model step: the decoder run through ``torch.compile`` (Inductor's CPU backend).
 
 In eager mode every norm, rotary, residual add and activation of every layer is its own
-torch call with its own Python and dispatch overhead: about 25 calls a layer, which at one
-or a few sequences costs as much as streaming the weights. Compiled, Inductor fuses that
-glue into generated C++ loops and the decoder is one call per step.
+torch call with its own Python and dispatch overhead, which at one or a few sequences costs
+as much as streaming the weights. Compiled, the decoder is one call per step, with no Python
+between its kernels. Inductor does not trace into the layer's small ops (norms, rotary,
+SiLU-and-multiply: ``duoserve.kernels.glue``): each is one op call, the same as in an eager
+step, so compiled and eager steps compute the same bits (its own fused loops would sum in
+another order and round elsewhere, and on the GGUF fast path a moved bit moves tokens).
 
 The model code is not touched: at the edge each layer's attention module (the C kernels' or
 the torch reference) is wrapped in ``OpAttention`` and the CPU linears are ops while compiling

@@ -335,3 +335,31 @@ def test_a_gguf_model_says_why_it_takes_the_compiled_graph(tiny_dir, tmp_path):
     assert decode_step_available(), "CI has a C++ compiler: csrc/cpu_ops.cpp builds (else that is the reason given)"
     assert why_not(loaded.model, []) == ("the model computes from GGUF blocks, and the C++ decode step reads "
                                          "packed dense weights only (--quantization none)")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_default_configuration_compiled_computes_the_eager_bits(dtype):
+    """The default model computed from its GGUF blocks in fast mode (its first six layers, to
+    compile in seconds), greedy under prompt chunks, prefix hits and batched decodes: compiled
+    and eager steps give the same logprobs bit for bit. The layer's small ops are op calls in
+    both (``kernels/glue.py``, swapped in by the runner); Inductor's own loops for them moved a token of the whole model
+    on the equality tests' prompts, a quantized activation being rounded the other way."""
+    from duoserve.kernels.glue import OpRMSNorm
+    from tests.e2e.test_default_config_equality import PROMPTS
+
+    settings = dict(dtype=dtype, kv_cache_memory=0.05, max_model_len=256, max_num_batched_tokens=24, num_threads=2,
+                    hf_overrides={"num_hidden_layers": 6})
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate(PROMPTS + PROMPTS[:2], params, use_tqdm=False)   # the last two from the cache
+        assert_pool_whole(llm)
+        return [(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs]
+
+    compiled = LLM(enforce_eager=False, **settings)
+    assert type(compiled.engine.runner.forward).__name__ == "CompiledModel"
+    model = compiled.engine.runner.model
+    assert compiled.engine.loaded.quantization == "gguf-fast" and len(model.layers) == 6
+    assert isinstance(model.layers[0].input_norm, OpRMSNorm) and isinstance(model.norm, OpRMSNorm)
+    assert run(compiled) == run(LLM(enforce_eager=True, **settings))
+    assert compiled.engine.kv.num_hits > 0

@@ -13,6 +13,8 @@
 // - paged_attention: a compiled model's attention op; in an announced step (attention_step:
 //   every token a row over its own causal context, prompt tokens included) decode_attention
 //   with no Python, else the Python kernel.
+// - rms_norm, rotary, silu_mul: a layer's small ops, the ATen calls of the model's modules
+//   (model/layers.py) made from C++, one op call in compiled and eager steps alike (glue.py).
 // - decode_model, decode_step: a model handed over once, then each of its steps of decodes run
 //   whole by decode_step.c (worker/fused_decode.py).
 // What they save is Python: a decode step calls one of them for every linear layer and every
@@ -342,6 +344,25 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
     return out;
 }
 
+// a layer's small ops: the ATen calls of model/layers.py's rms_norm, apply_rotary and silu_mul, in
+// the same order
+at::Tensor rms_norm_op(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps).contiguous();
+    const at::Tensor normed = at::rms_norm(x.to(at::kFloat), weight.sizes(), c10::nullopt, eps);
+    return (weight * normed.to(x.scalar_type())).contiguous();
+}
+
+at::Tensor rotary_op(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
+    const int64_t half = x.size(-1) / 2;
+    const at::Tensor swapped = at::cat({x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+    return at::addcmul(x * cos, swapped, sin).contiguous();
+}
+
+at::Tensor silu_mul_op(const at::Tensor &gate_up) {
+    const auto halves = gate_up.chunk(2, -1);
+    return (at::silu(halves[0]) * halves[1]).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
@@ -351,6 +372,9 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("paged_attention", &paged_attention);
     m.impl("decode_step", &decode_step_op);
+    m.impl("rms_norm", &rms_norm_op);
+    m.impl("rotary", &rotary_op);
+    m.impl("silu_mul", &silu_mul_op);
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CatchAll, m) {

@@ -1,0 +1,46 @@
+"""The small ops between a layer's linears as op calls: RMSNorm, rotary, SiLU-and-multiply.
+
+``duoserve::rms_norm``, ``duoserve::rotary`` and ``duoserve::silu_mul`` (defined in
+``duoserve.kernels.ops``) have C++ kernels only (``csrc/cpu_ops.cpp``), which make the ATen
+calls of the model's own modules (``duoserve.model.layers``). The runner puts ``OpRMSNorm``,
+``OpRotary`` and ``OpSiluAndMul`` in their place on the CPU (``worker/backends.py``), so eager
+and compiled steps make the same call. Traced into, Inductor would fuse them into loops of its
+own, with another order of sums, fused multiply-adds and bf16 intermediates kept in float: the
+last bits move, and where activations are quantized (the GGUF fast mode) a moved bit can move a
+rounding, and then a token. Without the C++ build (hence without a compiler, and without a
+compiled step) the model's modules stay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from duoserve.kernels.ops import define_ops
+
+
+def glue_ops_available() -> bool:
+    """Whether the ops have their C++ kernels (csrc/cpu_ops.cpp built)."""
+    define_ops()
+    return torch._C._dispatch_has_kernel_for_dispatch_key("duoserve::rms_norm", "CPU")
+
+
+class OpRMSNorm(nn.Module):
+    """An RMSNorm module's op: its weight (the same parameter) and epsilon."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.rms_norm(x, self.weight, self.eps)
+
+
+class OpRotary(nn.Module):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.rotary(x, cos, sin)
+
+
+class OpSiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.silu_mul(gate_up)
