@@ -171,24 +171,29 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
         logger.exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}")
 
-    def warn_unknown(body) -> None:
+    def check_fields(body) -> None:
+        """Refuse a known field we do not implement by name; warn about the others."""
+        refused = body.not_implemented_field()
+        if refused is not None:
+            raise APIError(400, f"'{refused}' is not supported by this server yet: leave it out, or give it its "
+                                "default (the answer would not be what it asks for)", param=refused)
         unknown = body.unknown_fields()
         if unknown:
             logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        warn_unknown(body)
+        check_fields(body)
         return await openai.completions(body, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        warn_unknown(body)
+        check_fields(body)
         return await chat.chat(body, raw)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
-        warn_unknown(body)
+        check_fields(body)
         return await chat.generate(body, raw)
 
     @app.get("/v1/models")

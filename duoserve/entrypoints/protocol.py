@@ -1,14 +1,16 @@
 """Request bodies of the HTTP API (pydantic), and their mapping to SamplingParams.
 
 Fields follow OpenAI's API plus the extras that vLLM clients send (``ignore_eos``,
-``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``...). Unknown fields are
-accepted and reported in a log warning, never refused.
+``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``...). A known field that would
+change the answer and that duoserve does not implement (``NOT_IMPLEMENTED``: output formats,
+tools, logit biases...) is refused by name unless its value asks for nothing; other unknown
+fields (``metadata``, ``store``...) change nothing here and are accepted with a log warning.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,6 +33,33 @@ class _Body(BaseModel):
 
     def unknown_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
+
+    def not_implemented_field(self) -> str | None:
+        """The first field of ``NOT_IMPLEMENTED`` given a value that asks for something."""
+        extra = self.model_extra or {}
+        return next((name for name in sorted(extra)
+                     if name in NOT_IMPLEMENTED and extra[name] is not None and not NOT_IMPLEMENTED[name](extra)), None)
+
+
+def _never(_: dict) -> bool:
+    return False
+
+
+# OpenAI's and vLLM's fields that would change the answer, not implemented (yet): field -> whether
+# the request's value (in the request's unknown fields) asks for nothing (a null always does)
+NOT_IMPLEMENTED: dict[str, Callable[[dict], bool]] = {
+    "response_format": lambda f: isinstance(f["response_format"], dict) and f["response_format"].get("type") == "text",
+    "tools": lambda f: f["tools"] == [],
+    "tool_choice": lambda f: f["tool_choice"] == "none" or (f["tool_choice"] == "auto" and not f.get("tools")),
+    "functions": lambda f: f["functions"] == [],
+    "function_call": lambda f: f["function_call"] == "none" or (f["function_call"] == "auto" and not f.get("functions")),
+    "logit_bias": lambda f: isinstance(f["logit_bias"], dict) and all(v == 0 for v in f["logit_bias"].values()),
+    "modalities": lambda f: f["modalities"] == ["text"],
+    "audio": _never, "prediction": _never, "web_search_options": _never,
+    "structured_outputs": _never, "guided_json": _never, "guided_regex": _never, "guided_choice": _never,
+    "guided_grammar": _never, "logits_processors": _never,
+    "allowed_token_ids": _never, "bad_words": lambda f: f["bad_words"] == [],
+}
 
 
 class StreamOptions(_Body):

@@ -5,7 +5,9 @@ smollm2-135m), else nearly every case stops at a 404. Values the schema allows b
 can serve (negative token counts, token ids outside the vocabulary) are brought into range,
 and counts capped so a run stays short: the server refuses those with a 400 naming the
 parameter, which test_hostile_input.py checks case by case. Content parts other than text
-(images, audio, files, refusals) are left out for the same reason: the model reads text only.
+(images, audio, files, refusals) are left out for the same reason: the model reads text only;
+so are the fields duoserve refuses by name as not implemented (output formats, tools, logit
+biases: ``NOT_IMPLEMENTED``).
 
 The work of a request is bounded here, not its time: at most ``MAX_ITEMS`` prompts in a batch,
 messages in a chat or parts in a message, ``MAX_TOKEN_IDS`` ids in a token prompt and
@@ -19,6 +21,8 @@ from __future__ import annotations
 import os
 
 import schemathesis
+
+from duoserve.entrypoints.protocol import NOT_IMPLEMENTED
 
 MODEL = os.environ.get("DUOSERVE_CONFORMANCE_MODEL", "smollm2-135m")
 VOCAB = int(os.environ.get("DUOSERVE_CONFORMANCE_VOCAB", "49152"))
@@ -73,6 +77,8 @@ def map_body(ctx, body):
             if _is_number(body.get(name)):
                 body[name] = min(max(int(body[name]), 1), cap)
         body.pop("suffix", None)   # insertion is not served: a 400 naming suffix (a hand case)
+        for name in NOT_IMPLEMENTED:   # each a 400 naming it (hand cases)
+            body.pop(name, None)
         if body.get("best_of") is not None:   # after n's cap
             body["best_of"] = body.get("n") if _is_number(body.get("n")) else 1   # only best_of == n is served
         if body.get("top_logprobs") is not None:
