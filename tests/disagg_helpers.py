@@ -59,3 +59,13 @@ def assert_same(got, want) -> None:
                 break
         else:
             assert len(g.token_ids) == len(w.token_ids)
+
+
+def joined_in_process(prefill, decode):
+    """A prefill and a decode engine joined by one in-process connector."""
+    from duoserve.kv.connector import InProcessConnector
+
+    link = InProcessConnector()
+    prefill.attach_connector(link)
+    decode.attach_connector(link)
+    return prefill, decode

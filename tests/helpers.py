@@ -94,3 +94,14 @@ def assert_pool_whole(engine_or_llm) -> None:
     swap = engine.scheduler.swap   # a SwapSource: the swap space and its cost model
     if swap is not None:
         assert swap.space.usage == 0.0, f"swap space {swap.space.usage:.0%} used after the test"
+
+
+def wait_for_store_writes(*engines, timeout: float = 5.0) -> None:
+    """Wait until each engine's KV store writer has written everything queued."""
+    import time
+
+    for engine in engines:
+        deadline = time.monotonic() + timeout
+        while not engine.kv_store.writes.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    time.sleep(0.1)

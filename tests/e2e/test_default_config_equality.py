@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from duoserve import LLM, SamplingParams
-from tests.helpers import assert_pool_whole
+from tests.helpers import assert_pool_whole, wait_for_store_writes
 
 SYSTEM = ("You are a careful assistant. Answer in plain English, in full sentences, and say so when "
           "you do not know. Keep every answer short. ")
@@ -89,16 +89,12 @@ def disaggregated_pair(dtype: str, kv_store: str | None = None):
     keeps blocks of 32 tokens, so every handed-over prompt is re-blocked."""
     from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, KVStoreConfig, ModelConfig
     from duoserve.engine.builder import build_engine
-    from duoserve.kv.connector import InProcessConnector
+    from tests.disagg_helpers import joined_in_process
 
     base = EngineConfig(model=ModelConfig(dtype=dtype, max_model_len=512), cache=CacheConfig(block_size=32, kv_cache_memory=0.1),
                         kv_store=KVStoreConfig(kv_store) if kv_store else None)
     prefill_config, decode_config = DisaggConfig(prefill_block_size=16).engine_configs(base)
-    prefill, decode = build_engine(prefill_config), build_engine(decode_config)
-    link = InProcessConnector()
-    prefill.attach_connector(link)
-    decode.attach_connector(link)
-    return prefill, decode
+    return joined_in_process(build_engine(prefill_config), build_engine(decode_config))
 
 
 def test_disaggregated_equals_alone(alone, dtype):
@@ -117,22 +113,12 @@ def test_disaggregated_equals_alone(alone, dtype):
     assert prefill.kv.num_hits > 0
 
 
-def wait_for_store_writes(*engines) -> None:
-    import time
-
-    for engine in engines:
-        deadline = time.monotonic() + 10
-        while not engine.kv_store.writes.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    time.sleep(0.1)
-
-
 def test_blocks_read_from_redis_equal_alone_colocated_and_disaggregated(alone, dtype, redis_server):
     from tests.e2e.test_disagg_inprocess import pool_whole, run
 
     first = LLM(dtype=dtype, kv_cache_memory=0.1, max_model_len=512, kv_store=redis_server.url)
     assert tokens(first, PROMPTS) == alone
-    wait_for_store_writes(first.engine)
+    wait_for_store_writes(first.engine, timeout=10)
     fresh = LLM(dtype=dtype, kv_cache_memory=0.1, max_model_len=512, kv_store=redis_server.url)
     outs = fresh.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
@@ -147,4 +133,4 @@ def test_blocks_read_from_redis_equal_alone_colocated_and_disaggregated(alone, d
     assert got == alone
     assert prefill.kv_store.stats()["kv_store_hits"] > 0
     assert pool_whole(prefill) and pool_whole(decode)
-    wait_for_store_writes(fresh.engine, prefill, decode)
+    wait_for_store_writes(fresh.engine, prefill, decode, timeout=10)

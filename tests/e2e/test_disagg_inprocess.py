@@ -14,7 +14,7 @@ from duoserve.config import CacheConfig, EngineConfig, ModelConfig
 from duoserve.core.request import Request, RequestStatus
 from duoserve.engine.builder import build_engine
 from duoserve.entrypoints.llm import LLM
-from duoserve.kv.connector import InProcessConnector
+from tests.disagg_helpers import joined_in_process
 
 
 def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0):
@@ -22,11 +22,7 @@ def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0):
         return build_engine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
                                          cache=CacheConfig(block_size=block, kv_cache_memory=0.01),
                                          role=role, kv_lease_timeout=lease_timeout))
-    prefill, decode = make("prefill", prefill_block), make("decode", decode_block)
-    link = InProcessConnector()
-    prefill.attach_connector(link)
-    decode.attach_connector(link)
-    return prefill, decode
+    return joined_in_process(make("prefill", prefill_block), make("decode", decode_block))
 
 
 def run(prefill, decode, prompts, params, limit=2000):

@@ -17,7 +17,7 @@ from duoserve import LLM, SamplingParams
 from duoserve.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
 from duoserve.engine.builder import build_engine
 from duoserve.kv.store_record import KEY_PREFIX, _RECORD
-from tests.helpers import assert_pool_whole
+from tests.helpers import assert_pool_whole, wait_for_store_writes
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 BLOCK = 16
@@ -37,11 +37,7 @@ def engine(path, url: str | None, dtype: str = "float32", block_size: int = BLOC
 
 def settle(llm: LLM, timeout: float = 5.0) -> None:
     """Wait until the engine's store writer has written everything queued."""
-    store = llm.engine.kv_store
-    deadline = time.monotonic() + timeout
-    while not store.writes.empty() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
+    wait_for_store_writes(llm.engine, timeout=timeout)
 
 
 def stored_keys(redis_server) -> list[bytes]:
@@ -300,7 +296,7 @@ def test_prefill_and_decode_engines_share_the_store(tiny_dir, redis_server):
     """A disaggregated pair writes the prompt's blocks (from the prefill engine) and the output's
     (from the decode engine); a second prefill engine finds the prompt's there."""
     from duoserve.config import DisaggConfig
-    from duoserve.kv.connector import InProcessConnector
+    from tests.disagg_helpers import joined_in_process
     from tests.e2e.test_disagg_inprocess import pool_whole, run
 
     path = tiny_dir(kind="llama")
@@ -310,18 +306,11 @@ def test_prefill_and_decode_engines_share_the_store(tiny_dir, redis_server):
     want = LLM(str(path), dtype="float32").generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     for round_ in range(2):
         prefill_config, decode_config = DisaggConfig().engine_configs(base)
-        prefill, decode = build_engine(prefill_config), build_engine(decode_config)
-        link = InProcessConnector()
-        prefill.attach_connector(link)
-        decode.attach_connector(link)
+        prefill, decode = joined_in_process(build_engine(prefill_config), build_engine(decode_config))
         got, _ = run(prefill, decode, [prompt], PARAMS)
         assert got == [want]
         assert pool_whole(prefill) and pool_whole(decode)
         hits = prefill.kv_store.stats()["kv_store_hits"]
         assert hits == (0 if round_ == 0 else 9)
-        for engine_ in (prefill, decode):
-            deadline = time.monotonic() + 5
-            while not engine_.kv_store.writes.empty() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        time.sleep(0.1)
+        wait_for_store_writes(prefill, decode)
     assert len(stored_keys(redis_server)) == (150 + 12 - 1) // BLOCK
