@@ -1,9 +1,11 @@
-"""SamplingParams: how one prompt's completions are drawn and when they stop."""
+"""SamplingParams: how one prompt's completions are drawn, what they must match, when they stop."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from duoserve.errors import ConfigError
 
@@ -12,6 +14,57 @@ MAX_N = 128        # samples per prompt (OpenAI's limit): a request cannot ask f
 MAX_STOP = 256     # stop strings, each checked against every new token's text
 INT64 = 2 ** 63    # integers cross process boundaries as msgpack's 64-bit ones
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+MAX_LOGIT_BIAS = 300   # entries of logit_bias (OpenAI's limit) and, likewise bounded, of allowed_token_ids
+MAX_ALLOWED_TOKENS = 65536
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What every completion must match: exactly one of a JSON schema (``json``, a dict or its
+    text), any JSON object (``json_object``), a regular expression, one of a list of strings
+    (``choice``) or a grammar (``grammar``: Lark, or llama.cpp's GBNF). vLLM's names.
+
+    ``param`` is the request field it came from, named in errors (the API sets it).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):   # one text per schema (the key order kept: properties are
+            # generated in it): the grammar cache's key, and hashable
+            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":")))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice) if isinstance(self.choice, list) else self.choice)
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ConfigError(self.param, given or None, f"exactly one of {', '.join(STRUCTURED_KINDS)}")
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, str), "json_object": value is True,
+              "regex": isinstance(value, str) and value != "",
+              "choice": isinstance(value, tuple) and 0 < len(value) <= MAX_STOP and all(
+                  isinstance(c, str) and c for c in value),
+              "grammar": isinstance(value, str) and value.strip() != ""}[kind]
+        if not ok:
+            allowed = {"json": "a JSON schema (an object, or its text)", "json_object": "true",
+                       "regex": "a non-empty regular expression", "grammar": "a non-empty Lark or GBNF grammar",
+                       "choice": f"a list of 1 to {MAX_STOP} non-empty strings"}[kind]
+            raise ConfigError(f"{self.param}.{kind}", value, allowed)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (not where the request said it)."""
+        return (self.kind, getattr(self, self.kind))
 
 
 @dataclass(frozen=True)
@@ -42,6 +95,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None   # blocks cached under one salt serve only requests with the same salt
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar every completion matches
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI's)
+    allowed_token_ids: tuple[int, ...] | None = None   # only these may be drawn (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +106,14 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is not None:   # "12": 5.0 (JSON's keys are text) -> 12: 5.0
+            try:
+                object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
+            except (TypeError, ValueError):
+                raise ConfigError("logit_bias", self.logit_bias,
+                                  "a map of token ids to numbers in [-100, 100]") from None
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         for name in FLOAT_FIELDS:   # a subnormal reads as 0 in a process whose CPU flushes denormals
@@ -88,6 +152,14 @@ class SamplingParams:
              f"at most {MAX_STOP} token ids, each in [0, 2^31)"),
             ("stop", self.stop, len(self.stop) <= MAX_STOP and all(isinstance(s, str) and s for s in self.stop),
              f"at most {MAX_STOP} non-empty strings"),
+            ("logit_bias", self.logit_bias, self.logit_bias is None or (
+                len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+                    0 <= t < 2 ** 31 and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+             f"at most {MAX_LOGIT_BIAS} token ids in [0, 2^31), each mapped to a number in [-100, 100]"),
+            ("allowed_token_ids", self.allowed_token_ids, self.allowed_token_ids is None or (
+                0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKENS and all(
+                    isinstance(t, int) and 0 <= t < 2 ** 31 for t in self.allowed_token_ids)),
+             f"a list of 1 to {MAX_ALLOWED_TOKENS} token ids, each in [0, 2^31)"),
             ("cache_salt", self.cache_salt, self.cache_salt is None or (isinstance(self.cache_salt, str)
                                                                           and self.cache_salt != ""),
              "a non-empty string, or None"),
@@ -99,6 +171,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_biases(self) -> bool:
+        """logit_bias or allowed_token_ids: the logits change before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

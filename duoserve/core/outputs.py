@@ -69,6 +69,9 @@ class RunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per prompt token
+    # structured outputs: per sampled token, whether the request's grammar is complete after it
+    grammar_ended: dict[str, list[bool]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)   # request id -> why it cannot go on (its grammar)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,11 @@ guessed tokens after its last one in the same step; it keeps what the target con
 and its ``num_computed_tokens`` moves past the accepted guesses only. Guessed tokens never
 enter the prefix cache: blocks are published over known tokens alone.
 
+Structured outputs: a request whose grammar is still compiling (``SchedulerSetup.ready`` says
+so) is passed over at admission, the requests behind it still admitted; its matcher lives with
+the model runner, which reports the tokens after which a grammar is complete (the request
+stops there) and a grammar that broke (the request fails).
+
 No torch here: this module plans, the model runner computes.
 """
 
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from duoserve.core.kv_cache_manager import KVCacheManager
@@ -57,6 +62,7 @@ class SchedulerSetup:
     swap: SwapSource | None = None                 # where preempted KV may go (also one of sources)
     role: RolePolicy = field(default_factory=RolePolicy)
     speculation: SpeculationPolicy | None = None
+    ready: Callable[[Request], bool] | None = None   # structured outputs: is its grammar compiled
 
     def __post_init__(self) -> None:
         if self.swap is not None and not any(source is self.swap for source in self.sources):
@@ -73,6 +79,7 @@ class Scheduler:
         self.swap = setup.swap
         self.role = setup.role
         self.speculation = setup.speculation
+        self.ready = setup.ready
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -206,9 +213,14 @@ class Scheduler:
 
     def _admit(self, queue: deque[Request], status: RequestStatus, budget: int, plan: SchedulerOutput) -> int:
         """Move requests from ``queue`` into the running set (as ``status``) while the budget,
-        ``max_num_seqs`` and free blocks allow: their KV from the sources, the rest computed."""
+        ``max_num_seqs`` and free blocks allow: their KV from the sources, the rest computed.
+        A request whose grammar is not compiled yet keeps its place; the ones behind it go on."""
+        passed_over: list[Request] = []
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             request = queue[0]
+            if self.ready is not None and not self.ready(request):
+                passed_over.append(queue.popleft())
+                continue
             hits, num_found = self._find_kv(request)
             shared = hits[0][1].shared_blocks if hits else []
             remaining = request.num_tokens - request.num_computed_tokens - num_found
@@ -230,6 +242,7 @@ class Scheduler:
             self.running.append(request)
             plan.scheduled.append(self._plan(request, num_new))
             budget -= num_new
+        queue.extendleft(reversed(passed_over))
         return budget
 
     def _fill(self, request: Request, hits: list[tuple[KVSource, KVHit]], new_blocks: list,
@@ -300,6 +313,10 @@ class Scheduler:
             if not item.sample:
                 continue
             prompt_lp = request.take_prompt_logprobs() if item.prompt_logprobs else None
+            if request.request_id in result.failed:
+                outputs += self.abort(request.request_id, S.FINISHED_ERROR, result.failed[request.request_id],
+                                      with_samples=False)
+                continue
             if request.params.max_tokens == 0:  # prompt only (e.g. for its log-probabilities)
                 self._finish(request, S.FINISHED_LENGTH)
                 outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length",
@@ -307,12 +324,14 @@ class Scheduler:
                 continue
             tokens = result.sampled[request.request_id]
             logprobs = result.logprobs.get(request.request_id)
+            ended = result.grammar_ended.get(request.request_id)
             if item.num_spec_tokens:
-                outputs.append(self._append_tokens(request, tokens, logprobs))
+                outputs.append(self._append_tokens(request, tokens, logprobs, ended))
                 continue
             siblings = [(request, True)] + [self._fork(request, k) for k in range(1, item.num_samples)]
             for k, (sibling, placed) in enumerate(siblings):
-                out = self._append_tokens(sibling, [tokens[k]], [logprobs[k]] if logprobs else None)
+                out = self._append_tokens(sibling, [tokens[k]], [logprobs[k]] if logprobs else None,
+                                          ended[k:k + 1] if ended else None)
                 out.prompt_logprobs = prompt_lp if k == 0 else None
                 outputs.append(out)
                 if not placed and not out.finished:   # no block for its prompt's tail: recompute it later
@@ -339,12 +358,16 @@ class Scheduler:
         self.running.append(child)
         return child, True
 
-    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list | None) -> EngineCoreOutput:
-        """Append tokens up to the first that ends the request (the rest are dropped)."""
+    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list | None,
+                       grammar_ended: list[bool] | None = None) -> EngineCoreOutput:
+        """Append tokens up to the first that ends the request (the rest are dropped); with a
+        grammar, ``grammar_ended`` says after which tokens it is complete."""
         position = request.num_output_tokens
-        for token in tokens:
+        for i, token in enumerate(tokens):
             request.output_token_ids.append(token)
             status, stop_reason = self._check_stop(request, token)
+            if status is None and grammar_ended and grammar_ended[i]:
+                status = S.FINISHED_STOPPED
             if status is not None:
                 break
         taken = request.num_output_tokens - position

@@ -30,8 +30,11 @@ from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.model.fingerprint import describe, fingerprint
 from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
 from duoserve.platform import resolve_device
+from duoserve.structured.cache import GrammarCache
+from duoserve.structured.grammar import GrammarCompiler
 from duoserve.worker.backends import load_model
 from duoserve.worker.draft import DraftRunner, load_draft
+from duoserve.worker.grammar_masks import GrammarMasks
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
 from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
 from duoserve.worker.model_runner import ModelRunner
@@ -73,15 +76,18 @@ class EngineBuilder:
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         store = self._open_store(kv) if config.kv_store is not None else None
         swap = SwapSource(SwapSpace(self.num_swap_blocks), SwapCost(self.block_bytes)) if self.num_swap_blocks else None
+        grammars = self._grammars()
         scheduler = Scheduler(SchedulerSetup(
             kv=kv, max_num_batched_tokens=self.budget, max_num_seqs=config.scheduler.max_num_seqs,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             sources=_sources(config, kv, store, swap), swap=swap, role=_role_policy(config, kv),
-            speculation=SpeculationPolicy(spec) if spec else None))
+            speculation=SpeculationPolicy(spec) if spec else None, ready=grammars.ready if grammars else None))
         runner = self._runner(num_blocks, draft)
+        if grammars is not None:
+            runner.grammar_masks = GrammarMasks(grammars, loaded.arch.vocab_size)
         engine = EngineCore(config=config, loaded=loaded, max_model_len=self.max_model_len, scheduler=scheduler,
                             runner=runner, handoff=_handoff(config, scheduler, runner), store=store, swap=swap,
-                            draft=draft, memory=self._memory_report(runner, num_blocks, draft))
+                            draft=draft, memory=self._memory_report(runner, num_blocks, draft), grammars=grammars)
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
         # out of the garbage collector's sight, a collection during a step scans only new ones.
         gc.collect()
@@ -89,6 +95,15 @@ class EngineBuilder:
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget)
         return engine
+
+    def _grammars(self) -> GrammarCache | None:
+        """Structured outputs' grammars over this model's vocabulary (none without a tokenizer:
+        the frontend refuses such requests)."""
+        tokenizer = self.loaded.tokenizer
+        if tokenizer is None:
+            return None
+        eos = tokenizer.eos_token_ids or self.loaded.arch.eos_token_ids
+        return GrammarCache(GrammarCompiler(tokenizer, self.loaded.arch.vocab_size, eos))
 
     def _runner(self, num_blocks: int, draft) -> ModelRunner:
         """The model runner with its KV pool (and swap space, and draft runner); measures what

@@ -23,6 +23,7 @@ from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe
 from duoserve.model.loader import LoadedModel
+from duoserve.structured.cache import GrammarCache
 from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ class EngineCore:
 
     def __init__(self, *, config: EngineConfig, loaded: LoadedModel, max_model_len: int, scheduler: Scheduler,
                  runner: ModelRunner, handoff: Handoff, store: StoreSource | None = None,
-                 swap: SwapSource | None = None, draft=None, memory: dict | None = None) -> None:
+                 swap: SwapSource | None = None, draft=None, memory: dict | None = None,
+                 grammars: GrammarCache | None = None) -> None:
         self.config = config
         self.loaded = loaded
         self.arch = loaded.arch
@@ -48,6 +50,7 @@ class EngineCore:
         self.swap = swap
         self.draft = draft       # speculative decoding's draft model, or None
         self.memory = memory or {}   # where the engine's memory goes (builder), for /v1/memory
+        self.grammars = grammars     # structured outputs' compiled grammars, or None (no tokenizer)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._fingerprint_values: dict | None = None
@@ -79,6 +82,8 @@ class EngineCore:
     def close(self) -> None:
         if self.store is not None:
             self.store.store.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def fingerprint_values(self) -> dict:
@@ -143,6 +148,8 @@ class EngineCore:
         early = self.handoff.before_step()
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.grammars is not None and self.grammars.compiling:   # only grammars to wait for
+                self.grammars.wait(0.05)
             return early
         start = time.perf_counter()
         try:

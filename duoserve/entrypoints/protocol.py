@@ -1,10 +1,11 @@
 """Request bodies of the HTTP API (pydantic), and their mapping to SamplingParams.
 
 Fields follow OpenAI's API plus the extras that vLLM clients send (``ignore_eos``,
-``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``...). A known field that would
-change the answer and that duoserve does not implement (``NOT_IMPLEMENTED``: output formats,
-tools, logit biases...) is refused by name unless its value asks for nothing; other unknown
-fields (``metadata``, ``store``...) change nothing here and are accepted with a log warning.
+``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``structured_outputs``,
+``allowed_token_ids``...). A known field that would change the answer and that duoserve does
+not implement (``NOT_IMPLEMENTED``: tools, audio...) is refused by name unless its value asks
+for nothing; other unknown fields (``metadata``, ``store``...) change nothing here and are
+accepted with a log warning.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from duoserve.sampling_params import SamplingParams
+from duoserve.errors import ConfigError
+from duoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Body(BaseModel):
@@ -48,18 +50,45 @@ def _never(_: dict) -> bool:
 # OpenAI's and vLLM's fields that would change the answer, not implemented (yet): field -> whether
 # the request's value (in the request's unknown fields) asks for nothing (a null always does)
 NOT_IMPLEMENTED: dict[str, Callable[[dict], bool]] = {
-    "response_format": lambda f: isinstance(f["response_format"], dict) and f["response_format"].get("type") == "text",
     "tools": lambda f: f["tools"] == [],
     "tool_choice": lambda f: f["tool_choice"] == "none" or (f["tool_choice"] == "auto" and not f.get("tools")),
     "functions": lambda f: f["functions"] == [],
     "function_call": lambda f: f["function_call"] == "none" or (f["function_call"] == "auto" and not f.get("functions")),
-    "logit_bias": lambda f: isinstance(f["logit_bias"], dict) and all(v == 0 for v in f["logit_bias"].values()),
     "modalities": lambda f: f["modalities"] == ["text"],
     "audio": _never, "prediction": _never, "web_search_options": _never,
-    "structured_outputs": _never, "guided_json": _never, "guided_regex": _never, "guided_choice": _never,
+    "guided_json": _never, "guided_regex": _never, "guided_choice": _never,
     "guided_grammar": _never, "logits_processors": _never,
-    "allowed_token_ids": _never, "bad_words": lambda f: f["bad_words"] == [],
+    "bad_words": lambda f: f["bad_words"] == [],
 }
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None   # the schema is enforced exactly whatever it says
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs``: one of json, regex, choice, grammar, json_object."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False        # there is no fallback: a grammar is enforced exactly or refused
+    disable_any_whitespace: bool = False  # JSON is generated compact either way (duoserve.structured.grammar)
+
+
+# vLLM's structured_outputs options that would loosen or reshape a grammar: refused when given
+_STRUCTURED_NOT_IMPLEMENTED = ("disable_additional_properties", "whitespace_pattern", "structural_tag")
 
 
 class StreamOptions(_Body):
@@ -88,6 +117,34 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None   # a tenant's prefix-cache and KV-store blocks are never another's
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar the request asks for (response_format or structured_outputs), or None."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ConfigError("structured_outputs", "(with response_format)",
+                              "one of response_format and structured_outputs, not both")
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True, param="response_format")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ConfigError("response_format.json_schema", None, "an object with a name and a schema "
+                                  "when type is 'json_schema'")
+            if fmt.json_schema.schema_ is None:   # OpenAI's schema is optional: any JSON object then
+                return StructuredOutputsParams(json_object=True, param="response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_, param="response_format.json_schema.schema")
+        if so is None:
+            return None
+        extra = so.model_extra or {}
+        refused = next((name for name in _STRUCTURED_NOT_IMPLEMENTED if extra.get(name) not in (None, False)), None)
+        if refused is not None:
+            raise ConfigError(f"structured_outputs.{refused}", extra[refused], "left out: not supported")
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=bool(so.json_object))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -108,6 +165,8 @@ class SamplingFields(_Body):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
+            structured_outputs=self.structured(), logit_bias=self.logit_bias,
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
 
 

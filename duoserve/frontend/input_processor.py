@@ -2,12 +2,15 @@
 ``RequestState`` for the output processor out.
 
 It tokenizes text prompts, checks token ids against the vocabulary and the prompt against
-the context length, and gives each sample its incremental detokenizer. It knows the model
+the context length, refuses a grammar (structured outputs) that cannot be enforced exactly,
+and gives each sample its incremental detokenizer. It knows the model
 only by value (tokenizer, vocabulary size, eos ids) and is told the context length at each
 call (an engine group lowers it when a smaller engine joins); it calls no engine.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from duoserve.core.request import Request
 from duoserve.errors import InvalidInputError
@@ -16,6 +19,9 @@ from duoserve.frontend.output_processor import RequestState
 from duoserve.model.tokenizer import Tokenizer
 from duoserve.outputs import CompletionOutput
 from duoserve.sampling_params import SamplingParams
+from duoserve.structured.grammar import GrammarCompiler
+
+_CHECKED_GRAMMARS = 256   # specs known to be enforceable, not checked again
 
 
 class InputProcessor:
@@ -23,6 +29,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        self._checked: OrderedDict[tuple, None] = OrderedDict()
+        self.num_rejected_grammars = 0
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(the text, if it was text; the token ids)."""
@@ -62,7 +71,34 @@ class InputProcessor:
         """Tokenize and check a prompt: (its text or None, its token ids)."""
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.check_length(prompt_ids, params, max_model_len, strict_length)
+        self.check_tokens(params)
+        if params.structured_outputs is not None:
+            self.check_grammar(params)
         return text, prompt_ids
+
+    def check_tokens(self, params: SamplingParams) -> None:
+        """The token ids of logit_bias and allowed_token_ids are the model's."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidInputError(name, f"token id {bad[0]} is out of range: ids are integers in "
+                                              f"[0, {self.vocab_size})")
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        spec = params.structured_outputs
+        if self.grammars is None:
+            raise InvalidInputError(spec.param, "this model has no tokenizer: its outputs cannot follow a grammar")
+        if spec.key in self._checked:
+            self._checked.move_to_end(spec.key)
+            return
+        try:
+            self.grammars.check(spec)
+        except InvalidInputError:
+            self.num_rejected_grammars += 1
+            raise
+        self._checked[spec.key] = None
+        while len(self._checked) > _CHECKED_GRAMMARS:
+            self._checked.popitem(last=False)
 
     def build(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams,
               max_model_len: int) -> tuple[Request, RequestState]:

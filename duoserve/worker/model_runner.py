@@ -21,7 +21,9 @@ from duoserve.kv.reblock import insert_kv
 from duoserve.kv.staging import to_device
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.loader import LoadedModel
+from duoserve.structured.grammar import GrammarError
 from duoserve.worker.backends import use_cpu_kernels
+from duoserve.worker.grammar_masks import GrammarMasks
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, logprobs_of, sample_tensor, top_logprobs
 from duoserve.worker.spec_verify import verify
@@ -44,6 +46,7 @@ class ModelRunner:
         if compile_model:
             self._compile(block_size)
         self.drafter = None  # speculative decoding's draft model (a DraftRunner), when there is one
+        self.grammar_masks: GrammarMasks | None = None   # structured outputs (the builder sets it)
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap space (allocate_swap)
         self.swap_seconds = 0.0   # time spent copying to and from it, and bytes copied (cumulative)
         self.swap_bytes = 0
@@ -122,7 +125,7 @@ class ModelRunner:
         and for a speculating request its last known token and each guess."""
         rows: list[SamplingRow] = []
         row_hidden: list[int] = []
-        owners: list[tuple[ScheduledRequest, int]] = []  # (item, number of rows)
+        owners: list[tuple[ScheduledRequest, int]] = []  # (item, its first row)
         offset = 0
         for item in items:
             offset += item.num_new_tokens
@@ -132,30 +135,38 @@ class ModelRunner:
             params = request.params
             stop_ids = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
             guesses = item.spec_token_ids
+            owners.append((item, len(rows)))
             for k in range(item.num_samples + len(guesses)):
                 index = request.sample_index if item.num_samples == 1 else k
                 outputs = request.output_token_ids + guesses[:k] if guesses else request.output_token_ids
                 rows.append(SamplingRow(params, request.num_output_tokens + (k if guesses else 0), index,
                                         request.prompt_token_ids, outputs, stop_ids))
                 row_hidden.append(offset - 1 - (len(guesses) - k if guesses else 0))
-            owners.append((item, item.num_samples + len(guesses)))
         if not rows:
             return
+        masks = self.grammar_masks.fill(owners) if self.grammar_masks is not None else None
         logits = self.model.compute_logits(hidden[row_hidden])  # [rows, vocab] float32
-        drawn, _, _ = sample_tensor(logits, rows, self.generator)
+        allowed = masks.apply(logits) if masks is not None else logits  # what may be drawn
+        drawn, _, _ = sample_tensor(allowed, rows, self.generator)
         tokens, all_logprobs = drawn.tolist(), logprobs_of(logits, rows, drawn)
-        start = 0
-        for item, count in owners:
-            request_id, end = item.request.request_id, start + count
+        for (item, start), (_, end) in zip(owners, [*owners[1:], (None, len(rows))]):
+            request_id = item.request.request_id
+            if masks is not None and request_id in masks.failed:
+                output.failed[request_id] = masks.failed[request_id]
+                continue
             if item.spec_token_ids:
-                kept, logprobs = verify(logits[start:end], rows[start:end], tokens[start:end], item.spec_token_ids,
-                                        draft_probs.get(request_id), self.generator)
+                kept, logprobs = verify(allowed[start:end], rows[start:end], tokens[start:end], item.spec_token_ids,
+                                        draft_probs.get(request_id), self.generator, raw=logits[start:end])
             else:
                 kept, logprobs = tokens[start:end], all_logprobs[start:end]
             output.sampled[request_id] = kept
             if logprobs[0] is not None:
                 output.logprobs[request_id] = logprobs
-            start = end
+            if masks is not None and item.request.params.structured_outputs is not None:
+                try:
+                    output.grammar_ended[request_id] = self.grammar_masks.accept(item, kept)
+                except GrammarError as exc:
+                    output.failed[request_id] = str(exc)
 
     def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
         """Log-probabilities of each prompt token given the ones before it (the first has none)."""

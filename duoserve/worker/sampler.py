@@ -1,4 +1,4 @@
-"""Turn logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+"""Turn logits into tokens: penalties, logit biases, temperature, top-k/top-p/min-p, seeded draws, logprobs.
 
 A draw inverts the cumulative distribution: one uniform ``u`` per row picks the first
 token whose running probability sum exceeds ``u`` times the total, in two levels (the
@@ -60,10 +60,34 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def _apply_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """logit_bias added (OpenAI's: +-100 all but forces or bans a token); allowed_token_ids alone
+    may be drawn. Ids past the model's vocabulary (the frontend refuses them) change nothing."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.logit_bias:
+            pairs = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+                logits[i, ids] += torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                              device=logits.device)] = True
+            logits[i].masked_fill_(~keep, float("-inf"))
+
+
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Before min_tokens outputs, eos and the stop ids are not drawn, unless nothing else may be
+    (a grammar that is complete allows only eos): then the row is left as it is."""
     for i, row in enumerate(rows):
         if row.position < row.params.min_tokens and row.stop_ids_until_min:
-            logits[i, list(row.stop_ids_until_min)] = float("-inf")
+            ids = list(row.stop_ids_until_min)
+            kept = logits[i, ids].clone()
+            logits[i, ids] = float("-inf")
+            if not torch.isfinite(logits[i]).any():
+                logits[i, ids] = kept
 
 
 def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -155,10 +179,11 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[
 
 
 def adjusted(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The logits with penalties and min_tokens applied (a copy where any applies)."""
-    if any(r.params.has_penalties for r in rows) or any(r.position < r.params.min_tokens for r in rows):
+    """The logits with penalties, biases and min_tokens applied (a copy where any applies)."""
+    if any(r.params.has_penalties or r.params.has_biases or r.position < r.params.min_tokens for r in rows):
         logits = logits.clone()
         _apply_penalties(logits, rows)
+        _apply_biases(logits, rows)
         _apply_min_tokens(logits, rows)
     return logits
 

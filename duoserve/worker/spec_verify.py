@@ -60,15 +60,17 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, guesses: torch.Tensor, u_
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drawn: list[int], guesses: list[int],
-           draft_probs: torch.Tensor | None, generator: torch.Generator | None,
+           draft_probs: torch.Tensor | None, generator: torch.Generator | None, raw: torch.Tensor | None = None,
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One request's ``1 + k`` rows: raw target logits [1 + k, vocab], their sampling rows, the
-    target's own draws at them, the k guesses and, for drawn guesses, the draft's
-    distributions [k, vocab]. Returns the tokens kept and their log-probabilities."""
+    """One request's ``1 + k`` rows: target logits [1 + k, vocab] (a grammar's disallowed tokens
+    at -inf; ``raw``, unmasked, for the log-probabilities), their sampling rows, the target's own
+    draws at them, the k guesses and, for drawn guesses, the draft's distributions [k, vocab].
+    Returns the tokens kept and their log-probabilities."""
+    raw = logits if raw is None else raw
     if draft_probs is None or rows[0].params.greedy:
         accepted = accept_point_guesses(guesses, drawn)
         kept = drawn[:accepted + 1]
-        return kept, logprobs_of(logits[:accepted + 1], rows[:accepted + 1], torch.tensor(kept))
+        return kept, logprobs_of(raw[:accepted + 1], rows[:accepted + 1], torch.tensor(kept))
     k = len(guesses)
     p = probabilities(logits[:k], rows[:k])
     u_draw = uniforms(rows[:k], generator)  # the residual draw uses the plain draw's uniform
@@ -76,4 +78,4 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], drawn: list[int], gues
     accepted, replacement = rejection_sample(p, draft_probs, torch.tensor(guesses), u_accept, u_draw)
     kept = guesses[:accepted] + [drawn[k] if replacement is None else replacement]
     count = len(kept)
-    return kept, logprobs_of(logits[:count], rows[:count], torch.tensor(kept))
+    return kept, logprobs_of(raw[:count], rows[:count], torch.tensor(kept))

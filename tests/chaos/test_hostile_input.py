@@ -93,11 +93,33 @@ HAND_CASES = [
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix", "not supported"),
     ({"prompt": "hi", "n": "two"}, 400, "n", "integer"),
     # known fields that would change the answer, not implemented: refused by name, never dropped
-    ({"prompt": "hi", "logit_bias": {"42": 100}}, 400, "logit_bias", "not supported"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ({"prompt": "hi", "tool_choice": "required"}, 400, "tool_choice", "not supported"),
-    ({"prompt": "hi", "structured_outputs": {"choice": ["a", "b"]}}, 400, "structured_outputs", "not supported"),
+    ({"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json", "not supported"),
+    # logit biases and grammars: a value outside what can be enforced is refused, naming the field
+    ({"prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias", "token id 49152 is out of range"),
+    ({"prompt": "hi", "logit_bias": {"42": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ({"prompt": "hi", "logit_bias": {"forty-two": 1}}, 400, "logit_bias", "a map of token ids"),
+    ({"prompt": "hi", "allowed_token_ids": [3, 49152]}, 400, "allowed_token_ids", "token id 49152 is out of range"),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "a list of 1 to"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format.type", "json_schema"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema", "a name"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, 400,
+     "response_format.json_schema.schema", "uniqueItems"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"not": {"type": "string"}}}}}, 400, "response_format.json_schema.schema", "not"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400,
+     "structured_outputs", "not both"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs", "unclosed character class"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs",
+     "exactly one of"),
+    ({"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs", "exactly one of"),
+    ({"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "structured_outputs.choice", "1 to 256"),
+    ({"prompt": "hi", "structured_outputs": {"grammar": "start: undefined_rule"}}, 400, "structured_outputs",
+     "undefined_rule"),
+    ({"prompt": "hi", "structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}}, 400,
+     "structured_outputs.whitespace_pattern", "not supported"),
 ]
 
 

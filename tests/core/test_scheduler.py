@@ -264,3 +264,37 @@ def test_prefill_role_ages_a_long_prompt_past_a_flood_of_short_ones():
         assert plan.scheduled[0].request is long or long.status is RequestStatus.KV_LEASED
         s.update(plan, fake_run(plan))
     assert long.status is RequestStatus.KV_LEASED   # prefilled (40 tokens) within the aged steps
+
+
+def test_a_request_whose_grammar_is_compiling_is_passed_over_not_waited_for():
+    kv = KVCacheManager(16, 4, True)
+    compiled: set[str] = set()
+    s = Scheduler(SchedulerSetup(kv=kv, max_num_batched_tokens=64, max_num_seqs=8, sources=[PrefixCacheSource(kv)],
+                                 ready=lambda r: r.request_id in compiled or r.request_id == "free"))
+    add(s, "slow", 5)
+    add(s, "free", 5)
+    add(s, "later", 5)
+    plan = s.schedule()
+    assert [i.request.request_id for i in plan.scheduled] == ["free"]
+    assert [r.request_id for r in s.waiting] == ["slow", "later"], "they keep their places"
+    s.update(plan, fake_run(plan))
+    compiled.update({"slow", "later"})
+    plan = s.schedule()
+    assert [i.request.request_id for i in plan.scheduled] == ["free", "slow", "later"]
+
+
+def test_the_token_that_completes_a_grammar_ends_the_request_and_a_broken_grammar_fails_it():
+    s = make_scheduler(budget=32)
+    done, broken, other = add(s, "done", 3, max_tokens=10), add(s, "broken", 3, max_tokens=10), add(s, "o", 3)
+    plan = s.schedule()
+    result = fake_run(plan)
+    result.grammar_ended["done"] = [True]
+    del result.sampled["broken"]
+    result.failed["broken"] = "token 9 is outside the grammar"
+    outputs = {o.request_id: o for o in s.update(plan, result)}
+    assert outputs["done"].finish_reason == "stop" and outputs["done"].new_token_ids == [7]
+    assert outputs["broken"].finish_reason == "error" and "outside the grammar" in outputs["broken"].error
+    assert done.status is RequestStatus.FINISHED_STOPPED and broken.status is RequestStatus.FINISHED_ERROR
+    assert other.status is RequestStatus.RUNNING and not outputs["o"].finished
+    run_to_end(s)
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks

@@ -182,3 +182,23 @@ def test_inverse_cdf_across_blocks_of_the_vocabulary(vocab, live, seed, num_draw
     assert counts[probs == 0].sum() == 0
     assert 0.5 * (counts - probs.double()).abs().sum() < 0.05  # noise ~0.035 at 1,500 live tokens
     assert draw_from(probs[None], torch.tensor([1.0 - 1e-15], dtype=torch.float64)).item() == int(probs.nonzero()[-1])
+
+
+def test_logit_bias_and_allowed_token_ids():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    row = SamplingRow(SamplingParams(temperature=0, logit_bias={"3": 2.5}), 0, 0, [], [], ())
+    assert sample(logits, [row])[0] == [3]          # 0.0 + 2.5 > 2.0
+    row = SamplingRow(SamplingParams(temperature=0, logit_bias={0: -100, 7: 100}), 0, 0, [], [], ())
+    assert sample(logits, [row])[0] == [1]          # a token past the vocabulary changes nothing
+    seen = {sample(logits, [_row(temperature=1.0, seed=s, allowed_token_ids=[2, 4])])[0][0] for s in range(200)}
+    assert seen == {2, 4}
+    assert logits[0, 0] == 2.0, "biases must not modify the caller's logits"
+
+
+def test_min_tokens_yields_to_a_row_with_nothing_else_left():
+    """A complete grammar allows only eos: min_tokens must not leave the row empty."""
+    logits = torch.tensor([[float("-inf"), float("-inf"), 1.0, float("-inf")]])
+    row = SamplingRow(SamplingParams(temperature=0, min_tokens=4), 0, 0, [], [], (2,))
+    assert sample(logits, [row])[0] == [2]
+    logits = torch.tensor([[float("-inf"), 0.5, 1.0, float("-inf")]])
+    assert sample(logits, [row])[0] == [1]          # otherwise eos waits for min_tokens
