@@ -107,6 +107,14 @@ class EngineStats(msgspec.Struct):
     kv_store_dropped_writes: int = 0
     kv_store_errors: dict[str, int] = {}
     kv_store_breaker_open: bool = False
+    # structured outputs, cumulative: grammars compiled and refused, seconds compiling; steps that
+    # computed token masks, the masks (rows) and the seconds they took
+    grammars_compiled: int = 0
+    grammars_failed: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_steps: int = 0
+    grammar_num_masks: int = 0
+    grammar_mask_seconds: float = 0.0
 
 
 class EngineReady(msgspec.Struct, tag=True):

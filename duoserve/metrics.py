@@ -79,6 +79,18 @@ class ServerMetrics:
                                      "store (write queue full, or the store failing)", registry=r)
         self.store_breaker = Gauge("duoserve:kv_store_breaker_open", "1 while the shared KV store's circuit "
                                    "breaker is open", ["engine"], registry=r)
+        self._structured_seen: dict[str, int] = {}
+        self.structured_requests = Counter("duoserve:structured_output_requests", "Requests with a grammar "
+                                           "(structured outputs), accepted or refused as not enforceable",
+                                           ["result"], registry=r)
+        self.grammars = Counter("duoserve:structured_output_grammars", "Grammars compiled by the engines, or "
+                                "failed to compile", ["result"], registry=r)
+        self.grammar_compile = Counter("duoserve:structured_output_compile_seconds", "Seconds the engines spent "
+                                       "compiling grammars (off their step loops)", registry=r)
+        self.mask_steps = Counter("duoserve:structured_output_mask_steps", "Engine steps that computed token "
+                                  "masks", registry=r)
+        self.mask_seconds = Counter("duoserve:structured_output_mask_seconds", "Seconds spent computing token "
+                                    "masks (divided by mask_steps: the time a step spends on them)", registry=r)
         self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
         self.placements = Counter("duoserve:request_placements", "Requests by where they were prefilled and "
                                   "decoded (prefill_engine=local: on the decode engine itself)",
@@ -131,6 +143,7 @@ class ServerMetrics:
         self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.kv_transfer_bytes.inc(stats.kv_transfer_bytes - (last.kv_transfer_bytes if last else 0))
         self._observe_store(engine, stats, last)
+        self._observe_grammars(stats, last)
         swaps = stats.num_swap_preemptions - (last.num_swap_preemptions if last else 0)
         self.preemptions.labels("swap").inc(swaps)
         self.preemptions.labels("recompute").inc(stats.num_preemptions - (last.num_preemptions if last else 0) - swaps)
@@ -159,6 +172,22 @@ class ServerMetrics:
         for kind, count in stats.kv_store_errors.items():
             self.store_errors.labels(kind).inc(count - before.get(kind, 0))
         self.store_breaker.labels(engine).set(1.0 if stats.kv_store_breaker_open else 0.0)
+
+    def _observe_grammars(self, stats: EngineStats, last: EngineStats | None) -> None:
+        def since(name: str):
+            return getattr(stats, name) - (getattr(last, name) if last else 0)
+
+        self.grammars.labels("compiled").inc(since("grammars_compiled"))
+        self.grammars.labels("failed").inc(since("grammars_failed"))
+        self.grammar_compile.inc(since("grammar_compile_seconds"))
+        self.mask_steps.inc(since("grammar_mask_steps"))
+        self.mask_seconds.inc(since("grammar_mask_seconds"))
+
+    def observe_structured_requests(self, accepted: int, refused: int) -> None:
+        """The frontend's totals so far (called at each scrape)."""
+        for result, total in (("accepted", accepted), ("refused", refused)):
+            self.structured_requests.labels(result).inc(total - self._structured_seen.get(result, 0))
+            self._structured_seen[result] = total
 
     def observe_memory(self, engine: str, report: dict) -> None:
         for kind, value in memory_kinds(report).items():

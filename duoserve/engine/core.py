@@ -198,7 +198,8 @@ class EngineCore:
             swap_usage=self.swap.space.usage if self.swap is not None else 0.0,
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.handoff.num_transfer_bytes,
             kv_transfer_seconds=self.handoff.drain_transfer_seconds(), num_kv_leased=scheduler.num_leased,
-            **self._spec_stats(), **(self.store.store.stats() if self.store is not None else {}))
+            **self._spec_stats(), **(self.store.store.stats() if self.store is not None else {}),
+            **(self.runner.grammar_masks.stats() if self.runner.grammar_masks is not None else {}))
 
     def _spec_stats(self) -> dict:
         spec = self.speculation

@@ -243,6 +243,8 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
         for client in engine.clients:
             if client.ready is not None and client.ready.memory:
                 metrics.observe_memory(client.name, client.ready.memory)
+        if engine.inputs is not None:
+            metrics.observe_structured_requests(engine.inputs.num_constrained, engine.inputs.num_rejected_grammars)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/memory")

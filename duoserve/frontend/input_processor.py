@@ -31,6 +31,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
         self._checked: OrderedDict[tuple, None] = OrderedDict()
+        self.num_constrained = 0          # requests with a grammar: accepted, refused (the metrics)
         self.num_rejected_grammars = 0
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -90,12 +91,14 @@ class InputProcessor:
             raise InvalidInputError(spec.param, "this model has no tokenizer: its outputs cannot follow a grammar")
         if spec.key in self._checked:
             self._checked.move_to_end(spec.key)
+            self.num_constrained += 1
             return
         try:
             self.grammars.check(spec)
         except InvalidInputError:
             self.num_rejected_grammars += 1
             raise
+        self.num_constrained += 1
         self._checked[spec.key] = None
         while len(self._checked) > _CHECKED_GRAMMARS:
             self._checked.popitem(last=False)

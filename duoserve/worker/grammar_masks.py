@@ -54,6 +54,7 @@ class GrammarMasks:
         self.words = -(-vocab_size // 32)
         self.mask_seconds = 0.0     # cumulative, for the metrics
         self.num_masks = 0
+        self.num_steps = 0
 
     def fill(self, owners: list[tuple[ScheduledRequest, int]]) -> StepMasks | None:
         """Masks for the constrained ones of ``owners``: (item, its first sampling row), or None
@@ -88,6 +89,7 @@ class GrammarMasks:
             at += count
         self.mask_seconds += time.perf_counter() - start
         self.num_masks += len(rows)
+        self.num_steps += 1
         return masks
 
     def accept(self, item: ScheduledRequest, tokens: list[int]) -> list[bool]:
@@ -101,6 +103,10 @@ class GrammarMasks:
             others = [copy.consume_token(t) and copy.is_stopped() for copy, t in zip(copies, tokens[1:])]
             return [*self._consume(state, tokens[:1]), *others]
         return self._consume(state, tokens)
+
+    def stats(self) -> dict:
+        return {**self.cache.stats(), "grammar_mask_steps": self.num_steps, "grammar_num_masks": self.num_masks,
+                "grammar_mask_seconds": self.mask_seconds}
 
     @staticmethod
     def _consume(state, tokens: list[int]) -> list[bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -208,6 +209,30 @@ def test_metrics_parse_and_move(server, client):
                  "duoserve:prompt_tokens_total", "duoserve:prefix_cache_hits_total",
                  "duoserve:kv_transfer_bytes_total"]:
         assert name in text, name
+
+
+def test_structured_output_metrics_move(server, client):
+    names = ["duoserve:structured_output_mask_steps_total", "duoserve:structured_output_mask_seconds_total"]
+    before = {n: _metric(server, n) for n in names}
+    grammars = _metric(server, "duoserve:structured_output_grammars_total", {"result": "compiled"})
+    accepted = _metric(server, "duoserve:structured_output_requests_total", {"result": "accepted"})
+    refused = _metric(server, "duoserve:structured_output_requests_total", {"result": "refused"})
+    suffix = str(time.monotonic_ns() % 10**6)
+    pattern = f"[a-z]{{3}}-{suffix}"    # a grammar new to this server
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": pattern}})
+    assert out.choices[0].finish_reason == "stop" and re.fullmatch(f"[a-z]{{3}}-{suffix}", out.choices[0].text)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5,
+                                  extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    time.sleep(1.5)  # engine stats arrive every second
+    assert _metric(server, "duoserve:structured_output_grammars_total", {"result": "compiled"}) == grammars + 1
+    assert _metric(server, "duoserve:structured_output_requests_total", {"result": "accepted"}) == accepted + 1
+    assert _metric(server, "duoserve:structured_output_requests_total", {"result": "refused"}) == refused + 1
+    steps = _metric(server, names[0]) - before[names[0]]
+    assert steps == out.usage.completion_tokens, "one masked step a token"
+    assert 0 < _metric(server, names[1]) - before[names[1]] < steps * 0.005, "a few ms a step at most"
+    assert _metric(server, "duoserve:structured_output_compile_seconds_total") > 0
 
 
 def _wait_idle(server, timeout: float = 15.0) -> None:
