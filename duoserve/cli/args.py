@@ -301,6 +301,10 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
                    help="requests in flight beyond which new ones get 429 (default: no limit)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body accepted, larger gets 413 (default: 1048576)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: "
+                        "Qwen2.5 and Hermes <tool_call> JSON). Without it 'auto' is refused; 'required' and a "
+                        "named function need none (the call is generated under a grammar)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
     g.add_argument("--uvicorn-log-level", default="info",

@@ -43,6 +43,7 @@ class ServerConfig:
     max_queue_len: int | None = None         # requests in flight beyond which new ones get 429
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None      # how the model writes tool calls (tool_choice "auto")
 
 
 class BodyLimit:
@@ -133,7 +134,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     engine.on_place.append(metrics.observe_placement)
     engine.on_engine_down.append(metrics.engine_down)
     openai = OpenAIServing(engine, server.served_model_name)
-    chat = ChatServing(openai)
+    chat = ChatServing(openai, server.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from duoserve.entrypoints.tools import ToolPlan
 from duoserve.errors import ConfigError
 from duoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -197,6 +198,9 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]   # function: deprecated tool
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's calls, rendered by the chat template
+    tool_call_id: str | None = None                  # a tool message: the call it answers
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_the_model_can_read(self) -> "ChatMessage":
@@ -210,10 +214,38 @@ class ChatMessage(_Body):
                 raise ValueError(f"content part type '{part.type}' is not supported: this model reads 'text' parts only")
         return self
 
+    def for_template(self) -> dict:
+        message = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
             return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")   # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None   # the parameters' schema is enforced whole whatever it says
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -223,6 +255,35 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None   # extra variables for the template (enable_thinking...)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self, parser: str | None) -> ToolPlan:
+        """What the request's tools ask for (``duoserve.entrypoints.tools``); refuses what cannot be served."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "none":
+            return ToolPlan("none", [])
+        if not tools:
+            raise ConfigError("tool_choice", choice if isinstance(choice, str) else choice.model_dump(),
+                              "'none' when no tools are given")
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) < len(names):
+            raise ConfigError("tools", names, "tools with distinct function names")
+        if choice != "auto" and self.response_format is not None and self.response_format.type != "text":
+            raise ConfigError("response_format", self.response_format.type,
+                              "'text' when tool_choice asks for a call (the call has its own schema)")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ConfigError("tool_choice", choice.function.name, f"the name of a given tool ({', '.join(names)})")
+            return ToolPlan("named", tools, choice.function.name, self.parallel_tool_calls)
+        if choice == "auto" and parser is None:
+            raise ConfigError("tool_choice", "auto", "'required', 'none' or a named function: this server reads "
+                              "no tool calls out of free text (start it with --tool-call-parser hermes, "
+                              "llama3_json or mistral)")
+        return ToolPlan(choice, tools, None, self.parallel_tool_calls)
 
 
 class TokenizeRequest(_Body):

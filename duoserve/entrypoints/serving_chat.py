@@ -1,7 +1,9 @@
-"""/v1/chat/completions (through the model's chat template) and the simple /generate API."""
+"""/v1/chat/completions (through the model's chat template, with tools: ``tools.py``) and the simple
+/generate API."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import ChatCompletionRequest, GenerateRequest
 from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect, sse, usage
+from duoserve.entrypoints.tools import ToolPlan, ToolStream, for_template
 
 
 def _chat_logprobs(tokenizer, entries: list) -> dict:
@@ -24,19 +27,21 @@ def _chat_logprobs(tokenizer, entries: list) -> dict:
 
 
 class ChatServing:
-    def __init__(self, base: OpenAIServing) -> None:
+    def __init__(self, base: OpenAIServing, tool_call_parser: str | None = None) -> None:
         self.base = base
         self.engine = base.engine
+        self.tool_call_parser = tool_call_parser
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         if self.engine.group is None:
             raise APIError(503, f"the engine is unavailable: {self.engine.not_ready_reason()}")
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = for_template([m.for_template() for m in body.messages])
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 tools=tools or None, **(body.chat_template_kwargs or {}))
         except Exception as exc:  # the template itself may refuse a conversation
             raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
@@ -48,30 +53,41 @@ class ChatServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _params(lambda: body.sampling_params(max_tokens, logprobs))
-        prompt = self.chat_prompt(body)
+        plan = _params(lambda: body.tool_plan(self.tool_call_parser))
+        if plan.grammar() is not None:   # a named or required call: generated under its schema
+            params = dataclasses.replace(params, structured_outputs=plan.grammar())
+        prompt = self.chat_prompt(body, plan.tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = Streams(self.engine, [prompt], params, rid, prompt_param="messages")
         await streams.start()
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream(streams, body, rid, created), media_type="text/event-stream")
+            return StreamingResponse(self._stream(streams, body, rid, created, plan), media_type="text/event-stream")
         (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": _chat_logprobs(self.engine.tokenizer, c.logprobs) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls = plan.calls(c.text, self.tool_call_parser)
+            message = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                message["tool_calls"] = [call.as_dict() for call in calls]
+            finish = "tool_calls" if calls and c.finish_reason == "stop" and plan.mode != "named" else c.finish_reason
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": _chat_logprobs(self.engine.tokenizer, c.logprobs) if body.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.base.model_name, "choices": choices,
                              "usage": usage(len(final.prompt_token_ids), num_completion, final.num_cached_tokens)})
 
     async def _stream(self, streams: Streams, body: ChatCompletionRequest, rid: str,
-                      created: int) -> AsyncIterator[str]:
+                      created: int, plan: ToolPlan) -> AsyncIterator[str]:
         opts = body.stream_options
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.base.model_name}
         started: set[int] = set()
         num_prompt = num_cached = 0
         counts: dict[int, int] = {}
         logged: dict[int, int] = {}   # per choice, tokens whose log-probabilities went out
+        tool_streams: dict[int, ToolStream] = {}
         try:
             async for _, out in streams.merged():
                 num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
@@ -88,11 +104,19 @@ class ChatServing:
                         # possible start) went out with no chunk: their entries go with this one
                         lp = _chat_logprobs(self.engine.tokenizer, c.logprobs[logged.get(c.index, 0):len(c.token_ids)])
                         logged[c.index] = len(c.token_ids)
-                    chunk = {**head, "choices": [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text
-                                                  else {}, "logprobs": lp, "finish_reason": c.finish_reason}]}
-                    if opts is not None and opts.continuous_usage_stats:
-                        chunk["usage"] = usage(num_prompt, sum(counts.values()), num_cached)
-                    yield sse(chunk)
+                    tools = tool_streams.setdefault(c.index, ToolStream(plan, self.tool_call_parser))
+                    deltas = tools.feed(c.delta_text, c.finished) or [{}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        if not delta and not last:
+                            continue
+                        chunk = {**head, "choices": [{
+                            "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                            "finish_reason": tools.finish_reason(c.finish_reason) if last else None}]}
+                        if opts is not None and opts.continuous_usage_stats:
+                            chunk["usage"] = usage(num_prompt, sum(counts.values()), num_cached)
+                        if delta or last and (c.finished or lp is not None):
+                            yield sse(chunk)
             if opts is not None and opts.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(num_prompt, sum(counts.values()), num_cached)})
         except APIError as exc:

@@ -78,7 +78,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
+        """The template's text; ``tools`` (OpenAI's definitions) and ``variables`` (a request's
+        ``chat_template_kwargs``) reach it as variables of those names."""
         if not self.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -89,7 +92,7 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         template = env.from_string(self.chat_template)
         return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **variables, messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.token_to_text(self.bos_token_id) or "",
             eos_token=self.token_to_text(self.eos_token_ids[0] if self.eos_token_ids else None) or "",
         )

@@ -5,7 +5,9 @@ mapping, block tables) once per step, runs one forward over every scheduled toke
 computes logits only where they are needed (the last token of a sequence, or prompt
 tokens whose log-probabilities were asked for) and samples. A speculating request's guesses
 (filled in here by the draft model, if there is one) are computed with its last token and
-checked against the target's logits (``duoserve.worker.spec_verify``).
+checked against the target's logits (``duoserve.worker.spec_verify``). A request with a
+grammar (structured outputs) draws from its token mask, computed on a second thread while the
+forward runs (``duoserve.worker.grammar_masks``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -23,7 +26,7 @@ from duoserve.model.attention import AttentionMetadata
 from duoserve.model.loader import LoadedModel
 from duoserve.structured.grammar import GrammarError
 from duoserve.worker.backends import use_cpu_kernels
-from duoserve.worker.grammar_masks import GrammarMasks
+from duoserve.worker.grammar_masks import GrammarMasks, StepMasks
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, logprobs_of, sample_tensor, top_logprobs
 from duoserve.worker.spec_verify import verify
@@ -47,6 +50,7 @@ class ModelRunner:
             self._compile(block_size)
         self.drafter = None  # speculative decoding's draft model (a DraftRunner), when there is one
         self.grammar_masks: GrammarMasks | None = None   # structured outputs (the builder sets it)
+        self._mask_thread: ThreadPoolExecutor | None = None
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap space (allocate_swap)
         self.swap_seconds = 0.0   # time spent copying to and from it, and bytes copied (cumulative)
         self.swap_bytes = 0
@@ -112,17 +116,22 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [i.num_new_tokens for i in items], [i.start + i.num_new_tokens for i in items],
             [i.block_ids for i in items], self.block_size, self.device)
+        rows, row_hidden, owners = self._sampling_rows(items)
+        masks = self._start_masks(owners)   # computed on another thread while the forward runs
         hidden = self.forward(torch.tensor(token_ids, device=self.device),
                               torch.tensor(positions, device=self.device), self.kv_caches, meta)
         output = RunnerOutput(sampled={})
-        self._sample(items, hidden, output, draft_probs)
+        if rows:
+            self._sample(rows, row_hidden, owners, hidden, output, draft_probs,
+                         masks.result() if masks is not None else None)
         self._prompt_logprobs(items, hidden, output)
         return output
 
-    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput,
-                draft_probs: dict[str, torch.Tensor]) -> None:
+    @staticmethod
+    def _sampling_rows(items: list[ScheduledRequest]) -> tuple[list[SamplingRow], list[int], list]:
         """Rows to sample: the last token of a sequence (n rows for an n > 1 prompt's first token),
-        and for a speculating request its last known token and each guess."""
+        and for a speculating request its last known token and each guess; the hidden state each
+        reads, and each sampling item with its first row."""
         rows: list[SamplingRow] = []
         row_hidden: list[int] = []
         owners: list[tuple[ScheduledRequest, int]] = []  # (item, its first row)
@@ -142,9 +151,19 @@ class ModelRunner:
                 rows.append(SamplingRow(params, request.num_output_tokens + (k if guesses else 0), index,
                                         request.prompt_token_ids, outputs, stop_ids))
                 row_hidden.append(offset - 1 - (len(guesses) - k if guesses else 0))
-        if not rows:
-            return
-        masks = self.grammar_masks.fill(owners) if self.grammar_masks is not None else None
+        return rows, row_hidden, owners
+
+    def _start_masks(self, owners: list) -> Future | None:
+        """Structured outputs: the step's token masks, started on the mask thread (llguidance
+        drops the GIL), or None when no request of the step has a grammar."""
+        if self.grammar_masks is None or not any(item.request.params.structured_outputs for item, _ in owners):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+        return self._mask_thread.submit(self.grammar_masks.fill, owners)
+
+    def _sample(self, rows: list[SamplingRow], row_hidden: list[int], owners: list, hidden: torch.Tensor,
+                output: RunnerOutput, draft_probs: dict[str, torch.Tensor], masks: StepMasks | None) -> None:
         logits = self.model.compute_logits(hidden[row_hidden])  # [rows, vocab] float32
         allowed = masks.apply(logits) if masks is not None else logits  # what may be drawn
         drawn, _, _ = sample_tensor(allowed, rows, self.generator)

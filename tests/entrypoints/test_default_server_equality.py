@@ -4,7 +4,8 @@ SDK, answered whole and then streamed, gives the same text, though the second fi
 blocks in the prefix cache and computes only the rest. Then what an extraction client sends: a
 ``response_format`` JSON schema (whole and streamed: one valid document), vLLM's
 ``structured_outputs`` on completions, and a schema that cannot be enforced refused with its
-``param``. Colocated and disaggregated, the SDK unmodified."""
+``param``; and what an agent sends: tools with each tool_choice (named, required, auto read by the
+hermes parser), whole and streamed deltas alike. Colocated and disaggregated, the SDK unmodified."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
 def client(request, tmp_path_factory):
     srv = Server("--mode", request.param, "--kv-cache-memory", "0.2", "--max-model-len", "1024",
+                 "--tool-call-parser", "hermes",
                  log=tmp_path_factory.mktemp(request.param) / "log")
     try:
         yield OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -78,3 +80,65 @@ def test_structured_outputs_through_the_sdk(client):
         client.chat.completions.create(**{**request, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}})
     assert refused.value.param == "response_format.json_schema.schema" and "uniqueItems" in refused.value.message
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 20},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+    "additionalProperties": False}}}
+# what a Hermes-style model writes for a call (forced here by a grammar: the small default model
+# has no tool format of its own), for the parser to read back
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", "unit": "celsius"\}\}</tool_call>'
+
+
+def streamed_calls(chunks) -> tuple[str, list[dict], str]:
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
+            if part.id:
+                assert call["id"] is None and part.function.name, "index, id and name come first"
+                call.update(id=part.id, name=part.function.name)
+            call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_calls_through_the_sdk(client):
+    model = model_of(client)
+    request = dict(model=model, temperature=0, max_tokens=80, tools=[WEATHER, CLOCK],
+                   messages=[{"role": "user", "content": "What is the weather in Lisbon?"}])
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for choice, finish in (({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")):
+        whole = client.chat.completions.create(**request, tool_choice=choice)
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason == finish and message.content is None
+        assert message.tool_calls and all(c.id.startswith("call_") for c in message.tool_calls)
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        content, calls, streamed_finish = streamed_calls(
+            client.chat.completions.create(**request, tool_choice=choice, stream=True))
+        assert content == "" and streamed_finish == finish
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in message.tool_calls]
+    forced = dict(**request, tool_choice="auto", extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    whole = client.chat.completions.create(**forced)
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] == "celsius"
+    content, calls, finish = streamed_calls(client.chat.completions.create(**forced, stream=True))
+    assert (content, finish) == ("", "tool_calls") and [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+    free = client.chat.completions.create(**request, tool_choice="none")
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**request, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert refused.value.param == "tool_choice"

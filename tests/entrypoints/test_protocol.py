@@ -76,7 +76,8 @@ def test_a_subnormal_float_is_zero_everywhere():
     ({"tool_choice": "auto", "logit_bias": {"42": 0}, "audio": None}, None),   # asks for nothing
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, None),  # implemented
     ({"logit_bias": {"42": -100}, "allowed_token_ids": [1], "structured_outputs": {"regex": "a"}}, None),
-    ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, None),   # implemented
+    ({"functions": [{"name": "f"}], "function_call": "auto"}, "function_call"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_known_fields_not_implemented_are_named_unless_they_ask_for_nothing(extra, refused):
