@@ -98,6 +98,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None   # a grammar every completion matches
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI's)
     allowed_token_ids: tuple[int, ...] | None = None   # only these may be drawn (vLLM's)
+    bad_words: tuple[str, ...] = ()   # never generated (vLLM's): the frontend fills in their tokens below
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # a sequence's last token is banned after the rest
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +114,12 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ConfigError("logit_bias", self.logit_bias,
                                   "a map of token ids to numbers in [-100, 100]") from None
+        if not isinstance(self.bad_words, tuple):
+            object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
+                               else tuple(self.bad_words or ()))
+        if not isinstance(self.bad_words_token_ids, tuple) or not all(
+                isinstance(ids, tuple) for ids in self.bad_words_token_ids):
+            object.__setattr__(self, "bad_words_token_ids", tuple(tuple(ids) for ids in self.bad_words_token_ids))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.top_k == -1:
@@ -160,6 +168,8 @@ class SamplingParams:
                 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKENS and all(
                     isinstance(t, int) and 0 <= t < 2 ** 31 for t in self.allowed_token_ids)),
              f"a list of 1 to {MAX_ALLOWED_TOKENS} token ids, each in [0, 2^31)"),
+            ("bad_words", self.bad_words, len(self.bad_words) <= MAX_STOP and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words), f"at most {MAX_STOP} non-empty words"),
             ("cache_salt", self.cache_salt, self.cache_salt is None or (isinstance(self.cache_salt, str)
                                                                           and self.cache_salt != ""),
              "a non-empty string, or None"),
@@ -174,8 +184,8 @@ class SamplingParams:
 
     @property
     def has_biases(self) -> bool:
-        """logit_bias or allowed_token_ids: the logits change before sampling."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """logit_bias, allowed_token_ids or bad words: the logits change before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

@@ -3,8 +3,8 @@
 Fields follow OpenAI's API plus the extras that vLLM clients send (``ignore_eos``,
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``structured_outputs``,
 ``allowed_token_ids``...). A known field that would change the answer and that duoserve does
-not implement (``NOT_IMPLEMENTED``: tools, audio...) is refused by name unless its value asks
-for nothing; other unknown fields (``metadata``, ``store``...) change nothing here and are
+not implement (``NOT_IMPLEMENTED``: functions, audio, logits_processors, tools on completions...) is
+refused by name unless its value asks for nothing; other unknown fields (``metadata``, ``store``...) change nothing here and are
 accepted with a log warning.
 """
 
@@ -59,7 +59,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[dict], bool]] = {
     "audio": _never, "prediction": _never, "web_search_options": _never,
     "guided_json": _never, "guided_regex": _never, "guided_choice": _never,
     "guided_grammar": _never, "logits_processors": _never,
-    "bad_words": lambda f: f["bad_words"] == [],
 }
 
 
@@ -122,6 +121,7 @@ class SamplingFields(_Body):
     structured_outputs: StructuredOutputsBody | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar the request asks for (response_format or structured_outputs), or None."""
@@ -168,6 +168,7 @@ class SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
             structured_outputs=self.structured(), logit_bias=self.logit_bias,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
         )
 
 

@@ -10,6 +10,7 @@ call (an engine group lowers it when a smaller engine joins); it calls no engine
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 from duoserve.core.request import Request
@@ -103,9 +104,25 @@ class InputProcessor:
         while len(self._checked) > _CHECKED_GRAMMARS:
             self._checked.popitem(last=False)
 
+    def bad_words_tokens(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's rule: each word as it starts a text and, when that is another token sequence of
+        the same length, after a space."""
+        if self.tokenizer is None:
+            raise InvalidInputError("bad_words", "this model has no tokenizer: bad words cannot be found")
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            sequences.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return tuple(sequences)
+
     def build(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams,
               max_model_len: int) -> tuple[Request, RequestState]:
         """The engines' ``Request`` and the output processor's ``RequestState`` of a validated prompt."""
+        if params.bad_words and not params.bad_words_token_ids:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_tokens(params.bad_words))
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                    params.include_stop_str_in_output) if self.tokenizer else None

@@ -62,10 +62,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _apply_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """logit_bias added (OpenAI's: +-100 all but forces or bans a token); allowed_token_ids alone
-    may be drawn. Ids past the model's vocabulary (the frontend refuses them) change nothing."""
+    may be drawn; a bad word's last token is banned where the outputs end with the rest of it.
+    Ids past the model's vocabulary (the frontend refuses them) change nothing."""
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
         p = row.params
+        outputs = row.output_token_ids
+        for ids in p.bad_words_token_ids:
+            *head, last = ids
+            if last < vocab and (not head or tuple(outputs[-len(head):]) == tuple(head)):
+                logits[i, last] = float("-inf")
         if p.logit_bias:
             pairs = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
             if pairs:

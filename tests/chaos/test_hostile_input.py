@@ -102,6 +102,7 @@ HAND_CASES = [
     ({"prompt": "hi", "logit_bias": {"forty-two": 1}}, 400, "logit_bias", "a map of token ids"),
     ({"prompt": "hi", "allowed_token_ids": [3, 49152]}, 400, "allowed_token_ids", "token id 49152 is out of range"),
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", "a list of 1 to"),
+    ({"prompt": "hi", "bad_words": ["fine", " "]}, 400, "bad_words", "non-empty words"),
     ({"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format.type", "json_schema"),
     ({"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema", "a name"),
     ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {

@@ -212,3 +212,13 @@ def test_disaggregated_equals_alone(llm, alone, equality_prompts):
         for i in range(len(ids)):
             engine.release(f"r{i}")
 
+
+
+def test_bad_words_are_never_generated(llm):
+    prompt = chat(llm, "Tell me about Paris.")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0].text
+    word = next(w.strip(".,") for w in free.split() if len(w.strip(".,")) > 3)
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, bad_words=[word, "Eiffel Tower"]),
+                          use_tqdm=False)[0].outputs[0].text
+    assert re.search(rf"(^|\s){re.escape(word)}", free), free
+    assert not re.search(rf"(^|\s){re.escape(word)}", banned) and "Eiffel Tower" not in banned, (free, banned)

@@ -202,3 +202,10 @@ def test_min_tokens_yields_to_a_row_with_nothing_else_left():
     assert sample(logits, [row])[0] == [2]
     logits = torch.tensor([[float("-inf"), 0.5, 1.0, float("-inf")]])
     assert sample(logits, [row])[0] == [1]          # otherwise eos waits for min_tokens
+
+
+def test_a_bad_words_last_token_is_banned_only_after_the_rest_of_it():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    params = SamplingParams(temperature=0, bad_words_token_ids=[(1,), (3, 2)])
+    assert sample(logits, [SamplingRow(params, 0, 0, [], [], ())])[0] == [2]        # 1 alone is banned
+    assert sample(logits, [SamplingRow(params, 2, 0, [], [0, 3], ())])[0] == [3]    # after 3: 2 banned too
