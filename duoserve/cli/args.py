@@ -305,6 +305,9 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
                    help="how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: "
                         "Qwen2.5 and Hermes <tool_call> JSON). Without it 'auto' is refused; 'required' and a "
                         "named function need none (the call is generated under a grammar)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
+                        "(vLLM's names)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
     g.add_argument("--uvicorn-log-level", default="info",

@@ -44,6 +44,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None      # how the model writes tool calls (tool_choice "auto")
+    reasoning_parser: str | None = None      # how a reasoning model marks its thinking
 
 
 class BodyLimit:
@@ -134,7 +135,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     engine.on_place.append(metrics.observe_placement)
     engine.on_engine_down.append(metrics.engine_down)
     openai = OpenAIServing(engine, server.served_model_name)
-    chat = ChatServing(openai, server.tool_call_parser)
+    chat = ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import ChatCompletionRequest, GenerateRequest
+from duoserve.entrypoints.reasoning import ReasoningStream, split_reasoning
 from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect, sse, usage
 from duoserve.entrypoints.tools import ToolPlan, ToolStream, for_template
 
@@ -27,10 +28,12 @@ def _chat_logprobs(tokenizer, entries: list) -> dict:
 
 
 class ChatServing:
-    def __init__(self, base: OpenAIServing, tool_call_parser: str | None = None) -> None:
+    def __init__(self, base: OpenAIServing, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.base = base
         self.engine = base.engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         if self.engine.group is None:
@@ -56,6 +59,14 @@ class ChatServing:
         plan = _params(lambda: body.tool_plan(self.tool_call_parser))
         if plan.grammar() is not None:   # a named or required call: generated under its schema
             params = dataclasses.replace(params, structured_outputs=plan.grammar())
+        # deepseek_r1's template opens <think> in the prompt: a grammar from the first token would
+        # contradict it (qwen3's model opens it itself; under a grammar it answers without thinking)
+        thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+        if params.structured_outputs is not None and self.reasoning_parser == "deepseek_r1" and not thinking_off:
+            raise APIError(400, "a grammar (response_format, structured_outputs, a required or named tool call) "
+                           "would forbid the model's reasoning, and applying it only after </think> is not "
+                           "supported yet: send chat_template_kwargs {\"enable_thinking\": false}, or leave it "
+                           "out", param=params.structured_outputs.param)
         prompt = self.chat_prompt(body, plan.tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = Streams(self.engine, [prompt], params, rid, prompt_param="messages")
@@ -66,8 +77,11 @@ class ChatServing:
         (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
         choices = []
         for c in final.outputs:
-            content, calls = plan.calls(c.text, self.tool_call_parser)
+            reasoning, text = split_reasoning(self.reasoning_parser, c.text) if self.reasoning_parser else (None, c.text)
+            content, calls = plan.calls(text or "", self.tool_call_parser) if text is not None else (None, [])
             message = {"role": "assistant", "content": content, "refusal": None}
+            if self.reasoning_parser:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [call.as_dict() for call in calls]
             finish = "tool_calls" if calls and c.finish_reason == "stop" and plan.mode != "named" else c.finish_reason
@@ -88,6 +102,7 @@ class ChatServing:
         counts: dict[int, int] = {}
         logged: dict[int, int] = {}   # per choice, tokens whose log-probabilities went out
         tool_streams: dict[int, ToolStream] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
         try:
             async for _, out in streams.merged():
                 num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
@@ -105,7 +120,12 @@ class ChatServing:
                         lp = _chat_logprobs(self.engine.tokenizer, c.logprobs[logged.get(c.index, 0):len(c.token_ids)])
                         logged[c.index] = len(c.token_ids)
                     tools = tool_streams.setdefault(c.index, ToolStream(plan, self.tool_call_parser))
-                    deltas = tools.feed(c.delta_text, c.finished) or [{}]
+                    text, deltas = c.delta_text, []
+                    if self.reasoning_parser:
+                        thinking = reasoning_streams.setdefault(c.index, ReasoningStream(self.reasoning_parser))
+                        reasoning, text = thinking.feed(c.delta_text, c.finished)
+                        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+                    deltas = deltas + tools.feed(text, c.finished) or [{}]
                     for k, delta in enumerate(deltas):
                         last = k == len(deltas) - 1
                         if not delta and not last:

@@ -30,7 +30,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
 def client(request, tmp_path_factory):
     srv = Server("--mode", request.param, "--kv-cache-memory", "0.2", "--max-model-len", "1024",
-                 "--tool-call-parser", "hermes",
+                 "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                  log=tmp_path_factory.mktemp(request.param) / "log")
     try:
         yield OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -142,3 +142,23 @@ def test_tool_calls_through_the_sdk(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(**request, tool_choice={"type": "function", "function": {"name": "nope"}})
     assert refused.value.param == "tool_choice"
+
+
+def test_reasoning_is_split_from_the_answer(client):
+    """The qwen3 parser: what the model writes in <think>...</think> is reasoning_content (the
+    small default model has no thinking of its own: a grammar makes it write some); an answer
+    that does not open with <think> is content only."""
+    request = dict(model=model_of(client), temperature=0, max_tokens=60,
+                   messages=[{"role": "user", "content": "What is two plus two?"}],
+                   extra_body={"structured_outputs": {"regex": r"<think>\n[a-z ]{5,40}\n</think>\n\n[A-Z][a-z ]{2,30}\."}})
+    whole = client.chat.completions.create(**request)
+    message = whole.choices[0].message
+    reasoning, content = message.model_extra["reasoning_content"], message.content
+    assert reasoning and "<think>" not in reasoning and "\n" not in reasoning
+    assert content and content[0].isupper() and content.endswith(".") and "think>" not in content
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
+    plain = client.chat.completions.create(**{**request, "extra_body": {}})
+    assert plain.choices[0].message.model_extra["reasoning_content"] is None and plain.choices[0].message.content
