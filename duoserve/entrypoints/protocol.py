@@ -196,10 +196,23 @@ class ContentPart(_Body):
     text: str | None = None    # text parts; the model reads no other kind
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str   # JSON text, as the answer gave it
+
+
+class MessageToolCall(_Body):
+    """An assistant's earlier call in the history (function calls only: OpenAI's custom tools are
+    refused by the type's validation, not dropped)."""
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool", "function"]   # function: deprecated tool
     content: str | list[ContentPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None   # an assistant's calls, rendered by the chat template
+    tool_calls: list[MessageToolCall] | None = None   # an assistant's calls, rendered by the chat template
     tool_call_id: str | None = None                  # a tool message: the call it answers
     name: str | None = None
 
@@ -217,7 +230,9 @@ class ChatMessage(_Body):
 
     def for_template(self) -> dict:
         message = {"role": self.role, "content": self.text()}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump(include={"id", "type", "function"}) for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message

@@ -153,6 +153,15 @@ def test_bodies_that_are_not_requests(server):
              "content part type 'image_url' is not supported")
     _refused(_post(server, {"model": MODEL, "messages": [{"role": "user"}]}, path="/v1/chat/completions"), 400,
              "messages.0", "a message with role 'user' needs 'content'")
+    custom = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x"}}]}]
+    _refused(_post(server, {"model": MODEL, "messages": custom}, path="/v1/chat/completions"), 400,
+             "messages.1.tool_calls.0.type")
+    tools = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    _refused(_post(server, tools, path="/v1/chat/completions"), 400, "tool_choice", "--tool-call-parser")
+    _refused(_post(server, {**tools, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"not": {}}}}]}, path="/v1/chat/completions"), 400, "tools", "not")
     nul = _post(server, {"model": MODEL, "prompt": "a\u0000b\u0000", "max_tokens": 2})
     assert nul.status_code == 200 and nul.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(f"{server.url}/health", timeout=HANG_TIMEOUT_S).json() == {"status": "ok"}

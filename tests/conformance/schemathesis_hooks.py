@@ -6,8 +6,12 @@ can serve (negative token counts, token ids outside the vocabulary) are brought 
 and counts capped so a run stays short: the server refuses those with a 400 naming the
 parameter, which test_hostile_input.py checks case by case. Content parts other than text
 (images, audio, files, refusals) are left out for the same reason: the model reads text only;
-so are the fields duoserve refuses by name as not implemented (output formats, tools, logit
-biases: ``NOT_IMPLEMENTED``).
+so are the fields duoserve refuses by name as not implemented (``NOT_IMPLEMENTED``), custom
+tool calls in the history, and the tools (a definition's name and schema, a choice naming a
+tool, ``auto`` without a parser: hand cases and tests/entrypoints/test_tools.py). A
+``json_schema`` response format keeps its shape with a schema that can be enforced (schemas
+that cannot: hand cases); ``logit_bias`` maps ids into the vocabulary and biases into
+[-100, 100].
 
 The work of a request is bounded here, not its time: at most ``MAX_ITEMS`` prompts in a batch,
 messages in a chat or parts in a message, ``MAX_TOKEN_IDS`` ids in a token prompt and
@@ -65,6 +69,9 @@ def _messages(messages):
                 content = [{**p, "text": _text(p["text"])} for p in content[:MAX_ITEMS]
                            if isinstance(p, dict) and p.get("type") == "text" and "text" in p]
             message = {**message, "content": _text(content)} if "content" in message else message
+            if isinstance(message.get("tool_calls"), list):   # custom tool calls: a 400 naming the type
+                message["tool_calls"] = [c for c in message["tool_calls"][:MAX_ITEMS]
+                                         if isinstance(c, dict) and c.get("type") == "function"]
         bounded.append(message)
     return bounded
 
@@ -77,8 +84,14 @@ def map_body(ctx, body):
             if _is_number(body.get(name)):
                 body[name] = min(max(int(body[name]), 1), cap)
         body.pop("suffix", None)   # insertion is not served: a 400 naming suffix (a hand case)
-        for name in NOT_IMPLEMENTED:   # each a 400 naming it (hand cases)
+        for name in (*NOT_IMPLEMENTED, "tools", "tool_choice"):   # each a 400 naming it (hand cases)
             body.pop(name, None)
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+            fmt["json_schema"]["schema"] = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        if isinstance(body.get("logit_bias"), dict):
+            body["logit_bias"] = {str(int(k) % VOCAB): max(-100, min(100, v)) for k, v in body["logit_bias"].items()
+                                  if k.isascii() and k.lstrip("-").isdigit() and _is_number(v)}
         if body.get("best_of") is not None:   # after n's cap
             body["best_of"] = body.get("n") if _is_number(body.get("n")) else 1   # only best_of == n is served
         if body.get("top_logprobs") is not None:
