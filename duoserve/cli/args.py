@@ -16,6 +16,8 @@ from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_GIB, DEFAU
                              DEFAULT_KV_STORE_TTL, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SPEC_DISABLE_BATCH_SIZE, GGUF_MODES,
                              QUANTIZATIONS, SPEC_METHODS, eager_by_default)
+from duoserve.entrypoints.reasoning import REASONING_PARSERS
+from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,11 +303,11 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
                    help="requests in flight beyond which new ones get 429 (default: no limit)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body accepted, larger gets 413 (default: 1048576)")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: "
                         "Qwen2.5 and Hermes <tool_call> JSON). Without it 'auto' is refused; 'required' and a "
                         "named function need none (the call is generated under a grammar)")
-    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
                         "(vLLM's names)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -57,8 +57,9 @@ class ChatServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _params(lambda: body.sampling_params(max_tokens, logprobs))
         plan = _params(lambda: body.tool_plan(self.tool_call_parser))
-        if plan.grammar() is not None:   # a named or required call: generated under its schema
-            params = dataclasses.replace(params, structured_outputs=plan.grammar())
+        call_grammar = plan.grammar()
+        if call_grammar is not None:   # a named or required call: generated under its schema
+            params = dataclasses.replace(params, structured_outputs=call_grammar)
         # deepseek_r1's template opens <think> in the prompt: a grammar from the first token would
         # contradict it (qwen3's model opens it itself; under a grammar it answers without thinking)
         thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False

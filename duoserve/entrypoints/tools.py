@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 
 from duoserve.sampling_params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-
-
 @dataclass
 class ToolCall:
     name: str
@@ -120,6 +117,7 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+TOOL_CALL_PARSERS = tuple(PARSERS)   # serve --tool-call-parser's choices
 OPENING = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}   # where calls begin
 
 
