@@ -120,7 +120,7 @@ def add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
                         "(AVX512-BF16, AMX), else float32 (default: auto). float32 matches transformers exactly")
     g.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                   help="gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in memory "
+                   help="gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in memory "
                         "and compute from them (CPU); int8: quantize linear weights per output channel at load; "
                         "none: dequantize to --dtype at load (default: auto = gguf for a quantized GGUF file "
                         "on CPU, else none)")

@@ -1,6 +1,6 @@
 """Kernels that compute from GGUF's quantized blocks (``csrc/gguf_linear.c``).
 
-A Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weight stays as its raw blocks (the bytes of the file, a quarter
+A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weight stays as its raw blocks (the bytes of the file, a quarter
 to a half of bf16's):
 
 every row count, a decode step's few rows as a prompt's hundreds, goes straight through the
@@ -28,7 +28,8 @@ from duoserve.kernels.build import load_c_function
 
 # GGUF type name -> (id in gguf_linear.c, values per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
-               "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210)}
+               "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210),
+               "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24)}
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 

@@ -41,6 +41,24 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * torch.cat([low, high], dim=1) + m  # [n, 32]
 
 
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 4 bytes qh (bit j: value j's fifth bit) -> [n, 32] of 0 or 16."""
+    bits = qh.contiguous().view(torch.int32)  # [n, 1], little-endian like the file
+    return (((bits >> torch.arange(32, dtype=torch.int32)) & 1) * 16).float()
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    low, high = _nibbles(blocks[:, 6:22])
+    return d * (torch.cat([low, high], dim=1) + _fifth_bits(blocks[:, 2:6]) - 16.0)  # [n, 32]
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    low, high = _nibbles(blocks[:, 8:24])
+    return d * (torch.cat([low, high], dim=1) + _fifth_bits(blocks[:, 4:8])) + m  # [n, 32]
+
+
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, from 12 bytes -> 2 x [n, 8]."""
     p = packed.long()
@@ -96,6 +114,8 @@ _QUANTIZED = {
     "Q8_0": (32, 34, _q8_0),
     "Q4_0": (32, 18, _q4_0),
     "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
     "Q4_K": (256, 144, _q4_k),
     "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k),

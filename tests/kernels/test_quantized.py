@@ -152,7 +152,7 @@ def test_embedding_rows_from_blocks():
     assert torch.equal(embed(ids), ref[ids])
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_file_computed_from_its_blocks(tiny_dir, tmp_path, type_name):
     """A tiny model written with gguf's writer: exact mode gives the dequantized model's logits,
     fast mode close to them; the linears hold the file's blocks, the embedding too."""
@@ -204,13 +204,13 @@ def test_fingerprints_of_different_quantization_differ_by_name():
 
 
 def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
-    out = tmp_path / "tiny-Q5_0.gguf"
-    write_gguf(tiny_dir(kind="llama"), out, "Q5_0")
+    out = tmp_path / "tiny-MXFP4.gguf"
+    write_gguf(tiny_dir(kind="llama"), out, "MXFP4")
     for quantization in ("gguf", "none"):
         with pytest.raises(ModelLoadError) as err:
             load_model(ModelConfig(model=str(out), dtype="float32", quantization=quantization))
-        assert str(err.value).startswith("GGUF tensor token_embd.weight has type Q5_0, which is not supported; "
-                                         "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K")
+        assert str(err.value).startswith("GGUF tensor token_embd.weight has type MXFP4, which is not supported; "
+                                         "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K")
 
 
 # ---- the default model (SmolLM2-135M, Q4_1 layers, Q8_0 embedding), float32 ----

@@ -1,7 +1,7 @@
 /* Linear layers computed straight from GGUF quantized blocks, and their dequantization.
  *
- * Weights stay in the file's own block format: Q4_0, Q4_1, Q8_0 (32 values a block) and
- * Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
+ * Weights stay in the file's own block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 values a block)
+ * and Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
  * block. Every block type is read the same way, 32 consecutive values at a time: unsigned
  * integers q[32] (`sub_values`, or `sub_values_vec` in one 256-bit register) with a scale and
  * an offset for each half of 16 (`sub_scales`), so that
@@ -30,10 +30,16 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 6, Q5_1 = 7, LAST_TYPE = Q5_1 };
 
-static const int BLOCK_VALUES[] = {32, 32, 32, 256, 256, 256};
-static const int BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210};
+static const int BLOCK_VALUES[] = {32, 32, 32, 256, 256, 256, 32, 32};
+static const int BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210, 22, 24};
+
+/* `switch (type)` over every block type, M(arg, T) the code for type T as a constant */
+#define EACH_TYPE(M, arg) switch (type) { \
+    case Q4_0: M(arg, Q4_0) break; case Q4_1: M(arg, Q4_1) break; case Q8_0: M(arg, Q8_0) break; \
+    case Q4_K: M(arg, Q4_K) break; case Q5_K: M(arg, Q5_K) break; case Q6_K: M(arg, Q6_K) break; \
+    case Q5_0: M(arg, Q5_0) break; default: M(arg, Q5_1) break; }
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -76,7 +82,14 @@ static inline __attribute__((always_inline)) void sub_scales(int type, const uin
         offset[0] = offset[1] = (type == Q4_0 ? -8.0f : -128.0f) * d;  /* Q8_0: int8 read as uint8 - 128 */
         break;
     }
+    case Q5_0: {
+        float d = f16_to_f32(b);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = -16.0f * d;
+        break;
+    }
     case Q4_1:
+    case Q5_1:
         scale[0] = scale[1] = f16_to_f32(b);
         offset[0] = offset[1] = f16_to_f32(b + 2);
         break;
@@ -101,10 +114,12 @@ static inline __attribute__((always_inline)) void sub_scales(int type, const uin
 }
 
 /* Where the 32 values of sub-block `sub` sit. Q4_0/Q4_1: 16 bytes, low nibbles then high.
+ * Q5_0/Q5_1: the same, after 4 bytes qh whose bit j is value j's fifth bit.
  * Q8_0: 32 int8. Q4_K: 32 bytes shared by sub-blocks 2i (low nibbles) and 2i+1 (high).
  * Q5_K: the same plus bit `sub` of 32 bytes qh. Q6_K: each half of 128 values holds four runs
  * of 32, the low or high nibble of ql[0:32] or ql[32:64], topped with two bits of qh. */
-#define NIBBLES(type, b) ((b) + ((type) == Q4_0 ? 2 : 4))
+#define NIBBLES(type, b) ((b) + ((type) == Q4_0 ? 2 : (type) == Q4_1 ? 4 : (type) == Q5_0 ? 6 : 8))
+#define FIFTH_BITS(type, b) ((b) + ((type) == Q5_0 ? 2 : 4))
 
 /* values [32 * sub, 32 * sub + 32) of one block as unsigned integers (portable) */
 static inline __attribute__((always_inline)) void sub_values(int type, const uint8_t *b, int sub, uint8_t q[32]) {
@@ -113,6 +128,15 @@ static inline __attribute__((always_inline)) void sub_values(int type, const uin
     case Q4_1: {
         const uint8_t *qs = NIBBLES(type, b);
         for (int j = 0; j < 16; j++) { q[j] = qs[j] & 0x0f; q[j + 16] = qs[j] >> 4; }
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const uint8_t *qs = NIBBLES(type, b), *qh = FIFTH_BITS(type, b);
+        for (int j = 0; j < 16; j++) {
+            q[j] = (qs[j] & 0x0f) | (((qh[j / 8] >> (j % 8)) & 1) << 4);
+            q[j + 16] = (qs[j] >> 4) | (((qh[2 + j / 8] >> (j % 8)) & 1) << 4);
+        }
         break;
     }
     case Q8_0:
@@ -151,15 +175,30 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* 32 bits (little-endian bytes) -> 32 bytes, byte j 0x10 where bit j is set, else 0 */
+static inline __m256i fifth_bits_vec(const uint8_t *qh) {
+    int32_t bits;
+    memcpy(&bits, qh, 4);
+    /* byte j takes byte j / 8 of the bits (each 128-bit lane holds all four), then tests bit j % 8 */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
 /* the same 32 values in one register */
 static inline __attribute__((always_inline)) __m256i sub_values_vec(int type, const uint8_t *b, int sub) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     switch (type) {
     case Q4_0:
-    case Q4_1: {
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
         __m128i v = _mm_loadu_si128((const __m128i *)NIBBLES(type, b));
         __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
-        return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        return type == Q5_0 || type == Q5_1 ? _mm256_or_si256(q, fifth_bits_vec(FIFTH_BITS(type, b))) : q;
     }
     case Q8_0:
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
@@ -263,17 +302,15 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
  * float32 or (out_bf16) bfloat16. Returns 0, or -1 for an unknown type. */
 int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count,
                     void *out, int out_bf16, int num_threads) {
-    if (type < 0 || type > Q6_K) return -1;
+    if (type < 0 || type > LAST_TYPE) return -1;
     int64_t rows = ids ? count : n, row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     int elem = out_bf16 ? 2 : 4;
 #define DEQUANTIZE(T) \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)") \
     for (int64_t r = 0; r < rows; r++) \
         dequantize_row(T, w + (ids ? ids[r] : r) * row_bytes, k, (char *)out + r * k * elem, out_bf16);
-    switch (type) {
-    case Q4_0: DEQUANTIZE(Q4_0) break; case Q4_1: DEQUANTIZE(Q4_1) break; case Q8_0: DEQUANTIZE(Q8_0) break;
-    case Q4_K: DEQUANTIZE(Q4_K) break; case Q5_K: DEQUANTIZE(Q5_K) break; default: DEQUANTIZE(Q6_K) break;
-    }
+#define DEQUANTIZE_TYPE(unused, T) DEQUANTIZE(T)
+    EACH_TYPE(DEQUANTIZE_TYPE, 0)
     return 0;
 }
 
@@ -286,10 +323,7 @@ int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t 
     case 1: call(T, 1); break; case 2: call(T, 2); break; case 3: call(T, 3); break; case 4: call(T, 4); break; \
     case 5: call(T, 5); break; case 6: call(T, 6); break; case 7: call(T, 7); break; default: call(T, 8); break; }
 /* ... and so is the block type */
-#define DISPATCH(call) switch (type) { \
-    case Q4_0: ROWS_CASES(call, Q4_0) break; case Q4_1: ROWS_CASES(call, Q4_1) break; \
-    case Q8_0: ROWS_CASES(call, Q8_0) break; case Q4_K: ROWS_CASES(call, Q4_K) break; \
-    case Q5_K: ROWS_CASES(call, Q5_K) break; default: ROWS_CASES(call, Q6_K) break; }
+#define DISPATCH(call) EACH_TYPE(ROWS_CASES, call)
 
 /* ---- exact mode: float32 products of the dequantized weight and x ---- */
 
@@ -370,7 +404,7 @@ static inline void store_out(void *y, int io_bf16, int64_t at, float v) {
 /* x [m, k] and y [m, n]: float32, or bfloat16 with io_bf16 (sums are float32 either way) */
 int gguf_linear_exact(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
                       int num_threads) {
-    if (type < 0 || type > Q6_K) return -1;
+    if (type < 0 || type > LAST_TYPE) return -1;
     const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
     if (!x) return -2;
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
@@ -427,9 +461,9 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 
 #ifdef VEC_AVX2
 #define FAST_VEC 1
-/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q8_0, Q6_K: q - 32), with no
- * offset term; the others (Q4_1, Q4_K, Q5_K) are scale * q + offset with q unsigned. */
-#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q8_0 || (t) == Q6_K)
+/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q5_0: q - 16, Q8_0, Q6_K: q - 32),
+ * with no offset term; the others (Q4_1, Q5_1, Q4_K, Q5_K) are scale * q + offset, q unsigned. */
+#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q6_K)
 #define TILE_W 4       /* weight rows of a tile (a weight row's sums for TILE_X rows of x in registers) */
 #define TILE_X 2       /* rows of x of a tile */
 
@@ -443,6 +477,7 @@ static inline __attribute__((always_inline)) void sub_weight(int type, const uin
     if (type == Q8_0) *q = _mm256_loadu_si256((const __m256i *)(b + 2));
     else *q = sub_values_vec(type, b, sub);
     if (type == Q4_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(8));
+    if (type == Q5_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(16));
     if (type == Q6_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(32));
     *lane_scales = type == Q6_K ? _mm256_set_m128(_mm_set1_ps(scale[1]), _mm_set1_ps(scale[0])) : _mm256_set1_ps(scale[0]);
     *offset = off[0];
@@ -534,10 +569,7 @@ static inline __attribute__((always_inline)) float offset_sum(const float *offse
 #define X_CASES(call, T, W) switch (X) { \
     case 1: call(T, W, 1); break; default: call(T, W, 2); break; }
 #define W_CASES(call, T) if (W == TILE_W) { X_CASES(call, T, TILE_W) } else { X_CASES(call, T, 1) }
-#define TILE_DISPATCH(call) switch (type) { \
-    case Q4_0: W_CASES(call, Q4_0) break; case Q4_1: W_CASES(call, Q4_1) break; \
-    case Q8_0: W_CASES(call, Q8_0) break; case Q4_K: W_CASES(call, Q4_K) break; \
-    case Q5_K: W_CASES(call, Q5_K) break; default: W_CASES(call, Q6_K) break; }
+#define TILE_DISPATCH(call) EACH_TYPE(W_CASES, call)
 
 /* y = x @ w^T over quantized rows xr, the weight rows split over the threads in tiles of TILE_W;
  * with more than one tile of x rows the tile's weight rows are decoded once into a buffer */
@@ -615,7 +647,7 @@ static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint
 
 int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
                      int num_threads) {
-    if (type < 0 || type > Q6_K) return -1;
+    if (type < 0 || type > LAST_TYPE) return -1;
     const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
     if (!x) return -2;
     int xblocks = k / 32, status = 0;
