@@ -1,7 +1,7 @@
-"""The hyper-parameters of a Llama-family decoder, whatever file they came from.
+"""The hyper-parameters of a decoder (the Llama family, Gemma 3), whatever file they came from.
 
 Both loaders (a Hugging Face directory and a GGUF file) turn their metadata into
-one ``ModelArch``; the model is built from it alone.
+one ``ModelArch``; the model is built from it alone (``family`` picks the model's file).
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Gemma3ForCausalLM": (False, True),
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+# config.json's activation names -> ours (the MLP's gate activation)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,20 @@ class ModelArch:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"                       # silu or gelu_tanh, times the up projection
+    attention_scale: float | None = None           # None: head_dim ** -0.5
+    # per layer, its sliding window or None (full attention); () means sliding_window for every layer
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope: RopeConfig | None = None           # the rope of the windowed layers, where theirs differs
+
+    @property
+    def family(self) -> str:
+        """Which model file builds this decoder: ``gemma3`` or ``llama`` (Llama, Mistral, Qwen)."""
+        return "gemma3" if self.architecture.startswith("Gemma3") else "llama"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` in tokens, or None where it attends over the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -69,6 +87,14 @@ class ModelArch:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_key_value_heads", self.num_kv_heads,
                               f"a divisor of num_attention_heads ({self.num_heads})")
+        if self.hidden_act not in _ACTIVATIONS.values():
+            raise ConfigError("hidden_act", self.hidden_act, f"one of {', '.join(sorted(_ACTIVATIONS))}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ConfigError("layer_types", len(self.layer_windows),
+                              f"one entry per layer ({self.num_layers})")
+        for window in {self.sliding_window, *self.layer_windows} - {None}:
+            if window <= 0:
+                raise ConfigError("sliding_window", window, "a positive integer, or null for full attention")
 
     @property
     def q_size(self) -> int:
@@ -77,16 +103,6 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    def check_max_model_len(self, max_model_len: int) -> None:
-        """Refuse a context the checkpoint cannot attend over exactly."""
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            raise ConfigError(
-                "max_model_len", max_model_len,
-                f"at most the model's sliding_window ({self.sliding_window}): sliding-window "
-                "attention is not implemented, so longer contexts would be computed wrongly",
-                "Lower --max-model-len, or use a checkpoint without a sliding window",
-            )
 
 
 def apply_overrides(config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -100,9 +116,14 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any] | None) ->
     return merged
 
 
-def _rope_from_hf(config: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+def _rope_from_hf(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
+    # transformers >= 5 writes rope_parameters (per layer type where those differ: Gemma 3);
+    # older checkpoints rope_theta + rope_scaling (+ rope_local_base_freq for Gemma 3's local layers).
     params = dict(config.get("rope_parameters") or {})
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention":
+        return RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
     scaling = config.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
@@ -141,23 +162,44 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     sliding = config.get("sliding_window")
     if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
         sliding = None
+    gemma = architecture.startswith("Gemma3")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(field) is not None:
+            raise ConfigError(field, config[field], "null: logit soft-capping (Gemma 2) is not implemented")
+    if config.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention", True, "false: duoserve serves causal decoders")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if activation not in _ACTIVATIONS:
+        raise ConfigError("hidden_act", activation, f"one of {', '.join(sorted(_ACTIVATIONS))}")
+    num_layers = int(config["num_hidden_layers"])
+    layer_windows: tuple[int | None, ...] = ()
+    if sliding and (config.get("layer_types") or gemma):
+        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+        types = config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        layer_windows = tuple(int(sliding) if t == "sliding_attention" else None for t in types)
+    scalar = config.get("query_pre_attn_scalar")
     return ModelArch(
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(config),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
         qkv_bias=bool(config.get("attention_bias", default_bias)),
         qk_norm=qk_norm,
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        hidden_act=_ACTIVATIONS[activation],
+        attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
+        layer_windows=layer_windows,
+        local_rope=_rope_from_hf(config, "sliding_attention") if gemma else None,
     )
 

@@ -19,7 +19,7 @@ a row over its own causal context: ``AttentionMetadata`` also describes the step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,20 @@ class PrefillSeq:
     # step, read by every layer): the block table per token, and how many tokens each one sees
     token_block_tables: torch.Tensor  # [query_len, num_blocks_of_seq] long
     token_seq_lens: torch.Tensor      # [query_len] long: seq_len - query_len + 1 ... seq_len
+    _windowed: dict = field(default_factory=dict)  # window -> its mask (see visible), made on first use
+
+    def visible(self, window: int | None) -> torch.Tensor | None:
+        """[query_len, seq_len] bool: which keys each query token sees, causal and, with a sliding
+        ``window``, only the last ``window`` positions up to its own (Hugging Face's rule: key j is
+        seen from position i when i - window < j <= i); None when that is plain causal attention over
+        the chunk itself."""
+        if window is None or window >= self.seq_len:
+            return self.mask
+        if window not in self._windowed:
+            rows = torch.arange(self.query_len, device=self.block_table.device)[:, None] + (self.seq_len - self.query_len)
+            keys = torch.arange(self.seq_len, device=self.block_table.device)[None, :]
+            self._windowed[window] = (keys <= rows) & (keys > rows - window)
+        return self._windowed[window]
 
 
 @dataclass(slots=True)
@@ -47,7 +61,16 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None      # [num_decodes] long
     prefills: list[PrefillSeq]
     block_size: int
-    _decode_gather: tuple[torch.Tensor, torch.Tensor] | None = None   # see decode_gather
+    _decode_gather: dict = field(default_factory=dict)   # window -> (slots, mask): see decode_gather
+    _longest: int | None = None                          # see longest_context
+
+    def longest_context(self) -> int:
+        """The most keys any token of the step attends over (a layer with a sliding window no
+        longer than it attends exactly like one without)."""
+        if self._longest is None:
+            decodes = int(self.decode_seq_lens.max()) if self.num_decode_tokens else 0
+            self._longest = max([decodes, *(seq.seq_len for seq in self.prefills)])
+        return self._longest
 
     def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of the step as a row decoding over its own causal context, for the C
@@ -62,19 +85,23 @@ class AttentionMetadata:
         tables = [t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1])) for t, _ in parts]
         return torch.cat(tables), torch.cat([lens for _, lens in parts])
 
-    def decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_gather(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For the torch decode path (no C kernel): each decode's context slots [num_decodes * ctx]
-        (long) and an additive mask [num_decodes, 1, ctx] (float32, -inf past its length); made
-        on first use, once a step (the C kernels read the tables and lengths themselves)."""
-        if self._decode_gather is None:
+        (long) and an additive mask [num_decodes, 1, ctx] (float32, -inf past its length and, with
+        a sliding ``window``, before its last ``window`` positions); made on first use, once a step
+        and window (the C kernels read the tables and lengths themselves)."""
+        if window not in self._decode_gather:
             tables, lens, device = self.decode_block_tables, self.decode_seq_lens, self.slot_mapping.device
             offsets = torch.arange(self.block_size, device=device)
             slots = (tables[:, :, None] * self.block_size + offsets).reshape(-1)
             span = torch.arange(tables.shape[1] * self.block_size, device=device)
             mask = torch.zeros(len(lens), span.numel(), device=device)
-            mask.masked_fill_(span[None, :] >= lens[:, None], float("-inf"))  # [num_decodes, ctx]
-            self._decode_gather = (slots, mask[:, None, :])
-        return self._decode_gather
+            hidden = span[None, :] >= lens[:, None]
+            if window is not None:
+                hidden |= span[None, :] < lens[:, None] - window
+            mask.masked_fill_(hidden, float("-inf"))  # [num_decodes, ctx]
+            self._decode_gather[window] = (slots, mask[:, None, :])
+        return self._decode_gather[window]
 
     @staticmethod
     def build(
@@ -131,7 +158,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, head_slot: torch.Tensor) -> torch.Tensor:
+                      meta: AttentionMetadata, scale: float, head_slot: torch.Tensor,
+                      window: int | None) -> torch.Tensor:
     """One query token per sequence against its gathered context.
 
     Keys stay [num_decodes, ctx, num_kv_heads * head_dim] as gathered; each query head is
@@ -142,7 +170,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     width = num_kv_heads * head_dim
-    decode_slots, decode_mask = meta.decode_gather()
+    decode_slots, decode_mask = meta.decode_gather(window)
     keys = k_cache.view(-1, width).index_select(0, decode_slots).view(num_decodes, -1, width)
     values = v_cache.view(-1, width).index_select(0, decode_slots).view(num_decodes, -1, width)
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # [num_decodes, ctx, width]
@@ -157,9 +185,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       seq: PrefillSeq, scale: float) -> torch.Tensor:
+                       seq: PrefillSeq, scale: float, window: int | None) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    mask = seq.visible(window)
     if seq.mask is None:
         keys, values = k, v  # the chunk is the whole context: no need to read the cache
     else:
@@ -168,12 +197,12 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # keys, values: [seq_len, num_kv_heads, head_dim]
     group = num_heads // num_kv_heads
     if query_len * seq.seq_len <= _GROUPED_MAX_SCORES:
-        return _grouped_attention(q, keys, values, seq, scale)
+        return _grouped_attention(q, keys, values, mask, scale)
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     values = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values,  # [num_heads, query_len, head_dim]
-        attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
+        attn_mask=mask, is_causal=mask is None, scale=scale,
     )
     return out.transpose(0, 1).reshape(query_len, num_heads * head_dim)
 
@@ -183,11 +212,12 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 _GROUPED_MAX_SCORES = 512 * 2048
 
 
-def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: PrefillSeq,
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                        scale: float) -> torch.Tensor:
-    """Causal attention of one chunk, the query heads of each KV head stacked into one matmul
-    (no copy of K or V per query head). q: [query_len, num_heads, head_dim]; keys, values:
-    [seq_len, num_kv_heads, head_dim] -> [query_len, num_heads * head_dim]."""
+    """Attention of one chunk (``mask`` [query_len, seq_len] the keys each token sees, None for
+    causal over the chunk), the query heads of each KV head stacked into one matmul (no copy of K
+    or V per query head). q: [query_len, num_heads, head_dim]; keys, values: [seq_len,
+    num_kv_heads, head_dim] -> [query_len, num_heads * head_dim]."""
     query_len, num_heads, head_dim = q.shape
     seq_len, num_kv_heads = keys.shape[0], keys.shape[1]
     group = num_heads // num_kv_heads
@@ -195,7 +225,7 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     stacked = stacked.reshape(num_kv_heads, group * query_len, head_dim)  # [kv_heads, group * query_len, dim]
     scores = torch.bmm(stacked, keys.permute(1, 2, 0)).float()  # [kv_heads, group * query_len, seq_len]
     scores = scores.view(num_kv_heads, group, query_len, seq_len)
-    visible = seq.mask if seq.mask is not None else torch.ones(
+    visible = mask if mask is not None else torch.ones(
         query_len, seq_len, dtype=torch.bool, device=q.device).tril_()  # [query_len, seq_len]
     scores.mul_(scale).masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * query_len, seq_len)
@@ -206,20 +236,22 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, head_slot: torch.Tensor) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, head_slot: torch.Tensor,
+                    window: int | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
     Writes k, v into the cache, then returns the attention output [num_tokens, num_heads * head_dim].
-    ``head_slot`` [num_heads, num_kv_heads] bool marks each query head's KV head (see ``kv_head_slots``).
+    ``head_slot`` [num_heads, num_kv_heads] bool marks each query head's KV head (see ``kv_head_slots``);
+    with a sliding ``window`` each token sees only the last ``window`` positions up to its own.
     """
     num_decodes = meta.num_decode_tokens
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
     if num_decodes:
-        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot).to(q.dtype))
+        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot, window).to(q.dtype))
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale).to(q.dtype))
+        parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale, window).to(q.dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -236,13 +268,15 @@ class PagedAttention(nn.Module):
     """The attention of one layer over its paged KV cache (``paged_attention``). A module, so
     that the runner can swap it at the edge like the linears (``duoserve.worker.backends``)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = window   # a sliding window (tokens), or None to attend over the whole context
         self.register_buffer("head_slot", kv_head_slots(num_heads, num_kv_heads), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] ->
         [num_tokens, num_heads * head_dim]."""
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.head_slot)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.head_slot, self.window)

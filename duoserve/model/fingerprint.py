@@ -24,7 +24,8 @@ from duoserve.model.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm")
+                 "num_kv_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
+                 "hidden_act", "attention_scale", "sliding_window", "layer_windows")
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -62,6 +63,7 @@ def describe(arch: ModelArch, tokenizer: Tokenizer | None, path: Path, quantizat
     so a prefill and a decode engine must quantize alike."""
     values = {name: getattr(arch, name) for name in _SHAPE_FIELDS}
     values["rope"] = dataclasses.asdict(arch.rope)
+    values["local_rope"] = dataclasses.asdict(arch.local_rope) if arch.local_rope else None
     values["tokenizer"] = (hashlib.sha256(tokenizer.vocabulary_digest_source()).hexdigest()
                            if tokenizer is not None else None)
     values["weights"] = weights_digest(path)

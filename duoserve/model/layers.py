@@ -1,4 +1,5 @@
-"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, SiLU-and-multiply.
+"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, SiLU-and-multiply
+(and Gemma's variants: RMSNorm scaled by 1 + weight, tanh-GELU-and-multiply).
 
 Each piece of arithmetic between the linears is a module (``RMSNorm``, ``Rotary``,
 ``SiluAndMul``), so the runner can put an op in its place at the edge (``worker/backends.py``:
@@ -34,6 +35,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     normed = F.rms_norm(x.float(), weight.shape, None, eps)
     return weight * normed.to(x.dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the normalized value times (1 + weight), both in float32, then rounded to
+    ``x``'s dtype (Hugging Face's Gemma3RMSNorm; ``weight`` is stored as the checkpoint has it)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -102,3 +117,11 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
+
+
+class GeluTanhAndMul(nn.Module):
+    """gate_up: [num_tokens, 2 * intermediate], gate first -> gelu_tanh(gate) * up (Gemma's MLP)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -19,7 +19,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, index: int) -> None:
         super().__init__()
         self.arch = arch
         qkv_rows = arch.q_size + 2 * arch.kv_size
@@ -32,7 +32,8 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
+                                   arch.window(index))
         self.rotate = Rotary()
         self.act = SiluAndMul()
 
@@ -65,13 +66,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight  # the output projection is the table itself
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.set_rotary(arch.max_position_embeddings)
         self.requires_grad_(False)
+
+    def set_rotary(self, max_positions: int) -> None:
+        """The cos/sin tables for positions below ``max_positions`` (the context served)."""
+        self.rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope)
 
     @property
     def dtype(self) -> torch.dtype:

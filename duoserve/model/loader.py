@@ -42,7 +42,6 @@ def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
             "it was trained for",
             "Lower --max-model-len, or leave it unset to serve the model's whole context",
         )
-    arch.check_max_model_len(max_model_len)
     return max_model_len
 
 

@@ -15,9 +15,19 @@ from torch import nn
 
 from duoserve.errors import ModelLoadError
 from duoserve.model.arch import ModelArch
+from duoserve.model.gemma import Gemma3Model
 from duoserve.model.gguf_loader import GGUFBlocks
 from duoserve.model.llama import LlamaModel
-from duoserve.model.layers import RotaryEmbedding
+
+# ModelArch.family -> the model class that builds it
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaModel, "gemma3": Gemma3Model}
+
+# ModelArch.family -> (our norm name, the checkpoint's) of each layer's norms besides input_norm
+_LAYER_NORMS = {
+    "llama": [("post_norm", "post_attention_layernorm")],
+    "gemma3": [("post_attn_norm", "post_attention_layernorm"), ("pre_ffn_norm", "pre_feedforward_layernorm"),
+               ("post_ffn_norm", "post_feedforward_layernorm")],
+}
 
 TensorSource = Callable[[str], "torch.Tensor | None"]
 
@@ -51,7 +61,8 @@ def checkpoint_parts(arch: ModelArch) -> dict[str, list[tuple[str, tuple[int, ..
             parts[dst + "q_norm.weight"] = [(src + "self_attn.q_norm.weight", (arch.head_dim,))]
             parts[dst + "k_norm.weight"] = [(src + "self_attn.k_norm.weight", (arch.head_dim,))]
         parts[dst + "o_proj.weight"] = [(src + "self_attn.o_proj.weight", (h, q))]
-        parts[dst + "post_norm.weight"] = [(src + "post_attention_layernorm.weight", (h,))]
+        for ours, theirs in _LAYER_NORMS[arch.family]:
+            parts[dst + ours + ".weight"] = [(src + theirs + ".weight", (h,))]
         parts[dst + "gate_up.weight"] = [(src + "mlp.gate_proj.weight", (inter, h)),
                                          (src + "mlp.up_proj.weight", (inter, h))]
         parts[dst + "down.weight"] = [(src + "mlp.down_proj.weight", (h, inter))]
@@ -76,12 +87,12 @@ _BLOCK_PARAMS = ("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight",
 
 
 def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, device: str,
-                max_positions: int | None = None, blocks: BlockModules | None = None) -> LlamaModel:
+                max_positions: int | None = None, blocks: BlockModules | None = None) -> nn.Module:
     """Build the model on ``device`` with every parameter taken from ``source``. With ``blocks``,
     linear weights and the embedding that the source holds as GGUF blocks of ``blocks.types``
     stay in blocks, in ``blocks``' modules; a tied output projection then reads the embedding's."""
     with torch.device("meta"):
-        model = LlamaModel(arch)
+        model = MODEL_CLASSES[arch.family](arch)
     embed_blocks = None
     # One parameter at a time, straight to the device: the peak is the model plus one tensor.
     for name, pieces in checkpoint_parts(arch).items():
@@ -103,7 +114,7 @@ def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, devic
         model.lm_head.weight = model.embed.weight   # loading replaced the parameter the two shared
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     assert not missing, f"parameters left unloaded: {missing}"
-    model.rotary = RotaryEmbedding(arch.head_dim, max_positions or arch.max_position_embeddings, arch.rope)
+    model.set_rotary(max_positions or arch.max_position_embeddings)
     return model.to(device).eval()
 
 
@@ -124,6 +135,6 @@ def _block_parts(pieces: list[tuple[str, tuple[int, ...]]], source: TensorSource
     return parts
 
 
-def _set_submodule(model: LlamaModel, path: str, module: nn.Module) -> None:
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -40,8 +40,10 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     if not decode_step_available():
         return "csrc/cpu_ops.cpp is not built"
     arch = getattr(model, "arch", None)
-    if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary"):
+    if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family != "llama":
         return "not a Llama-family decoder"
+    if any(arch.window(i) is not None for i in range(arch.num_layers)):
+        return "sliding-window attention (the C++ decode step attends over whole contexts)"
     dtype = model.dtype
     if model.device.type != "cpu":
         return f"the model is on {model.device.type}"

@@ -7,6 +7,8 @@ transports: the same tokens as a colocated engine, both pools whole afterwards.
 from __future__ import annotations
 
 import random
+
+import pytest
 import time
 
 from duoserve import SamplingParams
@@ -52,8 +54,9 @@ def prompts():
     return [[rng.randrange(256) for _ in range(n)] for n in (1, 7, 16, 33, 90)] + [shared + [1, 2], shared + [3]]
 
 
-def test_greedy_and_seeded_equal_colocated_across_block_sizes(tiny_dir):
-    path = tiny_dir(kind="llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_greedy_and_seeded_equal_colocated_across_block_sizes(tiny_dir, kind):
+    path = tiny_dir(kind=kind)
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=20, ignore_eos=True)):
         colocated = LLM(str(path), dtype="float32", kv_cache_memory=0.01)

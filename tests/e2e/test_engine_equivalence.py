@@ -43,10 +43,11 @@ def run(path, prompts, **kwargs):
     return llm, outs
 
 
-@pytest.fixture(scope="module")
-def baseline(tiny_dir):
-    """Each prompt alone, no chunking, no prefix cache: the reference."""
-    path = tiny_dir(kind="llama")
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def baseline(tiny_dir, request):
+    """Each prompt alone, no chunking, no prefix cache: the reference. gemma3: a layer with a window
+    of 8, so chunks, cached prefixes and preempted sequences attend through windows too."""
+    path = tiny_dir(kind=request.param)
     prompts = prompts_with_shared_prefixes()
     outs = []
     for p in prompts:

@@ -47,7 +47,7 @@ def test_unsupported_architecture(tiny_dir, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_model(ModelConfig(model=str(path)))
     assert str(err.value) == ("architecture='GPT2LMHeadModel' is not allowed: supported architectures are "
-                              "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+                              "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM")
 
 
 def test_missing_tensor(tiny_dir, tmp_path):
@@ -89,12 +89,28 @@ def test_hf_overrides_must_be_an_object():
         ModelConfig(hf_overrides=[1])
 
 
-def test_mistral_sliding_window_shorter_than_context(tiny_dir):
+def test_a_sliding_window_shorter_than_the_context_is_served(tiny_dir):
+    """Windows are attended (tests/model/test_model_hf.py: mistral-window): no longer a reason to cap
+    the context at the window."""
     path = str(tiny_dir(kind="mistral", sliding_window=128))
-    with pytest.raises(ConfigError) as err:
-        load_model(ModelConfig(model=path))
-    assert "max_model_len=512 is not allowed: at most the model's sliding_window (128)" in str(err.value)
-    assert load_model(ModelConfig(model=path, max_model_len=128)).arch.sliding_window == 128
+    loaded = load_model(ModelConfig(model=path))
+    assert loaded.arch.sliding_window == 128 and loaded.arch.window(0) == 128
+    assert all(layer.attn.window == 128 for layer in loaded.model.layers)
+
+
+def test_a_bad_window_or_activation_names_the_field():
+    from duoserve.model.arch import arch_from_hf_config
+
+    base = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "sliding_window": 4}
+    with pytest.raises(ConfigError, match=r"^hidden_act='relu' is not allowed: one of gelu_pytorch_tanh"):
+        arch_from_hf_config({**base, "hidden_activation": "relu"})
+    with pytest.raises(ConfigError, match=r"^final_logit_softcapping=30.0 is not allowed: null: logit soft-capping"):
+        arch_from_hf_config({**base, "final_logit_softcapping": 30.0})
+    with pytest.raises(ConfigError, match=r"^layer_types=3 is not allowed: one entry per layer \(2\)"):
+        arch_from_hf_config({**base, "layer_types": ["full_attention"] * 3})
+    with pytest.raises(ConfigError, match=r"^sliding_window=-1 is not allowed: a positive integer"):
+        arch_from_hf_config({**base, "sliding_window": -1, "layer_types": ["sliding_attention"] * 2})
 
 
 def test_default_model_not_installed(monkeypatch):

@@ -23,6 +23,11 @@ CASES = {
     "qwen3": dict(kind="qwen3"),
     "qwen3-sharded-tied": dict(kind="qwen3", sharded=True, tie_word_embeddings=True),
     "mistral": dict(kind="mistral", sliding_window=None),
+    "mistral-window": dict(kind="mistral", sliding_window=8),   # the prompt is longer than the window
+    "gemma3": dict(kind="gemma3"),
+    "gemma3-linear-rope": dict(kind="gemma3", num_hidden_layers=4, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 

@@ -236,6 +236,26 @@ def test_models_the_decode_step_cannot_take_say_why(compiled_llm, monkeypatch):
     assert why_not(runner.model, runner.kv_caches) == "a linear layer without packed weights of the model's dtype"
 
 
+def test_compiled_gemma3_with_windows_equals_eager(tiny_dir):
+    """Gemma 3 (a local layer with a window of 8, sandwich norms, tanh-GELU) through the compiled
+    step: its layers run their modules (the C++ attention and decode step attend over whole
+    contexts, and say so), and chunks, prefix hits and preemption past the window give eager's tokens."""
+    from duoserve.worker.fused_decode import why_not
+
+    path = str(tiny_dir(kind="gemma3"))
+    eager = LLM(path, enforce_eager=True, **SETTINGS)
+    compiled = LLM(path, enforce_eager=False, **SETTINGS)
+    runner = compiled.engine.runner
+    assert type(runner.forward).__name__ == "CompiledModel"
+    assert why_not(runner.model, runner.kv_caches) == "not a Llama-family decoder"
+    assert runner.forward.context.native is False
+    prompts = prompts_with_shared_prefixes()
+    assert_same_outputs(compiled.generate(prompts, PARAMS, use_tqdm=False),
+                        eager.generate(prompts, PARAMS, use_tqdm=False), "gemma3 compiled vs eager")
+    assert compiled.engine.scheduler.num_preemptions > 0 and compiled.engine.kv.num_hits > 0
+    assert_pool_whole(compiled)
+
+
 def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):
     """A GGUF model computed from its blocks (both modes) through the compiled step: the opaque
     ops ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` give the eager tokens."""
