@@ -3,6 +3,8 @@
 GGUF names tensors llama.cpp's way (``blk.3.attn_q.weight``) and, for the ``llama``
 architecture, stores Q and K with their rows permuted for interleaved rotary; we
 rename to Hugging Face names and undo the permutation so one model serves both.
+llama.cpp's Gemma converter stores every norm weight plus one (its RMSNorm multiplies
+by the weight itself); we subtract it again, as transformers does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class GGUFBlocks:
     def nbytes(self) -> int:
         return self.data.numel()
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -52,16 +55,24 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# where Gemma's sandwich norms differ: ffn_norm is the norm before its MLP, not after attention
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if gguf_arch.startswith("gemma") else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -94,20 +105,32 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
     }
     if meta.get(p + "rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+    if gguf_arch == "gemma3":
+        # what llama.cpp fixes for Gemma 3 rather than stores: five local layers to one global, the
+        # local rope base, the tanh GELU, and the attention scale from the head size (hidden / heads
+        # for the 62-layer 27B model), unless the file states a scale
+        scalar = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]
+        if meta.get(p + "attention.scale"):
+            scalar = float(meta[p + "attention.scale"]) ** -2
+        config.update(hidden_activation="gelu_pytorch_tanh", rope_local_base_freq=10000.0,
+                      sliding_window=int(meta[p + "attention.sliding_window"]),
+                      sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)),
+                      query_pre_attn_scalar=scalar)
     return config
 
 
 class GGUFSource:
     """Dequantized tensors of a GGUF file under Hugging Face names."""
 
-    def __init__(self, reader: Any, arch: ModelArch, permuted_qk: bool) -> None:
+    def __init__(self, reader: Any, arch: ModelArch, permuted_qk: bool, gguf_arch: str = "llama") -> None:
         self._tensors = {}
         for tensor in reader.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, gguf_arch)
             if name is not None:
                 self._tensors[name] = tensor
         self._arch = arch
         self._permuted_qk = permuted_qk
+        self._norms_plus_one = gguf_arch.startswith("gemma")
 
     def __call__(self, name: str) -> torch.Tensor | None:
         tensor = self._tensors.get(name)
@@ -118,6 +141,8 @@ class GGUFSource:
         if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
             values = _unpermute(values, heads)
+        if self._norms_plus_one and name.endswith("norm.weight"):
+            values = values - 1.0
         return values
 
     def blocks(self, name: str, types: Collection[str]) -> GGUFBlocks | None:

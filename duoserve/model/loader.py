@@ -75,7 +75,8 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
 
         reader, meta, arch = open_gguf(path, config.hf_overrides)
         tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids) if "tokenizer.ggml.tokens" in meta else None
-        source = GGUFSource(reader, arch, permuted_qk=meta.get("general.architecture") == "llama")
+        gguf_arch = str(meta.get("general.architecture"))
+        source = GGUFSource(reader, arch, permuted_qk=gguf_arch == "llama", gguf_arch=gguf_arch)
     else:
         from duoserve.model.hf_loader import SafetensorsSource, read_hf_arch
 

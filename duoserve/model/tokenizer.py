@@ -1,7 +1,8 @@
 """Tokenizers: from a Hugging Face ``tokenizer.json`` or rebuilt from GGUF metadata.
 
-A GGUF file stores a byte-level BPE vocabulary as lists (tokens, token types,
-merges). We rebuild the same ``tokenizers.Tokenizer`` that transformers builds
+A GGUF file stores its vocabulary as lists (tokens, token types, and merges for a
+byte-level BPE; scores for a SentencePiece one, whose merges are implied by the
+vocabulary). We rebuild the same ``tokenizers.Tokenizer`` that transformers builds
 from it, so ids match token for token, special tokens such as ``<|im_start|>``
 included.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from duoserve.errors import ModelLoadError
 
@@ -113,18 +114,53 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
+# Gemma's end of a chat turn: llama.cpp ends generation on it by its text (the file's eos is <eos>)
+_END_OF_TURN = "<end_of_turn>"
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Tokenizer:
     """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata)."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if kind == "llama" and gemma:
+        backend = _sentencepiece_bpe(meta)
+    elif kind == "gpt2":
+        backend = _byte_level_bpe(meta)
+    else:
         raise ModelLoadError(
-            f"tokenizer.ggml.model={kind!r} is not supported: duoserve rebuilds byte-level BPE ('gpt2') "
-            "tokenizers from GGUF files; use the Hugging Face directory of this model instead"
+            f"tokenizer.ggml.model={kind!r} is not supported here: duoserve rebuilds byte-level BPE ('gpt2') "
+            "tokenizers, and Gemma's SentencePiece ('llama') one, from GGUF files; use the Hugging Face "
+            "directory of this model instead"
         )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    letters = set(byte_alphabet().values()) if kind == "gpt2" else None
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
+    # would grow the vocabulary past the model's, so it is left out (as transformers does).
+    control = [AddedToken(t, normalized=False, special=True)
+               for t, kind_ in zip(tokens, token_types) if kind_ == _CONTROL and (letters is None or set(t) <= letters)]
+    backend.add_special_tokens(control)
+    vocab = backend.get_vocab()
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and (letters or t in vocab)]
+    backend.add_tokens(user)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    end_of_turn = [backend.token_to_id(_END_OF_TURN)] if gemma and backend.token_to_id(_END_OF_TURN) is not None else []
+    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos, *end_of_turn]))
+    return Tokenizer(
+        backend,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _byte_level_bpe(meta: dict[str, Any]) -> HFTokenizer:
+    """GPT-2's byte-level BPE from the file's tokens and merges, with its pre-tokenizer's split."""
     alphabet = byte_alphabet()
     letters = set(alphabet.values())
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {}
     for index, token in enumerate(tokens):
         spelled = token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
@@ -141,23 +177,33 @@ def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Toke
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     backend.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
-    # would grow the vocabulary past the model's, so it is left out (as transformers does).
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, kind_ in zip(tokens, token_types) if kind_ == _CONTROL and set(t) <= letters]
-    backend.add_special_tokens(control)
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED]
-    backend.add_tokens(user)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos]))
-    return Tokenizer(
-        backend,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
-        chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-    )
+    return backend
+
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_bpe(meta: dict[str, Any]) -> HFTokenizer:
+    """Gemma's SentencePiece BPE (byte fallback, spaces as U+2581). The file lists no merges: every
+    token's splits into two tokens are merges, best first, where a token ranks by its place in the
+    file (Gemma's scores do not follow its merge order); a token made of spaces is stored with real
+    spaces and looked up as U+2581s."""
+    tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges: list[tuple[int, int, int, str, str]] = []  # (rank, -len left, -len right, left, right)
+    for rank, token in enumerate(tokens):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((rank, -len(left), -len(right), left, right) for left, right in splits)
+    merges.sort(key=lambda m: m[:3])  # stable: a token's own splits keep their order
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], dropout=None,
+                                     unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
+                                     byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 def _token_content(value: Any) -> str | None:

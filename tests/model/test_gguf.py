@@ -58,11 +58,18 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "mlp.down_proj": "ffn_down"}
 
 
-def write_gguf(hf_dir: Path, out: Path, type_name: str) -> dict[str, np.ndarray]:
-    """Convert a tiny HF checkpoint to GGUF; returns the dequantized weights actually stored."""
+GEMMA_LAYER = {**GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[str, np.ndarray]:
+    """Convert a tiny HF checkpoint to GGUF as llama.cpp's converter does (Gemma: its norms stored
+    plus one); returns the dequantized weights actually stored, in the checkpoint's terms.
+    ``tokenizer``: a function given the writer, to add a vocabulary."""
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-        config["architectures"][0]]
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+            "Gemma3ForCausalLM": "gemma3"}[config["architectures"][0]]
+    layer_names = GEMMA_LAYER if arch == "gemma3" else GGUF_LAYER
     writer = GGUFWriter(str(out), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -72,8 +79,15 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str) -> dict[str, np.ndarray]
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        types = config["layer_types"]
+        writer.add_uint32("gemma3.attention.sliding_window_pattern", types.index("full_attention") + 1)
+    if tokenizer is not None:
+        tokenizer(writer)
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
         if isinstance(config.get(key), int):  # the checkpoint's special ids, as a converter writes them
             add(config[key])
@@ -89,8 +103,10 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str) -> dict[str, np.ndarray]
         if gguf_name is None:
             layer, rest = name[len("model.layers."):].split(".", 1)
             stem, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{GGUF_LAYER[stem]}.{kind}"
+            gguf_name = f"blk.{layer}.{layer_names[stem]}.{kind}"
         t = qtype if w.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as llama.cpp does
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1.0
         data = quants.quantize(w, t)
         writer.add_tensor(gguf_name, data, raw_dtype=t)
         # Quantization blocks run along rows, so permuting rows commutes with it.
@@ -106,10 +122,11 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str) -> dict[str, np.ndarray]
 TYPE_ERROR = {"F32": 1e-6, "F16": 2e-3, "BF16": 5e-2, "Q8_0": 5e-2, "Q5_1": 0.3, "Q4_0": 0.6}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("type_name", list(TYPE_ERROR))
 def test_gguf_file_gives_original_logits(tiny_dir, tmp_path, kind, type_name):
-    hf_dir = tiny_dir(kind=kind)
+    # a Gemma 3 GGUF file's attention scale is its head size's (llama.cpp stores no query_pre_attn_scalar)
+    hf_dir = tiny_dir(kind=kind, query_pre_attn_scalar=16) if kind == "gemma3" else tiny_dir(kind=kind)
     out = tmp_path / f"tiny-{type_name}.gguf"
     stored = write_gguf(hf_dir, out, type_name)
     original = forward_one(load_model(ModelConfig(model=str(hf_dir), dtype="float32")).model, PROMPT)
