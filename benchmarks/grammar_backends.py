@@ -18,11 +18,11 @@ import statistics
 import time
 from importlib.metadata import version
 
-import gguf
 import torch
 
 from duoserve.model.paths import default_model_path
-from duoserve.model.tokenizer import byte_alphabet, read_metadata, tokenizer_from_gguf
+from duoserve.model.gguf_file import read_gguf
+from duoserve.model.tokenizer import byte_alphabet, tokenizer_from_gguf
 from structured_outputs import SCHEMAS
 
 VOCAB = 49152
@@ -150,7 +150,7 @@ def measure(backend, tokenizer) -> dict:
 
 def main() -> None:
     torch.set_num_threads(1)
-    tokenizer = tokenizer_from_gguf(read_metadata(gguf.GGUFReader(str(default_model_path()))), (2,))
+    tokenizer = tokenizer_from_gguf(read_gguf(default_model_path()).meta, (2,))
     results = {}
     for name, make in (("llguidance", llguidance_backend), ("xgrammar", xgrammar_backend),
                        ("outlines-core", outlines_backend)):

@@ -59,11 +59,9 @@ def load_tokenizer(path: str | None):
     if resolved.is_dir():
         tokenizer = tokenizer_from_hf_dir(resolved, None, ())
     else:
-        from gguf import GGUFReader
+        from duoserve.model.gguf_file import read_gguf
 
-        from duoserve.model.tokenizer import read_metadata
-
-        tokenizer = tokenizer_from_gguf(read_metadata(GGUFReader(str(resolved))), ())
+        tokenizer = tokenizer_from_gguf(read_gguf(resolved).meta, ())
     if tokenizer is None:
         raise ConfigError("tokenizer", path, "a directory with tokenizer.json, or a GGUF file with a vocabulary")
     return tokenizer

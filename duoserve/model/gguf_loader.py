@@ -20,7 +20,7 @@ import torch
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config
 from duoserve.model.dequant import dequantize
-from duoserve.model.tokenizer import read_metadata
+from duoserve.model.gguf_file import GGUFFile, read_gguf
 
 
 @dataclasses.dataclass
@@ -122,7 +122,7 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
 class GGUFSource:
     """Dequantized tensors of a GGUF file under Hugging Face names."""
 
-    def __init__(self, reader: Any, arch: ModelArch, permuted_qk: bool, gguf_arch: str = "llama") -> None:
+    def __init__(self, reader: GGUFFile, arch: ModelArch, permuted_qk: bool, gguf_arch: str = "llama") -> None:
         self._tensors = {}
         for tensor in reader.tensors:
             name = hf_name(tensor.name, gguf_arch)
@@ -165,19 +165,17 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def open_gguf(path: Path, hf_overrides: dict[str, Any] | None) -> tuple[Any, dict[str, Any], ModelArch]:
-    from gguf import GGUFReader
-
+def open_gguf(path: Path, hf_overrides: dict[str, Any] | None) -> tuple[GGUFFile, dict[str, Any], ModelArch]:
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises bare ValueError/struct errors
+        reader = read_gguf(path)
+    except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    meta = read_metadata(reader)
+    meta = reader.meta
     names = {t.name for t in reader.tensors}
     config = apply_overrides(_hf_config_from_gguf(meta, names), hf_overrides)
     arch = arch_from_hf_config(config)
     if "rope_freqs.weight" in names:
         freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel())
+        factors = tuple(float(x) for x in freqs.data.view(np.float32))
         arch = dataclasses.replace(arch, rope=RopeConfig(theta=arch.rope.theta, freq_factors=factors))
     return reader, meta, arch

@@ -104,16 +104,6 @@ class Tokenizer:
         return json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
 
 
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """A GGUF file's key/value metadata (from a ``gguf.GGUFReader``), without its tensors."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta
-
-
 # Gemma's end of a chat turn: llama.cpp ends generation on it by its text (the file's eos is <eos>)
 _END_OF_TURN = "<end_of_turn>"
 

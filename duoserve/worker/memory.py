@@ -71,9 +71,9 @@ def measure_prefill_scratch(run_forward, kv_buffer: "torch.Tensor") -> int | Non
 def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:
     """Bytes the weights will take, from the checkpoint's tensor sizes (no weights are read)."""
     if path.is_file():
-        from gguf import GGUFReader
+        from duoserve.model.gguf_file import read_gguf
 
-        tensors = GGUFReader(str(path)).tensors
+        tensors = read_gguf(path).tensors
         if quantization == "gguf":
             return sum(int(t.n_bytes) for t in tensors)
         return sum(int(t.n_elements) for t in tensors) * dtype_bytes

@@ -13,11 +13,11 @@ from duoserve.structured.grammar import GrammarCompiler, GrammarError
 
 @pytest.fixture(scope="module")
 def compiler():
-    import gguf
     from duoserve.model.paths import default_model_path
-    from duoserve.model.tokenizer import read_metadata, tokenizer_from_gguf
+    from duoserve.model.gguf_file import read_gguf
+    from duoserve.model.tokenizer import tokenizer_from_gguf
 
-    tokenizer = tokenizer_from_gguf(read_metadata(gguf.GGUFReader(str(default_model_path()))), (2,))
+    tokenizer = tokenizer_from_gguf(read_gguf(default_model_path()).meta, (2,))
     return GrammarCompiler(tokenizer, 49152, (2,))
 
 

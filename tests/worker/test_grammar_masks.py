@@ -27,11 +27,11 @@ def test_bits_unpack_to_the_tokens_they_name():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    import gguf
     from duoserve.model.paths import default_model_path
-    from duoserve.model.tokenizer import read_metadata, tokenizer_from_gguf
+    from duoserve.model.gguf_file import read_gguf
+    from duoserve.model.tokenizer import tokenizer_from_gguf
 
-    return tokenizer_from_gguf(read_metadata(gguf.GGUFReader(str(default_model_path()))), (2,))
+    return tokenizer_from_gguf(read_gguf(default_model_path()).meta, (2,))
 
 
 @pytest.fixture(scope="module")
