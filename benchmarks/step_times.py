@@ -1,6 +1,7 @@
 """Median decode-step times of an engine, in this process: batch 1 and 32, greedy and temperature 1.
 
     python benchmarks/step_times.py --dtype float32
+    python benchmarks/step_times.py --model ~/models/gemma-3-270m-q4_k_m.gguf --max-model-len 4096
     git worktree add ../duoserve-old REV && PYTHONPATH=../duoserve-old python benchmarks/step_times.py
 
 Prompts of 128 random tokens, 64 new tokens each; the median step after the prefills, the
@@ -27,6 +28,9 @@ def main() -> None:
                              "model is a GGUF file, which now defaults to gguf)")
     parser.add_argument("--gguf-mode", default=None, choices=["fast", "exact"])
     parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default=None, help="a model path (default: the packaged default model)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
 
     import duoserve
@@ -34,7 +38,8 @@ def main() -> None:
     from duoserve.core.request import Request
 
     extra = {k: v for k, v in (("quantization", args.quantization), ("gguf_mode", args.gguf_mode),
-                               ("kv_cache_dtype", args.kv_cache_dtype)) if v}
+                               ("kv_cache_dtype", args.kv_cache_dtype), ("model", args.model),
+                               ("max_model_len", args.max_model_len), ("enforce_eager", args.enforce_eager)) if v}
     engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads, **extra).engine
     rng = random.Random(0)
 

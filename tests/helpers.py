@@ -14,7 +14,8 @@ TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int = 0,
                          tokenizer_dir: Path | None = None, **overrides: Any) -> None:
     """Save a random transformers model of ``kind`` (llama, qwen2, qwen3, mistral, gemma3) as safetensors.
-    gemma3: a local layer with a sliding window of 8 (shorter than most test prompts) then a global one."""
+    gemma3: a local layer with a sliding window of 8 (shorter than most test prompts) then a global one;
+    gemma2 the same, with soft-caps small enough to change the scores and logits."""
     import transformers
 
     config_cls, model_cls = {
@@ -23,23 +24,27 @@ def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[kind]
     params = {**TINY_BASE, **overrides}
-    if kind in ("qwen3", "gemma3"):
+    if kind in ("qwen3", "gemma3", "gemma2"):
         params.setdefault("head_dim", 16)
-    if kind == "gemma3":
+    if kind == "gemma2":
+        params.setdefault("attn_logit_softcapping", 0.5)
+        params.setdefault("final_logit_softcapping", 3.0)
+    if kind in ("gemma3", "gemma2"):
         params.setdefault("query_pre_attn_scalar", 24)   # not head_dim, so the scale's source shows
         params.setdefault("sliding_window", 8)
         params.setdefault("layer_types", ["sliding_attention", "full_attention"] * (params["num_hidden_layers"] // 2))
     config = config_cls(**params)
-    if kind == "gemma3":
-        config.architectures = ["Gemma3ForCausalLM"]
+    if kind in ("gemma3", "gemma2"):
+        config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # widen the init so logits are not all near zero
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma scales by 1 + weight
-                p.uniform_(-0.5, 0.5) if kind == "gemma3" else p.uniform_(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if kind.startswith("gemma") else p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.08 if p.dim() == 2 else 0.05)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "5GB")

@@ -62,21 +62,23 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 class CAttention(nn.Module):
     """A layer's attention in the C kernels. ``reference`` is the module it replaces (the torch
     reference, with the layer's ``scale`` and ``window``): it runs a part the C kernel declines
-    (out of scratch memory), after the same KV write, and a step where a layer's sliding window
-    is shorter than some context (the C kernels attend over whole contexts)."""
+    (out of scratch memory), after the same KV write, a step where a layer's sliding window is
+    shorter than some context (the C kernels attend over whole contexts), and every step of a
+    layer whose scores are soft-capped (the C kernels do not cap)."""
 
     def __init__(self, reference: nn.Module) -> None:
         super().__init__()
         self.reference = reference
         self.scale = reference.scale
         self.window = reference.window
+        self.cap = reference.cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: StepMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> [num_tokens,
         num_heads * head_dim]; k and v written into the caches first."""
         k_cache, v_cache = kv_cache
-        if self.window is not None and meta.longest_context() > self.window:
+        if self.cap is not None or (self.window is not None and meta.longest_context() > self.window):
             return self.reference(q, k, v, kv_cache, meta)
         num_decodes = meta.num_decode_tokens
         if num_decodes and not meta.prefills:

@@ -64,8 +64,10 @@ class StepContext:
     def __post_init__(self) -> None:
         # what every announcement passes, fixed for the model's life: gathered once, not each step
         k_cache = self.kv_caches[0][0]
-        # the C++ op attends over whole contexts: a model with sliding windows runs its layers' modules
-        windowed = any(getattr(layer, "window", None) is not None for layer in self.layers)
+        # the C++ op attends over whole contexts, uncapped: a model with sliding windows or soft-capped
+        # scores runs its layers' modules
+        windowed = any(getattr(layer, "window", None) is not None or getattr(layer, "cap", None) is not None
+                       for layer in self.layers)
         self.native = (k_cache.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES and native_attention()
                        and not windowed)
         self._k_caches = [k for k, _ in self.kv_caches]

@@ -1,4 +1,4 @@
-"""The hyper-parameters of a decoder (the Llama family, Gemma 3), whatever file they came from.
+"""The hyper-parameters of a decoder (the Llama family, Gemma 2 and 3), whatever file they came from.
 
 Both loaders (a Hugging Face directory and a GGUF file) turn their metadata into
 one ``ModelArch``; the model is built from it alone (``family`` picks the model's file).
@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Gemma2ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
 }
 
@@ -61,11 +62,13 @@ class ModelArch:
     # per layer, its sliding window or None (full attention); () means sliding_window for every layer
     layer_windows: tuple[int | None, ...] = ()
     local_rope: RopeConfig | None = None           # the rope of the windowed layers, where theirs differs
+    attn_logit_softcap: float | None = None        # scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcap: float | None = None       # the same on the logits (Gemma 2)
 
     @property
     def family(self) -> str:
-        """Which model file builds this decoder: ``gemma3`` or ``llama`` (Llama, Mistral, Qwen)."""
-        return "gemma3" if self.architecture.startswith("Gemma3") else "llama"
+        """Which model file builds this decoder: ``gemma`` (Gemma 2, 3) or ``llama`` (Llama, Mistral, Qwen)."""
+        return "gemma" if self.architecture.startswith("Gemma") else "llama"
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens, or None where it attends over the whole context."""
@@ -162,10 +165,12 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     sliding = config.get("sliding_window")
     if architecture.startswith("Qwen") and not config.get("use_sliding_window", False):
         sliding = None
-    gemma = architecture.startswith("Gemma3")
-    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if config.get(field) is not None:
-            raise ConfigError(field, config[field], "null: logit soft-capping (Gemma 2) is not implemented")
+    gemma = architecture.startswith("Gemma")
+    gemma3 = architecture.startswith("Gemma3")
+    if not gemma:
+        for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if config.get(field) is not None:
+                raise ConfigError(field, config[field], f"null: {architecture} has no logit soft-capping")
     if config.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention", True, "false: duoserve serves causal decoders")
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
@@ -174,7 +179,8 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     num_layers = int(config["num_hidden_layers"])
     layer_windows: tuple[int | None, ...] = ()
     if sliding and (config.get("layer_types") or gemma):
-        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+                      or (6 if gemma3 else 2))  # Gemma 3: five local layers to one global; Gemma 2: alternate
         types = config.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         layer_windows = tuple(int(sliding) if t == "sliding_attention" else None for t in types)
@@ -200,6 +206,16 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         hidden_act=_ACTIVATIONS[activation],
         attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
         layer_windows=layer_windows,
-        local_rope=_rope_from_hf(config, "sliding_attention") if gemma else None,
+        local_rope=_rope_from_hf(config, "sliding_attention") if gemma3 else None,
+        attn_logit_softcap=_cap(config.get("attn_logit_softcapping")) if gemma else None,
+        final_logit_softcap=_cap(config.get("final_logit_softcapping")) if gemma else None,
     )
+
+
+def _cap(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError("logit_softcapping", value, "a positive number, or null")
+    return float(value)
 

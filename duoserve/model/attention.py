@@ -157,9 +157,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma 2's attention-logit soft-capping), before any mask."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, head_slot: torch.Tensor,
-                      window: int | None) -> torch.Tensor:
+                      window: int | None, cap: float | None = None) -> torch.Tensor:
     """One query token per sequence against its gathered context.
 
     Keys stay [num_decodes, ctx, num_kv_heads * head_dim] as gathered; each query head is
@@ -176,8 +181,11 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys, values = keys.to(q.dtype), values.to(q.dtype)  # [num_decodes, ctx, width]
     slot = head_slot.to(q.dtype)[None, :, :, None]  # [1, num_heads, num_kv_heads, 1]: 1 at each head's KV head
     spread = (q[:, :, None, :] * slot).view(num_decodes, num_heads, width)  # zeros outside the head's slot
-    scores = torch.baddbmm(decode_mask.to(q.dtype), spread, keys.transpose(1, 2),
-                           alpha=scale)  # [num_decodes, num_heads, ctx]
+    if cap is None:
+        scores = torch.baddbmm(decode_mask.to(q.dtype), spread, keys.transpose(1, 2),
+                               alpha=scale)  # [num_decodes, num_heads, ctx]
+    else:  # capped before the mask: a capped -inf would be -cap
+        scores = soft_cap(torch.bmm(spread, keys.transpose(1, 2)) * scale, cap) + decode_mask.to(q.dtype)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.bmm(probs, values).view(num_decodes, num_heads, num_kv_heads, head_dim)
     return (out * slot).sum(dim=2).view(num_decodes, num_heads * head_dim)
@@ -185,7 +193,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       seq: PrefillSeq, scale: float, window: int | None) -> torch.Tensor:
+                       seq: PrefillSeq, scale: float, window: int | None, cap: float | None = None) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     mask = seq.visible(window)
@@ -196,8 +204,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         values = v_cache.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len].to(q.dtype)
         # keys, values: [seq_len, num_kv_heads, head_dim]
     group = num_heads // num_kv_heads
-    if query_len * seq.seq_len <= _GROUPED_MAX_SCORES:
-        return _grouped_attention(q, keys, values, mask, scale)
+    if query_len * seq.seq_len <= _GROUPED_MAX_SCORES or cap is not None:  # SDPA cannot cap
+        return _grouped_attention(q, keys, values, mask, scale, cap)
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     values = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
     out = F.scaled_dot_product_attention(
@@ -213,7 +221,7 @@ _GROUPED_MAX_SCORES = 512 * 2048
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                       scale: float) -> torch.Tensor:
+                       scale: float, cap: float | None = None) -> torch.Tensor:
     """Attention of one chunk (``mask`` [query_len, seq_len] the keys each token sees, None for
     causal over the chunk), the query heads of each KV head stacked into one matmul (no copy of K
     or V per query head). q: [query_len, num_heads, head_dim]; keys, values: [seq_len,
@@ -227,7 +235,7 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     scores = scores.view(num_kv_heads, group, query_len, seq_len)
     visible = mask if mask is not None else torch.ones(
         query_len, seq_len, dtype=torch.bool, device=q.device).tril_()  # [query_len, seq_len]
-    scores.mul_(scale).masked_fill_(~visible, float("-inf"))
+    scores = soft_cap(scores.mul_(scale), cap).masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * query_len, seq_len)
     out = torch.bmm(probs, values.transpose(0, 1))  # [kv_heads, group * query_len, dim]
     return out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3).reshape(
@@ -237,21 +245,23 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, head_slot: torch.Tensor,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
     Writes k, v into the cache, then returns the attention output [num_tokens, num_heads * head_dim].
     ``head_slot`` [num_heads, num_kv_heads] bool marks each query head's KV head (see ``kv_head_slots``);
-    with a sliding ``window`` each token sees only the last ``window`` positions up to its own.
+    with a sliding ``window`` each token sees only the last ``window`` positions up to its own; ``cap``
+    soft-caps the scores.
     """
     num_decodes = meta.num_decode_tokens
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
     if num_decodes:
-        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot, window).to(q.dtype))
+        parts.append(_decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, head_slot, window,
+                                       cap).to(q.dtype))
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale, window).to(q.dtype))
+        parts.append(_prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale, window, cap).to(q.dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -269,14 +279,16 @@ class PagedAttention(nn.Module):
     that the runner can swap it at the edge like the linears (``duoserve.worker.backends``)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, cap: float | None = None) -> None:
         super().__init__()
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.window = window   # a sliding window (tokens), or None to attend over the whole context
+        self.cap = cap         # soft-capping of the scores, or None
         self.register_buffer("head_slot", kv_head_slots(num_heads, num_kv_heads), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] ->
         [num_tokens, num_heads * head_dim]."""
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.head_slot, self.window)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.head_slot, self.window,
+                               self.cap)

@@ -1,10 +1,12 @@
-"""Gemma 3 (text): the Llama-family decoder with Gemma's differences.
+"""Gemma 2 and Gemma 3 (text): the Llama-family decoder with Gemma's differences.
 
 Embeddings scaled by sqrt(hidden); RMSNorms that scale by (1 + weight) in float32, four to a
-layer (before and after attention, before and after the MLP: the "sandwich"); q/k norms; a
-tanh-GELU gate; the attention scale from ``query_pre_attn_scalar``; local layers with a sliding
-window and their own rope base, interleaved with global ones (five to one). The batch, cache and
-metadata are the Llama model's (``llama.py``): the runner treats both alike.
+layer (before and after attention, before and after the MLP: the "sandwich"); a tanh-GELU gate;
+the attention scale from ``query_pre_attn_scalar``; local layers with a sliding window
+interleaved with global ones. Gemma 2: every other layer local, attention scores and final
+logits soft-capped (cap * tanh(x / cap)). Gemma 3: five local layers to one global, with their
+own rope base, and q/k norms. The batch, cache and metadata are the Llama model's
+(``llama.py``): the runner treats both alike.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ class GemmaDecoderLayer(nn.Module):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_norm = OffsetRMSNorm(h, eps)
         self.qkv = nn.Linear(h, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
-        self.q_norm = OffsetRMSNorm(arch.head_dim, eps)
-        self.k_norm = OffsetRMSNorm(arch.head_dim, eps)
+        if arch.qk_norm:
+            self.q_norm = OffsetRMSNorm(arch.head_dim, eps)
+            self.k_norm = OffsetRMSNorm(arch.head_dim, eps)
         self.o_proj = nn.Linear(arch.q_size, h, bias=False)
         self.post_attn_norm = OffsetRMSNorm(h, eps)
         self.pre_ffn_norm = OffsetRMSNorm(h, eps)
@@ -36,7 +39,7 @@ class GemmaDecoderLayer(nn.Module):
         self.down = nn.Linear(arch.intermediate_size, h, bias=False)
         self.post_ffn_norm = OffsetRMSNorm(h, eps)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
-                                   arch.window(index))
+                                   arch.window(index), arch.attn_logit_softcap)
         self.rotate = Rotary()
         self.act = GeluTanhAndMul()
 
@@ -45,9 +48,10 @@ class GemmaDecoderLayer(nn.Module):
         arch = self.arch
         num_tokens = x.shape[0]
         qkv = self.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
-        q = self.q_norm(qkv[:, : arch.q_size].reshape(num_tokens, arch.num_heads, arch.head_dim))
-        k = self.k_norm(qkv[:, arch.q_size: arch.q_size + arch.kv_size].reshape(
-            num_tokens, arch.num_kv_heads, arch.head_dim))
+        q = qkv[:, : arch.q_size].reshape(num_tokens, arch.num_heads, arch.head_dim)
+        k = qkv[:, arch.q_size: arch.q_size + arch.kv_size].reshape(num_tokens, arch.num_kv_heads, arch.head_dim)
+        if arch.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = qkv[:, arch.q_size + arch.kv_size:].reshape(num_tokens, arch.num_kv_heads, arch.head_dim)
         qk = self.rotate(torch.cat([q, k], dim=1), cos, sin)  # Q and K rotated at once
         out = self.attn(qk[:, : arch.num_heads], qk[:, arch.num_heads:], v, kv_cache, meta)
@@ -60,7 +64,7 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_ffn_norm(self.down(self.act(self.gate_up(self.pre_ffn_norm(x)))))
 
 
-class Gemma3Model(nn.Module):
+class GemmaModel(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
@@ -96,5 +100,7 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden: [n, hidden] -> float32 logits [n, vocab] (soft-capped in float32 for Gemma 2)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -37,7 +37,7 @@ class GGUFBlocks:
         return self.data.numel()
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma3": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -116,6 +116,14 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
                       sliding_window=int(meta[p + "attention.sliding_window"]),
                       sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)),
                       query_pre_attn_scalar=scalar)
+    if gguf_arch == "gemma2":
+        # llama.cpp's Gemma 2: every other layer local (the first), the caps from the file, the attention
+        # scale from the head size (hidden / heads for the 46-layer 27B model)
+        scalar = hidden // heads if config["num_hidden_layers"] == 46 else config["head_dim"]
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                      sliding_window=int(meta[p + "attention.sliding_window"]), sliding_window_pattern=2,
+                      attn_logit_softcapping=meta.get(p + "attn_logit_softcapping"),
+                      final_logit_softcapping=meta.get(p + "final_logit_softcapping"))
     return config
 
 

@@ -15,17 +15,17 @@ from torch import nn
 
 from duoserve.errors import ModelLoadError
 from duoserve.model.arch import ModelArch
-from duoserve.model.gemma import Gemma3Model
+from duoserve.model.gemma import GemmaModel
 from duoserve.model.gguf_loader import GGUFBlocks
 from duoserve.model.llama import LlamaModel
 
 # ModelArch.family -> the model class that builds it
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaModel, "gemma3": Gemma3Model}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaModel, "gemma": GemmaModel}
 
 # ModelArch.family -> (our norm name, the checkpoint's) of each layer's norms besides input_norm
 _LAYER_NORMS = {
     "llama": [("post_norm", "post_attention_layernorm")],
-    "gemma3": [("post_attn_norm", "post_attention_layernorm"), ("pre_ffn_norm", "pre_feedforward_layernorm"),
+    "gemma": [("post_attn_norm", "post_attention_layernorm"), ("pre_ffn_norm", "pre_feedforward_layernorm"),
                ("post_ffn_norm", "post_feedforward_layernorm")],
 }
 

@@ -68,8 +68,9 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
     ``tokenizer``: a function given the writer, to add a vocabulary."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-            "Gemma3ForCausalLM": "gemma3"}[config["architectures"][0]]
-    layer_names = GEMMA_LAYER if arch == "gemma3" else GGUF_LAYER
+            "Gemma3ForCausalLM": "gemma3", "Gemma2ForCausalLM": "gemma2"}[config["architectures"][0]]
+    gemma = arch.startswith("gemma")
+    layer_names = GEMMA_LAYER if gemma else GGUF_LAYER
     writer = GGUFWriter(str(out), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -82,10 +83,15 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
     rope = config["rope_parameters"]
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    if arch == "gemma3":
+    if gemma:
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma3":
         types = config["layer_types"]
         writer.add_uint32("gemma3.attention.sliding_window_pattern", types.index("full_attention") + 1)
+    if arch == "gemma2":  # llama.cpp's Gemma 2 alternates local and global layers: no pattern stored
+        assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]
+        writer.add_float32("gemma2.attn_logit_softcapping", config["attn_logit_softcapping"])
+        writer.add_float32("gemma2.final_logit_softcapping", config["final_logit_softcapping"])
     if tokenizer is not None:
         tokenizer(writer)
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
@@ -105,7 +111,7 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
             stem, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{layer_names[stem]}.{kind}"
         t = qtype if w.ndim == 2 else GGMLQuantizationType.F32  # norms and biases stay F32, as llama.cpp does
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             w = w + 1.0
         data = quants.quantize(w, t)
         writer.add_tensor(gguf_name, data, raw_dtype=t)
@@ -122,11 +128,11 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
 TYPE_ERROR = {"F32": 1e-6, "F16": 2e-3, "BF16": 5e-2, "Q8_0": 5e-2, "Q5_1": 0.3, "Q4_0": 0.6}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
 @pytest.mark.parametrize("type_name", list(TYPE_ERROR))
 def test_gguf_file_gives_original_logits(tiny_dir, tmp_path, kind, type_name):
     # a Gemma 3 GGUF file's attention scale is its head size's (llama.cpp stores no query_pre_attn_scalar)
-    hf_dir = tiny_dir(kind=kind, query_pre_attn_scalar=16) if kind == "gemma3" else tiny_dir(kind=kind)
+    hf_dir = tiny_dir(kind=kind, query_pre_attn_scalar=16) if kind.startswith("gemma") else tiny_dir(kind=kind)
     out = tmp_path / f"tiny-{type_name}.gguf"
     stored = write_gguf(hf_dir, out, type_name)
     original = forward_one(load_model(ModelConfig(model=str(hf_dir), dtype="float32")).model, PROMPT)

@@ -47,7 +47,8 @@ def test_unsupported_architecture(tiny_dir, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_model(ModelConfig(model=str(path)))
     assert str(err.value) == ("architecture='GPT2LMHeadModel' is not allowed: supported architectures are "
-                              "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM")
+                              "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
+                              "Gemma3ForCausalLM")
 
 
 def test_missing_tensor(tiny_dir, tmp_path):
@@ -105,8 +106,11 @@ def test_a_bad_window_or_activation_names_the_field():
             "num_hidden_layers": 2, "num_attention_heads": 2, "sliding_window": 4}
     with pytest.raises(ConfigError, match=r"^hidden_act='relu' is not allowed: one of gelu_pytorch_tanh"):
         arch_from_hf_config({**base, "hidden_activation": "relu"})
-    with pytest.raises(ConfigError, match=r"^final_logit_softcapping=30.0 is not allowed: null: logit soft-capping"):
-        arch_from_hf_config({**base, "final_logit_softcapping": 30.0})
+    with pytest.raises(ConfigError, match=r"^final_logit_softcapping=30.0 is not allowed: null: LlamaForCausalLM "
+                                          r"has no logit soft-capping"):
+        arch_from_hf_config({**base, "architectures": ["LlamaForCausalLM"], "final_logit_softcapping": 30.0})
+    with pytest.raises(ConfigError, match=r"^logit_softcapping=-1 is not allowed: a positive number, or null"):
+        arch_from_hf_config({**base, "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1})
     with pytest.raises(ConfigError, match=r"^layer_types=3 is not allowed: one entry per layer \(2\)"):
         arch_from_hf_config({**base, "layer_types": ["full_attention"] * 3})
     with pytest.raises(ConfigError, match=r"^sliding_window=-1 is not allowed: a positive integer"):

@@ -25,6 +25,7 @@ CASES = {
     "mistral": dict(kind="mistral", sliding_window=None),
     "mistral-window": dict(kind="mistral", sliding_window=8),   # the prompt is longer than the window
     "gemma3": dict(kind="gemma3"),
+    "gemma2": dict(kind="gemma2"),
     "gemma3-linear-rope": dict(kind="gemma3", num_hidden_layers=4, rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
