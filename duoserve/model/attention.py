@@ -164,7 +164,7 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, head_slot: torch.Tensor,
-                      window: int | None, cap: float | None = None) -> torch.Tensor:
+                      window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """One query token per sequence against its gathered context.
 
     Keys stay [num_decodes, ctx, num_kv_heads * head_dim] as gathered; each query head is
@@ -193,7 +193,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       seq: PrefillSeq, scale: float, window: int | None, cap: float | None = None) -> torch.Tensor:
+                       seq: PrefillSeq, scale: float, window: int | None = None, cap: float | None = None) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     mask = seq.visible(window)

@@ -17,6 +17,7 @@ from torch import nn
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata, PagedAttention
 from duoserve.model.layers import GeluTanhAndMul, OffsetRMSNorm, Rotary, RotaryEmbedding
+from duoserve.model.llama import LlamaModel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -64,30 +65,15 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_ffn_norm(self.down(self.act(self.gate_up(self.pre_ffn_norm(x)))))
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = OffsetRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.set_rotary(arch.max_position_embeddings)
-        self.requires_grad_(False)
+class GemmaModel(LlamaModel):
+    """The Llama model's embedding, head, tying and properties, with Gemma's layers and norm, two
+    rope tables (global and local layers'), scaled embeddings and capped logits."""
+    layer_class = GemmaDecoderLayer
+    norm_class = OffsetRMSNorm
 
     def set_rotary(self, max_positions: int) -> None:
         self.rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope)
         self.local_rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.local_rope or self.arch.rope)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:

@@ -62,12 +62,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer   # a family's own layer and norm (gemma.py)
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(arch, i) for i in range(arch.num_layers))
+        self.norm = self.norm_class(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight  # the output projection is the table itself

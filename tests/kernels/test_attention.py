@@ -28,14 +28,19 @@ def _setup(dtype, num_seqs=5, num_heads=8, num_kv_heads=2, head_dim=32, block_si
     return q, k_cache, v_cache, meta, lens, tables
 
 
-def _reference(q, k_cache, v_cache, lens, tables, scale):
-    """Plain softmax attention per sequence over its blocks, GQA by repetition."""
+def _reference(q, k_cache, v_cache, lens, tables, scale, window=None, cap=None):
+    """Plain softmax attention per sequence over its blocks (its last ``window`` keys; scores
+    soft-capped by ``cap``), GQA by repetition."""
     outs = []
     group = q.shape[1] // k_cache.shape[2]
     for i, (n, table) in enumerate(zip(lens, tables)):
-        k = k_cache[table].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, heads, dim]
-        v = v_cache[table].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
-        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[i], k) * scale, dim=-1)
+        first = 0 if window is None else max(0, n - window)
+        k = k_cache[table].flatten(0, 1)[first:n].float().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        v = v_cache[table].flatten(0, 1)[first:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i], k) * scale
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        probs = torch.softmax(scores, dim=-1)
         outs.append(torch.einsum("hn,nhd->hd", probs, v).reshape(-1))
     return torch.stack(outs)
 
@@ -45,6 +50,34 @@ def test_torch_decode_path_matches_reference(dtype):
     q, k_cache, v_cache, meta, lens, tables = _setup(dtype)
     got = _decode_attention(q, k_cache, v_cache, meta, 0.2, kv_head_slots(8, 2))
     assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window, cap", [(5, None), (1, None), (None, 0.7), (6, 0.7)])
+def test_torch_decode_path_with_a_window_and_soft_cap(window, cap):
+    """Contexts of 1-30 keys against windows shorter than most of them: only the last ``window``
+    keys are attended; capped scores are capped before the mask (a capped -inf would count)."""
+    q, k_cache, v_cache, meta, lens, tables = _setup(torch.float32)
+    assert window is None or max(lens) > window
+    got = _decode_attention(q, k_cache, v_cache, meta, 0.2, kv_head_slots(8, 2), window, cap)
+    want = _reference(q, k_cache, v_cache, lens, tables, 0.2, window, cap)
+    assert (got - want).abs().max() < 1e-5
+    if window is not None:
+        assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2, None, cap)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window", [3, 8])
+def test_c_attention_hands_a_windowed_step_to_the_torch_path(window):
+    """A layer's C backend runs the torch reference, window applied, when a context is longer than
+    its window; shorter contexts stay in the C kernel (same result: the window hides nothing)."""
+    q, k_cache, v_cache, meta, lens, tables = _setup(torch.float32)
+    layer = CAttention(PagedAttention(8, 2, 32, scale=0.2, window=window))
+    k = v = torch.zeros(len(lens), 2, 32)
+    slots = meta.slot_mapping
+    k_cache.view(-1, 2, 32)[slots] = 0.0  # what the step writes: the new keys and values
+    v_cache.view(-1, 2, 32)[slots] = 0.0
+    got = layer(q, k, v, (k_cache, v_cache), meta)
+    want = _reference(q, k_cache, v_cache, lens, tables, 0.2, window)
+    assert (got - want).abs().max() < 1e-5
 
 
 @pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
