@@ -110,6 +110,8 @@ def read_gguf(path: Path | str) -> GGUFFile:
     data = np.frombuffer(mapped, dtype=np.uint8)
     tensors = []
     for name, kind, dims, offset in infos:
+        if kind not in GGML_QUANT_SIZES:
+            raise ValueError(f"tensor {name} has type {kind.name}, whose block size the gguf package does not know")
         block_values, block_bytes = GGML_QUANT_SIZES[kind]
         size = int(np.prod(dims)) // block_values * block_bytes
         if start + offset + size > data.size:
