@@ -16,7 +16,7 @@ from torch import nn
 
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata, PagedAttention
-from duoserve.model.layers import GeluTanhAndMul, OffsetRMSNorm, Rotary, RotaryEmbedding
+from duoserve.model.layers import OffsetRMSNorm, Rotary, RotaryEmbedding, gate_activation
 from duoserve.model.llama import LlamaModel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -42,7 +42,7 @@ class GemmaDecoderLayer(nn.Module):
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
                                    arch.window(index), arch.attn_logit_softcap)
         self.rotate = Rotary()
-        self.act = GeluTanhAndMul()
+        self.act = gate_activation(arch.hidden_act)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

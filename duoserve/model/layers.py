@@ -125,3 +125,8 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+def gate_activation(hidden_act: str) -> nn.Module:
+    """The MLP's gate-and-multiply for ``ModelArch.hidden_act``."""
+    return SiluAndMul() if hidden_act == "silu" else GeluTanhAndMul()

@@ -13,7 +13,7 @@ from torch import nn
 
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata, PagedAttention
-from duoserve.model.layers import RMSNorm, Rotary, RotaryEmbedding, SiluAndMul
+from duoserve.model.layers import RMSNorm, Rotary, RotaryEmbedding, gate_activation
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.attention_scale,
                                    arch.window(index))
         self.rotate = Rotary()
-        self.act = SiluAndMul()
+        self.act = gate_activation(arch.hidden_act)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out)  # [num_tokens, hidden]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate_up(x)))  # silu(gate) * up: [num_tokens, intermediate]
+        return self.down(self.act(self.gate_up(x)))  # act(gate) * up: [num_tokens, intermediate]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

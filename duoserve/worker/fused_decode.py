@@ -42,6 +42,8 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     arch = getattr(model, "arch", None)
     if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family != "llama":
         return "not a Llama-family decoder"
+    if arch.hidden_act != "silu":
+        return f"a {arch.hidden_act} MLP (the C++ decode step computes SiLU)"
     if any(arch.window(i) is not None for i in range(arch.num_layers)):
         return "sliding-window attention (the C++ decode step attends over whole contexts)"
     dtype = model.dtype

@@ -24,6 +24,7 @@ CASES = {
     "qwen3-sharded-tied": dict(kind="qwen3", sharded=True, tie_word_embeddings=True),
     "mistral": dict(kind="mistral", sliding_window=None),
     "mistral-window": dict(kind="mistral", sliding_window=8),   # the prompt is longer than the window
+    "llama-gelu": dict(kind="llama", hidden_act="gelu_pytorch_tanh"),  # the config's activation, not SiLU
     "gemma3": dict(kind="gemma3"),
     "gemma2": dict(kind="gemma2"),
     "gemma3-linear-rope": dict(kind="gemma3", num_hidden_layers=4, rope_parameters={
