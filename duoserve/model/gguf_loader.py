@@ -105,25 +105,24 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
     }
     if meta.get(p + "rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
-    if gguf_arch == "gemma3":
-        # what llama.cpp fixes for Gemma 3 rather than stores: five local layers to one global, the
-        # local rope base, the tanh GELU, and the attention scale from the head size (hidden / heads
-        # for the 62-layer 27B model), unless the file states a scale
-        scalar = hidden // heads if config["num_hidden_layers"] == 62 else config["head_dim"]
+    if gguf_arch in ("gemma2", "gemma3"):
+        # what llama.cpp fixes for Gemma rather than stores: the tanh GELU, the attention scale from
+        # the head size (hidden / heads for the 27B models: 46 layers in Gemma 2, 62 in Gemma 3) unless
+        # the file states a scale; Gemma 2 alternates local and global layers and caps its scores and
+        # logits, Gemma 3 has five local layers to one global with a local rope base of 10000
+        big = {"gemma2": 46, "gemma3": 62}[gguf_arch]
+        scalar = hidden // heads if config["num_hidden_layers"] == big else config["head_dim"]
         if meta.get(p + "attention.scale"):
             scalar = float(meta[p + "attention.scale"]) ** -2
-        config.update(hidden_activation="gelu_pytorch_tanh", rope_local_base_freq=10000.0,
-                      sliding_window=int(meta[p + "attention.sliding_window"]),
-                      sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)),
-                      query_pre_attn_scalar=scalar)
-    if gguf_arch == "gemma2":
-        # llama.cpp's Gemma 2: every other layer local (the first), the caps from the file, the attention
-        # scale from the head size (hidden / heads for the 46-layer 27B model)
-        scalar = hidden // heads if config["num_hidden_layers"] == 46 else config["head_dim"]
         config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
-                      sliding_window=int(meta[p + "attention.sliding_window"]), sliding_window_pattern=2,
-                      attn_logit_softcapping=meta.get(p + "attn_logit_softcapping"),
-                      final_logit_softcapping=meta.get(p + "final_logit_softcapping"))
+                      sliding_window=int(meta[p + "attention.sliding_window"]))
+        if gguf_arch == "gemma2":
+            config.update(sliding_window_pattern=2,
+                          attn_logit_softcapping=meta.get(p + "attn_logit_softcapping"),
+                          final_logit_softcapping=meta.get(p + "final_logit_softcapping"))
+        else:
+            config.update(rope_local_base_freq=10000.0,
+                          sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)))
     return config
 
 

@@ -135,8 +135,9 @@ def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Toke
             for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and (letters or t in vocab)]
     backend.add_tokens(user)
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    end_of_turn = [backend.token_to_id(_END_OF_TURN)] if gemma and backend.token_to_id(_END_OF_TURN) is not None else []
-    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos, *end_of_turn]))
+    end_of_turn = backend.token_to_id(_END_OF_TURN) if gemma else None
+    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos,
+                                   *([end_of_turn] if end_of_turn is not None else [])]))
     return Tokenizer(
         backend,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
