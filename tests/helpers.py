@@ -13,7 +13,8 @@ TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 
 def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int = 0,
                          tokenizer_dir: Path | None = None, **overrides: Any) -> None:
-    """Save a random transformers model of ``kind`` (llama, qwen2, qwen3, mistral, gemma3) as safetensors.
+    """Save a random transformers model of ``kind`` (llama, qwen2, qwen3, mistral, gemma3, gemma2, and the
+    mixtures of experts mixtral, qwen2_moe, qwen3_moe: 4 experts, 2 a token) as safetensors.
     gemma3: a local layer with a sliding window of 8 (shorter than most test prompts) then a global one;
     gemma2 the same, with soft-caps small enough to change the scores and logits."""
     import transformers
@@ -25,10 +26,24 @@ def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[kind]
     params = {**TINY_BASE, **overrides}
-    if kind in ("qwen3", "gemma3", "gemma2"):
+    if kind in ("qwen3", "gemma3", "gemma2", "qwen3_moe"):
         params.setdefault("head_dim", 16)
+    if kind in ("mixtral", "qwen2_moe", "qwen3_moe"):   # 4 experts, 2 per token, smaller than the dense MLP
+        params.setdefault("num_local_experts" if kind == "mixtral" else "num_experts", 4)
+        params.setdefault("num_experts_per_tok", 2)
+        if kind == "mixtral":
+            params.setdefault("sliding_window", None)
+        else:
+            params.setdefault("moe_intermediate_size", 32)
+    if kind == "qwen2_moe":
+        params.setdefault("shared_expert_intermediate_size", 48)
+    if kind == "qwen3_moe":
+        params.setdefault("norm_topk_prob", True)
     if kind == "gemma2":
         params.setdefault("attn_logit_softcapping", 0.5)
         params.setdefault("final_logit_softcapping", 3.0)

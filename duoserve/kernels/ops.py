@@ -5,7 +5,8 @@ repacked at load), ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` (G
 A layer's small ops: ``duoserve::rms_norm``, ``duoserve::rotary``, ``duoserve::silu_mul``
 (``duoserve.kernels.glue``). Attention: ``duoserve::paged_attention`` (a layer of a compiled model), ``duoserve::decode_attention``
 (a decode step's layer, C++ only) and ``duoserve::attention_step``. The C++ decode step:
-``duoserve::decode_model`` and ``duoserve::decode_step`` (``duoserve.worker.fused_decode``).
+``duoserve::decode_model`` and ``duoserve::decode_step`` (``duoserve.worker.fused_decode``). A module
+whose work depends on its input's values (a mixture of experts' routing): ``duoserve::eager_module``.
 
 Inside a compiled graph, a linear layer and a layer's attention are each one call that the
 compiler does not trace into: their kernels (the small-row C kernel or oneDNN's GEMM, the C
@@ -109,6 +110,29 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: 
     return ctx.layers[layer].forward(q, k, v, ctx.kv_caches[layer], ctx.meta)
 
 
+_EAGER_MODULES: list[nn.Module] = []
+
+
+class EagerModule(nn.Module):
+    """``module`` called from a compiled graph as one op (``duoserve::eager_module``) that runs it
+    eagerly: what it computes may depend on its input's values (which experts a mixture of experts
+    runs, over how many tokens), which a whole graph cannot trace. Its output has its input's shape."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        define_ops()
+        self.inner = module
+        _EAGER_MODULES.append(module)
+        self.handle = len(_EAGER_MODULES) - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.eager_module(x, self.handle)
+
+
+def _run_eager_module(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _EAGER_MODULES[handle](x)
+
+
 @lru_cache(maxsize=1)
 def native_attention() -> bool:
     """Whether ``duoserve::paged_attention`` runs its C++ kernel (csrc/cpu_ops.cpp built)."""
@@ -137,6 +161,9 @@ def define_ops() -> torch.library.Library:
     _define_linears(lib)
     _define_attention(lib)
     _define_glue(lib)
+    lib.define("eager_module(Tensor x, int handle) -> Tensor")
+    lib.impl("eager_module", _run_eager_module, "CPU")
+    lib.impl("eager_module", lambda x, handle: x.new_empty(x.shape), "Meta")
     # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
     # per layer its input norm, post norm, q and k norms (or empty tensors), packed qkv, qkv bias
     # (or an empty tensor), packed o, gate_up and down, K and V caches; its embedding table packed

@@ -1,4 +1,5 @@
-"""The hyper-parameters of a decoder (the Llama family, Gemma 2 and 3), whatever file they came from.
+"""The hyper-parameters of a decoder (the Llama family, Gemma 2 and 3, mixtures of experts), whatever file
+they came from.
 
 Both loaders (a Hugging Face directory and a GGUF file) turn their metadata into
 one ``ModelArch``; the model is built from it alone (``family`` picks the model's file).
@@ -19,6 +20,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
     "Gemma2ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -64,11 +68,27 @@ class ModelArch:
     local_rope: RopeConfig | None = None           # the rope of the windowed layers, where theirs differs
     attn_logit_softcap: float | None = None        # scores -> cap * tanh(scores / cap) before the softmax
     final_logit_softcap: float | None = None       # the same on the logits (Gemma 2)
+    # a mixture of experts: per layer whether its MLP is routed (() for a dense model), each token's
+    # top experts_per_token of num_experts, their weights renormalized to sum to 1 where norm_topk_prob,
+    # plus (Qwen2-MoE) a shared expert behind a sigmoid gate
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @property
     def family(self) -> str:
-        """Which model file builds this decoder: ``gemma`` (Gemma 2, 3) or ``llama`` (Llama, Mistral, Qwen)."""
-        return "gemma" if self.architecture.startswith("Gemma") else "llama"
+        """Which model file builds this decoder: ``gemma`` (Gemma 2, 3), ``moe`` (Mixtral, Qwen MoE) or
+        ``llama`` (Llama, Mistral, Qwen)."""
+        if self.architecture.startswith("Gemma"):
+            return "gemma"
+        return "moe" if self.num_experts else "llama"
+
+    def routed(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens, or None where it attends over the whole context."""
@@ -95,6 +115,14 @@ class ModelArch:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ConfigError("layer_types", len(self.layer_windows),
                               f"one entry per layer ({self.num_layers})")
+        if self.moe_layers:
+            if len(self.moe_layers) != self.num_layers:
+                raise ConfigError("mlp_only_layers", len(self.moe_layers), f"one entry per layer ({self.num_layers})")
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ConfigError("num_experts_per_tok", self.experts_per_token,
+                                  f"between 1 and the number of experts ({self.num_experts})")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("moe_intermediate_size", self.moe_intermediate_size, "a positive integer")
         for window in {self.sliding_window, *self.layer_windows} - {None}:
             if window <= 0:
                 raise ConfigError("sliding_window", window, "a positive integer, or null for full attention")
@@ -185,7 +213,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         layer_windows = tuple(int(sliding) if t == "sliding_attention" else None for t in types)
     scalar = config.get("query_pre_attn_scalar")
-    return ModelArch(
+    return ModelArch(**_experts_from_hf(config, architecture, num_layers),
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -210,6 +238,28 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         attn_logit_softcap=_cap(config.get("attn_logit_softcapping")) if gemma else None,
         final_logit_softcap=_cap(config.get("final_logit_softcapping")) if gemma else None,
     )
+
+
+def _experts_from_hf(config: dict[str, Any], architecture: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral or Qwen MoE config (none for a dense one)."""
+    if architecture not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if experts <= 0:
+        raise ConfigError("num_experts", experts, f"a positive integer: {architecture} is a mixture of experts")
+    if architecture == "MixtralForCausalLM":   # every layer routed, top-k renormalized, no shared expert
+        return dict(moe_layers=(True,) * num_layers, num_experts=experts,
+                    experts_per_token=int(config.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(config["intermediate_size"]), norm_topk_prob=True)
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    if step <= 0:
+        raise ConfigError("decoder_sparse_step", step, "a positive integer")
+    return dict(moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+                num_experts=experts, experts_per_token=int(config.get("num_experts_per_tok", 1)),
+                moe_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)))
 
 
 def _cap(value: Any) -> float | None:

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "qkv_bias", "qk_norm",
-                 "hidden_act", "attention_scale", "sliding_window", "layer_windows")
+                 "hidden_act", "attention_scale", "sliding_window", "layer_windows", "attn_logit_softcap",
+                 "final_logit_softcap", "moe_layers", "num_experts", "experts_per_token", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "norm_topk_prob")
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

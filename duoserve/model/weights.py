@@ -18,13 +18,15 @@ from duoserve.model.arch import ModelArch
 from duoserve.model.gemma import GemmaModel
 from duoserve.model.gguf_loader import GGUFBlocks
 from duoserve.model.llama import LlamaModel
+from duoserve.model.moe import MoEModel
 
 # ModelArch.family -> the model class that builds it
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaModel, "gemma": GemmaModel}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaModel, "gemma": GemmaModel, "moe": MoEModel}
 
 # ModelArch.family -> (our norm name, the checkpoint's) of each layer's norms besides input_norm
 _LAYER_NORMS = {
     "llama": [("post_norm", "post_attention_layernorm")],
+    "moe": [("post_norm", "post_attention_layernorm")],
     "gemma": [("post_attn_norm", "post_attention_layernorm"), ("pre_ffn_norm", "pre_feedforward_layernorm"),
                ("post_ffn_norm", "post_feedforward_layernorm")],
 }
@@ -63,12 +65,37 @@ def checkpoint_parts(arch: ModelArch) -> dict[str, list[tuple[str, tuple[int, ..
         parts[dst + "o_proj.weight"] = [(src + "self_attn.o_proj.weight", (h, q))]
         for ours, theirs in _LAYER_NORMS[arch.family]:
             parts[dst + ours + ".weight"] = [(src + theirs + ".weight", (h,))]
+        if arch.routed(i):
+            parts.update(_routed_mlp_parts(arch, src, dst + "moe."))
+            continue
         parts[dst + "gate_up.weight"] = [(src + "mlp.gate_proj.weight", (inter, h)),
                                          (src + "mlp.up_proj.weight", (inter, h))]
         parts[dst + "down.weight"] = [(src + "mlp.down_proj.weight", (h, inter))]
     parts["norm.weight"] = [("model.norm.weight", (h,))]
     if not arch.tie_word_embeddings:
         parts["lm_head.weight"] = [("lm_head.weight", (arch.vocab_size, h))]
+    return parts
+
+
+def _routed_mlp_parts(arch: ModelArch, src: str, dst: str) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """A routed MLP's router, experts and shared expert, under Mixtral's names (``block_sparse_moe``,
+    w1 gate, w3 up, w2 down) or Qwen's (``mlp``, gate/up/down_proj)."""
+    h, inter = arch.hidden_size, arch.moe_intermediate_size
+    mixtral = arch.architecture == "MixtralForCausalLM"
+    block = src + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    parts = {dst + "router.weight": [(block + "gate.weight", (arch.num_experts, h))]}
+    for e in range(arch.num_experts):
+        expert = f"{block}experts.{e}."
+        parts[f"{dst}experts.{e}.gate_up.weight"] = [(expert + gate + ".weight", (inter, h)),
+                                                     (expert + up + ".weight", (inter, h))]
+        parts[f"{dst}experts.{e}.down.weight"] = [(expert + down + ".weight", (h, inter))]
+    shared = arch.shared_expert_intermediate_size
+    if shared:
+        parts[dst + "shared.gate_up.weight"] = [(block + "shared_expert.gate_proj.weight", (shared, h)),
+                                                (block + "shared_expert.up_proj.weight", (shared, h))]
+        parts[dst + "shared.down.weight"] = [(block + "shared_expert.down_proj.weight", (h, shared))]
+        parts[dst + "shared_gate.weight"] = [(block + "shared_expert_gate.weight", (1, h))]
     return parts
 
 

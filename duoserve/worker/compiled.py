@@ -9,7 +9,8 @@ step, so compiled and eager steps compute the same bits (its own fused loops wou
 another order and round elsewhere, and on the GGUF fast path a moved bit moves tokens).
 
 The model code is not touched: at the edge each layer's attention module (the C kernels' or
-the torch reference) is wrapped in ``OpAttention`` and the CPU linears are ops while compiling
+the torch reference) is wrapped in ``OpAttention``, a routed MLP (``model/moe.py``) in ``EagerModule``
+(which experts run depends on the tokens), and the CPU linears are ops while compiling
 (``duoserve.kernels.ops``), so the graph is whole and its only inputs are the token ids
 and positions. Their length is an unbacked dynamic size: one graph serves every token
 count, a single decode token included (a plain dynamic size would specialize 1 into a
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from duoserve.kernels.attention import OpAttention
-from duoserve.kernels.ops import StepContext, register_context
+from duoserve.kernels.ops import EagerModule, StepContext, register_context
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.paths import cache_dir
 from duoserve.worker.fused_decode import FusedDecodeStep, why_not
@@ -59,6 +60,8 @@ class CompiledModel:
         handle = register_context(self.context)
         for i, layer in enumerate(model.layers):
             layer.attn = OpAttention(layer.attn, handle, i)
+            if getattr(layer, "moe", None) is not None:   # routed MLPs: data-dependent, run eagerly
+                layer.moe = EagerModule(layer.moe)
         self.model = model
         self.num_compiles = 0
         placeholders = [None] * len(kv_caches)

@@ -40,6 +40,8 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     if not decode_step_available():
         return "csrc/cpu_ops.cpp is not built"
     arch = getattr(model, "arch", None)
+    if arch is not None and arch.family == "moe":
+        return "a mixture of experts (the C++ decode step computes dense MLPs; routed ones run in the graph)"
     if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family != "llama":
         return "not a Llama-family decoder"
     if arch.hidden_act != "silu":

@@ -54,7 +54,7 @@ def prompts():
     return [[rng.randrange(256) for _ in range(n)] for n in (1, 7, 16, 33, 90)] + [shared + [1, 2], shared + [3]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen2_moe"])
 def test_greedy_and_seeded_equal_colocated_across_block_sizes(tiny_dir, kind):
     path = tiny_dir(kind=kind)
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),

@@ -43,7 +43,7 @@ def run(path, prompts, **kwargs):
     return llm, outs
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen2_moe"])
 def baseline(tiny_dir, request):
     """Each prompt alone, no chunking, no prefix cache: the reference. gemma3: a layer with a window
     of 8, so chunks, cached prefixes and preempted sequences attend through windows too."""

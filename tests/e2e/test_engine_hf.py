@@ -18,7 +18,8 @@ def mixed_prompts(vocab: int, lengths=(1, 5, 17, 33, 64, 9, 100)) -> list[list[i
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "mistral-window"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "mistral-window",
+                                  "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_greedy_batch_matches_transformers(tiny_dir, kind):
     """gemma3, gemma2 and mistral-window: windows of 8, shorter than most prompts and every continuation."""
     path = tiny_dir(kind="mistral", sliding_window=8) if kind == "mistral-window" else tiny_dir(kind=kind)

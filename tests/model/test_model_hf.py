@@ -27,6 +27,12 @@ CASES = {
     "llama-gelu": dict(kind="llama", hidden_act="gelu_pytorch_tanh"),  # the config's activation, not SiLU
     "gemma3": dict(kind="gemma3"),
     "gemma2": dict(kind="gemma2"),
+    "mixtral": dict(kind="mixtral"),
+    "qwen2-moe": dict(kind="qwen2_moe"),                        # a shared expert, weights not renormalized
+    "qwen2-moe-dense-layer": dict(kind="qwen2_moe", mlp_only_layers=[0]),
+    "qwen2-moe-sparse-step": dict(kind="qwen2_moe", num_hidden_layers=4, decoder_sparse_step=2),
+    "qwen3-moe": dict(kind="qwen3_moe"),
+    "qwen3-moe-one-expert": dict(kind="qwen3_moe", num_experts_per_tok=1),
     "gemma3-linear-rope": dict(kind="gemma3", num_hidden_layers=4, rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -73,3 +79,45 @@ def test_bfloat16_close_to_float32(tiny_dir):
     assert got.dtype == torch.float32
     assert (got - fp32).abs().max().item() < 0.15
     assert (got.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.8
+
+
+def test_routing_ties_pick_the_experts_transformers_picks(tiny_dir):
+    """A router of zeros ties every expert for every token: the experts chosen (and so the logits)
+    are still transformers' (torch.topk's order among equals, on the same float32 softmax)."""
+    import safetensors.torch
+
+    path = tiny_dir(kind="qwen3_moe")
+    tied = path.parent / "tied-router"
+    if not tied.exists():
+        import shutil
+
+        shutil.copytree(path, tied)
+        weights = safetensors.torch.load_file(str(tied / "model.safetensors"))
+        for name in weights:
+            if name.endswith("mlp.gate.weight"):
+                weights[name] = torch.zeros_like(weights[name])
+        safetensors.torch.save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_model(ModelConfig(model=str(tied), dtype="float32"))
+    moe = ours.model.layers[0].moe
+    chosen, weights = moe.route(torch.randn(5, ours.arch.hidden_size))
+    assert torch.equal(weights, torch.full((5, 2), 0.5))          # renormalized over two equal picks
+    assert torch.equal(chosen, torch.topk(torch.full((5, 4), 0.25), 2).indices)
+    with torch.no_grad():
+        ref = hf_model(tied)(torch.tensor([PROMPT])).logits[0]
+    assert (forward_one(ours.model, PROMPT) - ref).abs().max().item() < 1e-4
+
+
+def test_only_the_chosen_experts_run_and_their_load_is_counted(tiny_dir):
+    ours = load_model(ModelConfig(model=str(tiny_dir(kind="mixtral")), dtype="float32"))
+    moe = ours.model.layers[1].moe
+    ran = []
+    for i, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda module, args, out, i=i: ran.append((i, args[0].shape[0])))
+    x = torch.randn(3, ours.arch.hidden_size)
+    chosen, _ = moe.route(x)
+    before = list(moe.expert_tokens)
+    moe(x)
+    picked = sorted(set(chosen.flatten().tolist()))
+    assert [i for i, _ in ran] == picked, "each chosen expert runs once, the others never"
+    assert [n for _, n in ran] == [int((chosen == i).sum()) for i in picked]
+    assert [a - b for a, b in zip(moe.expert_tokens, before)] == [int((chosen == i).sum()) for i in range(4)]

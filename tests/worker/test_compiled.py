@@ -256,6 +256,27 @@ def test_compiled_gemma3_with_windows_equals_eager(tiny_dir):
     assert_pool_whole(compiled)
 
 
+def test_compiled_mixture_of_experts_equals_eager(tiny_dir):
+    """Qwen2-MoE (routed MLPs with a shared expert) compiled: one graph, each routed MLP one opaque op
+    run eagerly, the decode steps in the graph (the C++ step declines, saying why); chunks, prefix
+    hits and preemption give eager's tokens."""
+    from duoserve.worker.fused_decode import why_not
+
+    path = str(tiny_dir(kind="qwen2_moe"))
+    eager = LLM(path, enforce_eager=True, **SETTINGS)
+    compiled = LLM(path, enforce_eager=False, **SETTINGS)
+    runner = compiled.engine.runner
+    assert runner.forward.num_compiles == 1 and runner.forward.fused is None
+    assert why_not(runner.model, runner.kv_caches).startswith("a mixture of experts")
+    prompts = prompts_with_shared_prefixes()
+    assert_same_outputs(compiled.generate(prompts, PARAMS, use_tqdm=False),
+                        eager.generate(prompts, PARAMS, use_tqdm=False), "qwen2_moe compiled vs eager")
+    assert compiled.engine.scheduler.num_preemptions > 0 and compiled.engine.kv.num_hits > 0
+    assert runner.forward.num_compiles == 1
+    assert all(sum(layer.moe.inner.expert_tokens) > 0 for layer in runner.model.layers)
+    assert_pool_whole(compiled)
+
+
 def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):
     """A GGUF model computed from its blocks (both modes) through the compiled step: the opaque
     ops ``duoserve::gguf_linear`` and ``duoserve::gguf_embedding`` give the eager tokens."""
