@@ -41,7 +41,7 @@ def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int
         else:
             params.setdefault("moe_intermediate_size", 32)
     if kind == "qwen2_moe":
-        params.setdefault("shared_expert_intermediate_size", 48)
+        params.setdefault("shared_expert_intermediate_size", 64)
     if kind == "qwen3_moe":
         params.setdefault("norm_topk_prob", True)
     if kind == "gemma2":

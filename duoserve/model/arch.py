@@ -252,7 +252,8 @@ def _experts_from_hf(config: dict[str, Any], architecture: str, num_layers: int)
                     experts_per_token=int(config.get("num_experts_per_tok", 2)),
                     moe_intermediate_size=int(config["intermediate_size"]), norm_topk_prob=True)
     dense = set(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step") or 1)
+    step = config.get("decoder_sparse_step")
+    step = 1 if step is None else int(step)
     if step <= 0:
         raise ConfigError("decoder_sparse_step", step, "a positive integer")
     return dict(moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),

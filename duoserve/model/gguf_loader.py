@@ -4,7 +4,10 @@ GGUF names tensors llama.cpp's way (``blk.3.attn_q.weight``) and, for the ``llam
 architecture, stores Q and K with their rows permuted for interleaved rotary; we
 rename to Hugging Face names and undo the permutation so one model serves both.
 llama.cpp's Gemma converter stores every norm weight plus one (its RMSNorm multiplies
-by the weight itself); we subtract it again, as transformers does.
+by the weight itself); we subtract it again, as transformers does. A mixture of experts stores each
+layer's experts stacked in one tensor per projection (``ffn_gate_exps``: [experts, rows, cols]);
+each expert is a contiguous run of its blocks, presented as a tensor of its own
+(``...experts.3.gate_proj.weight``) and computed in place like any other.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class GGUFBlocks:
         return self.data.numel()
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -62,18 +66,44 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# a mixture of experts' tensors (Qwen's names; Mixtral's are _MIXTRAL_NAMES); the stacked ones' per expert
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                    "ffn_down_exps.weight": "down_proj"}
+_MIXTRAL_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 
 
-def hf_name(gguf_name: str, gguf_arch: str = "llama") -> str | None:
+def hf_names(gguf_name: str, gguf_arch: str = "llama", num_experts: int = 0,
+             mixtral: bool = False) -> list[tuple[str, int | None]]:
+    """The Hugging Face tensors a GGUF tensor holds, each with its expert's index in a stacked
+    tensor (None for a tensor of its own); none for a tensor the model does not read."""
     if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if gguf_arch.startswith("gemma") else _LAYER_NAMES
+        return [(_GLOBAL_NAMES[gguf_name], None)]
+    names = _GEMMA_LAYER_NAMES if gguf_arch.startswith("gemma") else {**_LAYER_NAMES, **_MOE_NAMES}
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk":
+        return []
+    layer = f"model.layers.{parts[1]}."
+    if parts[2] in _STACKED_EXPERTS and num_experts:
+        projection = _STACKED_EXPERTS[parts[2]]
+        if mixtral:
+            return [(f"{layer}block_sparse_moe.experts.{e}.{_MIXTRAL_PROJECTIONS[projection]}.weight", e)
+                    for e in range(num_experts)]
+        return [(f"{layer}mlp.experts.{e}.{projection}.weight", e) for e in range(num_experts)]
+    if parts[2] not in names:
+        return []
+    name = names[parts[2]]
+    if mixtral and name == "mlp.gate.weight":
+        name = "block_sparse_moe.gate.weight"
+    return [(layer + name, None)]
 
 
 def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -103,6 +133,18 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    experts = int(meta.get(p + "expert_count") or 0)
+    if experts:
+        # Mixtral is llama with experts (each expert the dense MLP's size); Qwen MoE states the
+        # experts' and shared expert's sizes, and llama.cpp renormalizes Qwen3-MoE's top-k, not Qwen2-MoE's
+        if gguf_arch == "llama":
+            config["architectures"] = ["MixtralForCausalLM"]
+        config.update(num_experts=experts, num_local_experts=experts,
+                      num_experts_per_tok=int(meta[p + "expert_used_count"]),
+                      moe_intermediate_size=int(meta.get(p + "expert_feed_forward_length")
+                                                or config["intermediate_size"]),
+                      shared_expert_intermediate_size=int(meta.get(p + "expert_shared_feed_forward_length") or 0),
+                      norm_topk_prob=bool(meta.get(p + "expert_weights_norm", gguf_arch != "qwen2moe")))
     if meta.get(p + "rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
     if gguf_arch in ("gemma2", "gemma3"):
@@ -130,21 +172,34 @@ class GGUFSource:
     """Dequantized tensors of a GGUF file under Hugging Face names."""
 
     def __init__(self, reader: GGUFFile, arch: ModelArch, permuted_qk: bool, gguf_arch: str = "llama") -> None:
-        self._tensors = {}
+        self._tensors: dict[str, tuple[Any, int | None]] = {}   # HF name -> (GGUF tensor, expert or None)
+        mixtral = arch.architecture == "MixtralForCausalLM"
         for tensor in reader.tensors:
-            name = hf_name(tensor.name, gguf_arch)
-            if name is not None:
-                self._tensors[name] = tensor
+            for name, expert in hf_names(tensor.name, gguf_arch, arch.num_experts, mixtral):
+                self._tensors[name] = (tensor, expert)
         self._arch = arch
         self._permuted_qk = permuted_qk
         self._norms_plus_one = gguf_arch.startswith("gemma")
 
-    def __call__(self, name: str) -> torch.Tensor | None:
-        tensor = self._tensors.get(name)
-        if tensor is None:
+    def _raw(self, name: str) -> tuple[Any, np.ndarray, tuple[int, ...]] | None:
+        """The GGUF tensor holding ``name``, the bytes of ``name`` in it and its shape (outermost first)."""
+        if name not in self._tensors:
             return None
+        tensor, expert = self._tensors[name]
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = dequantize(np.asarray(tensor.data), tensor.tensor_type.name, shape, tensor.name)
+        if expert is None:
+            return tensor, tensor.data, shape
+        per_expert = tensor.data.size // shape[0]   # [experts, rows, cols]: an expert's rows are contiguous
+        return tensor, tensor.data[expert * per_expert: (expert + 1) * per_expert], shape[1:]
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        found = self._raw(name)
+        if found is None:
+            return None
+        tensor, raw, shape = found
+        values = dequantize(np.asarray(raw), tensor.tensor_type.name, shape, tensor.name)
+        if name.endswith("shared_expert_gate.weight") and values.dim() == 1:
+            values = values.unsqueeze(0)   # llama.cpp stores the shared expert's gate as a vector
         if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
             values = _unpermute(values, heads)
@@ -154,11 +209,11 @@ class GGUFSource:
 
     def blocks(self, name: str, types: Collection[str]) -> GGUFBlocks | None:
         """The tensor ``name`` as its raw GGUF blocks, if it is 2-d and of one of the block ``types``."""
-        tensor = self._tensors.get(name)
-        if tensor is None or tensor.tensor_type.name not in types or len(tensor.shape) != 2:
+        found = self._raw(name)
+        if found is None or found[0].tensor_type.name not in types or len(found[2]) != 2:
             return None
-        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+        tensor, raw, (rows, cols) = found
+        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(rows, -1)
         if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
             data = _unpermute(data, heads).contiguous()

@@ -152,12 +152,15 @@ def test_embedding_rows_from_blocks():
     assert torch.equal(embed(ids), ref[ids])
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-def test_gguf_file_computed_from_its_blocks(tiny_dir, tmp_path, type_name):
+@pytest.mark.parametrize("type_name, kind", [("Q8_0", "llama"), ("Q4_0", "llama"), ("Q4_1", "llama"),
+                                             ("Q5_0", "llama"), ("Q5_1", "llama"), ("Q4_0", "qwen2_moe"),
+                                             ("Q8_0", "mixtral")])
+def test_gguf_file_computed_from_its_blocks(tiny_dir, tmp_path, type_name, kind):
     """A tiny model written with gguf's writer: exact mode gives the dequantized model's logits,
-    fast mode close to them; the linears hold the file's blocks, the embedding too."""
+    fast mode close to them; the linears hold the file's blocks, the embedding too, and a mixture
+    of experts' experts each their run of the stacked tensor's blocks."""
     out = tmp_path / f"tiny-{type_name}.gguf"
-    write_gguf(tiny_dir(kind="llama"), out, type_name)
+    write_gguf(tiny_dir(kind=kind), out, type_name)
     dense = load_model(ModelConfig(model=str(out), dtype="float32", quantization="none"))
     assert dense.quantization == "none"
     want = forward_one(dense.model, PROMPT)
@@ -165,6 +168,11 @@ def test_gguf_file_computed_from_its_blocks(tiny_dir, tmp_path, type_name):
     assert exact.quantization == "gguf-exact"
     assert isinstance(exact.model.layers[0].qkv, GGUFLinear) and isinstance(exact.model.embed, GGUFEmbedding)
     assert exact.model.layers[0].qkv.parts[0].type_name == type_name
+    if kind != "llama":
+        moe = exact.model.layers[0].moe
+        assert all(isinstance(e.gate_up, GGUFLinear) and isinstance(e.down, GGUFLinear) for e in moe.experts)
+        rows = dense.model.layers[0].moe.experts[0].down.weight.shape[0]
+        assert [p.rows for p in moe.experts[3].down.parts] == [rows]
     got = forward_one(exact.model, PROMPT)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     fast = load_model(ModelConfig(model=str(out), dtype="float32"))  # auto: gguf, fast

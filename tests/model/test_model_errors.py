@@ -48,7 +48,7 @@ def test_unsupported_architecture(tiny_dir, tmp_path):
         load_model(ModelConfig(model=str(path)))
     assert str(err.value) == ("architecture='GPT2LMHeadModel' is not allowed: supported architectures are "
                               "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
-                              "Gemma3ForCausalLM")
+                              "Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM")
 
 
 def test_missing_tensor(tiny_dir, tmp_path):
@@ -115,6 +115,26 @@ def test_a_bad_window_or_activation_names_the_field():
         arch_from_hf_config({**base, "layer_types": ["full_attention"] * 3})
     with pytest.raises(ConfigError, match=r"^sliding_window=-1 is not allowed: a positive integer"):
         arch_from_hf_config({**base, "sliding_window": -1, "layer_types": ["sliding_attention"] * 2})
+
+
+def test_bad_expert_settings_name_the_field():
+    from duoserve.model.arch import arch_from_hf_config
+
+    base = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 4}
+    assert arch_from_hf_config(base).moe_layers == (True, True)
+    assert arch_from_hf_config({**base, "mlp_only_layers": [1]}).moe_layers == (True, False)
+    with pytest.raises(ConfigError, match=r"^num_experts_per_tok=5 is not allowed: between 1 and the number of "
+                                          r"experts \(4\)"):
+        arch_from_hf_config({**base, "num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match=r"^num_experts=0 is not allowed: a positive integer: Qwen2MoeForCausalLM "
+                                          r"is a mixture of experts"):
+        arch_from_hf_config({**base, "num_experts": 0})
+    with pytest.raises(ConfigError, match=r"^decoder_sparse_step=0 is not allowed: a positive integer"):
+        arch_from_hf_config({**base, "decoder_sparse_step": 0})
+    with pytest.raises(ConfigError, match=r"^moe_intermediate_size=-4 is not allowed: a positive integer"):
+        arch_from_hf_config({**base, "moe_intermediate_size": -4})
 
 
 def test_default_model_not_installed(monkeypatch):
