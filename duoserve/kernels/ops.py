@@ -20,8 +20,9 @@ handle baked into the graph. Where the C++ ``paged_attention`` serves the model,
 announced to it (``attention_step``: every layer's caches and the step's slots, and every
 token's block table and context length) and each layer runs the C kernel over all the step's
 tokens with no Python; without the announcement the Python kernel ``paged_attention_any`` runs
-the layer's eager attention module. The registry of contexts is the one module-level mutable
-object here, append-only, because an op argument can only be a tensor or a plain value.
+the layer's eager attention module. The registries of contexts and of eager modules are the
+module-level mutable objects here, append-only, because an op argument can only be a tensor or a
+plain value.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-# a mixture of experts' tensors (Qwen's names; Mixtral's are _MIXTRAL_NAMES); the stacked ones' per expert
+# a mixture of experts' tensors under Qwen's names; Mixtral's router is block_sparse_moe.gate and its
+# experts' projections w1, w3, w2 (_MIXTRAL_PROJECTIONS); a stacked tensor gives one name per expert
 _MOE_NAMES = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
@@ -189,6 +190,9 @@ class GGUFSource:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if expert is None:
             return tensor, tensor.data, shape
+        if len(shape) != 3 or shape[0] != self._arch.num_experts:
+            raise ModelLoadError(f"GGUF tensor {tensor.name} has shape {list(shape)}, expected "
+                                 f"[{self._arch.num_experts}, rows, cols] (one matrix per expert)")
         per_expert = tensor.data.size // shape[0]   # [experts, rows, cols]: an expert's rows are contiguous
         return tensor, tensor.data[expert * per_expert: (expert + 1) * per_expert], shape[1:]
 

@@ -84,12 +84,14 @@ def _routed_mlp_parts(arch: ModelArch, src: str, dst: str) -> dict[str, list[tup
     mixtral = arch.architecture == "MixtralForCausalLM"
     block = src + ("block_sparse_moe." if mixtral else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    parts = {dst + "router.weight": [(block + "gate.weight", (arch.num_experts, h))]}
+    parts = {}
     for e in range(arch.num_experts):
         expert = f"{block}experts.{e}."
         parts[f"{dst}experts.{e}.gate_up.weight"] = [(expert + gate + ".weight", (inter, h)),
                                                      (expert + up + ".weight", (inter, h))]
         parts[f"{dst}experts.{e}.down.weight"] = [(expert + down + ".weight", (h, inter))]
+    # after the experts: a GGUF file's expert count is checked against its stacked tensors first
+    parts[dst + "router.weight"] = [(block + "gate.weight", (arch.num_experts, h))]
     shared = arch.shared_expert_intermediate_size
     if shared:
         parts[dst + "shared.gate_up.weight"] = [(block + "shared_expert.gate_proj.weight", (shared, h)),

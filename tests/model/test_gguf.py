@@ -188,3 +188,16 @@ def test_gguf_file_gives_original_logits(tiny_dir, tmp_path, kind, type_name):
              checkpoint_parts(ref_model.arch).items()}
     ref_model.load_state_dict(state, strict=False)
     assert (got - forward_one(ref_model, PROMPT)).abs().max().item() < 1e-4
+
+
+def test_experts_that_do_not_match_the_stated_count_name_the_tensor(tiny_dir, tmp_path):
+    """A stacked expert tensor holds one matrix per expert: a file stating another count is a load
+    error naming the tensor and both shapes, never a model built from misaligned slices."""
+    from duoserve.errors import ModelLoadError
+
+    out = tmp_path / "moe.gguf"
+    write_gguf(tiny_dir(kind="qwen3_moe"), out, "Q8_0")
+    with pytest.raises(ModelLoadError, match=r"GGUF tensor blk\.0\.ffn_gate_exps\.weight has shape \[4, 32, 64\], "
+                                             r"expected \[3, rows, cols\] \(one matrix per expert\)"):
+        load_model(ModelConfig(model=str(out), dtype="float32", quantization="none",
+                               hf_overrides={"num_experts": 3, "num_local_experts": 3}))
