@@ -68,6 +68,7 @@ class SparseMoE(nn.Module):
         flat = chosen.flatten()                                # [num_tokens * top_k]: token t's picks at t*k..
         order = torch.argsort(flat, stable=True)               # the picks grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        pick_weights = weights.flatten().unsqueeze(1)           # [num_tokens * top_k, 1], in the picks' order
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -76,7 +77,7 @@ class SparseMoE(nn.Module):
             picks = order[start: start + count]
             start += count
             tokens = picks // self.top_k
-            y = self.experts[expert](x[tokens]) * weights.flatten()[picks].unsqueeze(1)
+            y = self.experts[expert](x[tokens]) * pick_weights[picks]
             out.index_add_(0, tokens, y)
             self.expert_tokens[expert] += count
         if self.shared is not None:
