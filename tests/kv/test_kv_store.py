@@ -274,22 +274,33 @@ def test_two_servers_share_one_store(redis_server, tmp_path):
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 8, "temperature": 0}
     flags = ("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.4", "--num-threads", "2",
              "--kv-store", redis_server.url)
-    replies = []
+    replies, hits = [], None
     for name in ("a", "b"):
         server = Server(*flags, log=tmp_path / f"{name}.log")
         try:
             replies.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json())
-            time.sleep(1.5)   # the writer thread, and a stats message
-            if name == "b":
+            expected = (replies[0]["usage"]["prompt_tokens"] - 1) // 16
+            if name == "a":   # the writer thread works behind the reply: wait for the prompt's blocks in Redis
+                assert until(lambda: len(stored_keys(redis_server)) >= expected, within=30)
+            else:             # the counter reaches /metrics with the engine's next stats message
+                until(lambda: metric(server.url, "duoserve:kv_store_hits_total") == expected, within=30)
                 hits = metric(server.url, "duoserve:kv_store_hits_total")
         finally:
             server.stop()
     first, second = replies
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    num_prompt = first["usage"]["prompt_tokens"]
-    expected = (num_prompt - 1) // 16
-    assert hits == expected
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == expected * 16
+    assert hits == expected
+
+
+def until(condition, within: float) -> bool:
+    """Whether ``condition()`` holds within ``within`` seconds (asked every 50 ms)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_prefill_and_decode_engines_share_the_store(tiny_dir, redis_server):
