@@ -346,10 +346,15 @@ class ClusterConfig:
     ray_address: str | None = None    # None: start a Ray instance here; "auto": the running one; or HOST:PORT
     ray_namespace: str = "duoserve"   # one deployment's engines are the named actors of this namespace
     auth_key_file: str | None = None  # the deployment key; None: $DUOSERVE_AUTH_KEY*, else the engines' own
+    num_engines: int = 1              # colocated engines launched on this host (each takes a share of its cores)
 
     def __post_init__(self) -> None:
         if self.kind not in CLUSTERS:
             raise ConfigError("cluster", self.kind, f"one of {', '.join(CLUSTERS)}")
+        if not isinstance(self.num_engines, int) or self.num_engines < 1:
+            raise ConfigError("num_engines", self.num_engines, "a positive number of engines")
+        if self.kind == "ray" and self.num_engines != 1:
+            raise ConfigError("num_engines", self.num_engines, "1 with --cluster ray (use --num-decode-engines)")
         if not self.ray_namespace or not self.ray_namespace.replace("-", "").replace("_", "").isalnum():
             raise ConfigError("ray_namespace", self.ray_namespace, "letters, digits, '-' and '_'")
         if self.kind == "local" and self.ray_address is not None:

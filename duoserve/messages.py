@@ -29,6 +29,9 @@ class RequestSpec(msgspec.Struct):
     max_total_tokens: int | None               # the context length: prompt + outputs never exceed it
     arrival_time: float                        # the frontend's monotonic clock (queue time, aging)
     sample_index: int = 0                      # which of an n > 1 prompt's samples
+    # a migrated request (its engine went down): the outputs it had already sent, computed
+    # again like the prompt and counted as outputs (max_tokens, penalties, a grammar's state)
+    output_token_ids: list[int] = []
 
     @classmethod
     def from_request(cls, request: Request, **fields):
@@ -40,8 +43,12 @@ class RequestSpec(msgspec.Struct):
 
     def to_request(self, request_id: str | None = None) -> Request:
         """A new engine request of these fields (under ``request_id`` when the engine renames it)."""
-        return Request(self.request_id if request_id is None else request_id, self.prompt_token_ids, self.params,
-                       tuple(self.eos_token_ids), self.max_total_tokens, self.sample_index, self.arrival_time)
+        request = Request(self.request_id if request_id is None else request_id, self.prompt_token_ids, self.params,
+                          tuple(self.eos_token_ids), self.max_total_tokens, self.sample_index, self.arrival_time)
+        if self.output_token_ids:
+            request.output_token_ids = list(self.output_token_ids)
+            request.prompt_logprobs = None   # the frontend has them from the engine that went down
+        return request
 
 
 class Hello(msgspec.Struct, tag=True):

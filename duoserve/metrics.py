@@ -95,6 +95,13 @@ class ServerMetrics:
         self.placements = Counter("duoserve:request_placements", "Requests by where they were prefilled and "
                                   "decoded (prefill_engine=local: on the decode engine itself)",
                                   ["prefill_engine", "decode_engine"], registry=r)
+        self.migrations = Counter("duoserve:request_migrations", "Requests moved to another engine because "
+                                  "theirs went down (cause: exited, failed, unreachable)", ["cause"], registry=r)
+        self.migrated_tokens = Counter("duoserve:migration_restored_tokens", "Tokens (prompt and outputs so "
+                                       "far) of migrated requests, computed again or found cached by the "
+                                       "engine that took them", registry=r)
+        self.migration_resume = Histogram("duoserve:migration_resume_seconds", "From a migration to the "
+                                          "stream's next token", buckets=b, registry=r)
         self.log_interval = log_interval
         self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
         self._engines: dict[str, EngineStats] = {}      # engine name -> its latest stats
@@ -127,6 +134,10 @@ class ServerMetrics:
                 self.tpot.observe((now - first) / (num_tokens - len(out.outputs)))
             for o in out.outputs:
                 self.success.labels(o.finish_reason or "unknown").inc()
+
+    def observe_migration(self, cause: str, lost_engine: str, num_tokens: int) -> None:
+        self.migrations.labels(cause).inc()
+        self.migrated_tokens.inc(num_tokens)
 
     def observe_placement(self, request_id: str, prefill_engine: str | None, decode_engine: str) -> None:
         self.placements.labels(prefill_engine or "local", decode_engine).inc()

@@ -288,6 +288,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "Engines as Ray actors, placed on the nodes that advertise duoserve_prefill / duoserve_decode resources "
         "(`duoserve ray-node`), found again by name by every frontend, restarted by Ray when a node dies. "
         "They outlive the frontends: `duoserve ray-stop` removes them.")
+    r.add_argument("--num-engines", type=int, default=1,
+                   help="colocated engines to launch on this host, each on its share of the cores; a request "
+                        "whose engine goes down goes on on another (default: 1; with --disagg use "
+                        "--num-decode-engines)")
     r.add_argument("--cluster", default="local", choices=["local", "ray"],
                    help="launch the engines on this host, or place them on a Ray cluster (default: local)")
     r.add_argument("--ray-address", default=None,

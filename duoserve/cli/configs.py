@@ -44,7 +44,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(kind=args.cluster, ray_address=args.ray_address, ray_namespace=args.ray_namespace,
-                         auth_key_file=args.auth_key_file)
+                         auth_key_file=args.auth_key_file, num_engines=args.num_engines)
 
 
 def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:

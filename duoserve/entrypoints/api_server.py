@@ -133,6 +133,8 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     engine.on_output.append(metrics.observe_output)
     engine.on_stats.append(metrics.observe_stats)
     engine.on_place.append(metrics.observe_placement)
+    engine.on_migrate.append(metrics.observe_migration)
+    engine.on_resume.append(metrics.migration_resume.observe)
     engine.on_engine_down.append(metrics.engine_down)
     openai = OpenAIServing(engine, server.served_model_name)
     chat = ChatServing(openai, server.tool_call_parser, server.reasoning_parser)

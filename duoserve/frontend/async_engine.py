@@ -10,10 +10,18 @@ requests there, and passes on what the output processor returns (samples ended o
 string, requests to release). The ``EngineSupervisor`` starts the engines, reads their
 outputs, and brings a dead engine back; it reports up through ``engine_up``,
 ``engine_outputs``, ``engine_down`` and ``engines_lost``. A request whose consumer goes
-away (client disconnect, cancellation) is aborted in the engines. When an engine dies,
-the requests it held get an error instead of hanging, while the others serve on. Once
-shutdown has begun nothing is relaunched; requests still running when the drain
-deadline passes end with an error saying the server is shutting down.
+away (client disconnect, cancellation) is aborted in the engines.
+
+When an engine goes down (its process exits, it reports a failure, or its connection is
+lost), the requests it held migrate: each goes on on a decode engine that is up, from the
+tokens its stream has already sent (``EngineGroup.migrate``), and its client sees neither
+an error nor a repeated or missing token. Greedy continuations are the undisturbed run's,
+and seeded ones too (a seeded draw depends on the seed and the token's position, not on
+the engine). With no decode engine up a request waits for one to come (back) up, at most
+``MIGRATION_WAIT_S`` seconds; a request that lost ``MAX_MIGRATIONS`` engines, or waited
+too long, ends with an error naming them. Once shutdown has begun nothing is relaunched;
+requests still running when the drain deadline passes end with an error saying the server
+is shutting down.
 """
 
 from __future__ import annotations
@@ -39,6 +47,42 @@ from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+MAX_MIGRATIONS = 3        # a request that lost this many engines is not moved again
+MIGRATION_WAIT_S = 120.0  # how long a request waits for a decode engine to come (back) up
+
+
+def migration_cause(client: EngineClient, reason: str) -> str:
+    """What an engine's going down is counted as: it reported a failure, its process exited,
+    or it could not be reached (its connection dropped or its heartbeats went unanswered while
+    its process, if launched here, lives on: frozen, or on a host cut off)."""
+    if reason.startswith(f"{client.name} failed:"):
+        return "failed"
+    if client.launched and client.process is not None and not client.process.is_alive():
+        return "exited"
+    return "unreachable"
+
+
+def ended_unseen(state, eos_token_ids: tuple[int, ...], max_total_tokens: int | None) -> list[EngineCoreOutput]:
+    """The samples of ``state`` that had ended on the engine that went down, their last output
+    lost with it: the finishing outputs it would have sent (a stop token last, max_tokens, or
+    the context full)."""
+    params, ended = state.params, []
+    for index, output in enumerate(state.outputs):
+        if output.finished or not output.token_ids:
+            continue
+        last, count = output.token_ids[-1], len(output.token_ids)
+        reason = stop = None
+        if count >= params.min_tokens and not params.ignore_eos and last in eos_token_ids:
+            reason = "stop"
+        elif count >= params.min_tokens and last in params.stop_token_ids:
+            reason, stop = "stop", last
+        elif (params.max_tokens is not None and count >= params.max_tokens) or \
+                (max_total_tokens is not None and len(state.prompt_token_ids) + count >= max_total_tokens):
+            reason = "length"
+        if reason is not None:
+            request_id = state.request_id if index == 0 else f"{state.request_id}/{index}"
+            ended.append(EngineCoreOutput(request_id, [], position=count, finish_reason=reason, stop_reason=stop))
+    return ended
 
 
 class EngineUnavailableError(DuoserveError):
@@ -71,6 +115,9 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.on_output: list[Callable[[RequestOutput], None]] = []   # metrics hooks
         self.on_place: list[Callable[[str, str | None, str], None]] = []
+        self.on_migrate: list[Callable[[str, str, int], None]] = []   # (cause, lost engine, tokens to restore)
+        self.on_resume: list[Callable[[float], None]] = []            # seconds from migration to next token
+        self.parked: dict[str, tuple[str, str, str]] = {}   # request -> (lost engine, reason, cause): waiting
         self.on_stats = self.supervisor.on_stats                      # (name, instance id, stats)
         self.on_engine_down = self.supervisor.on_engine_down
         self._tasks: list[asyncio.Task] = []
@@ -200,7 +247,7 @@ class AsyncEngine:
         if self.group is None and client in self.decode_clients:
             router = None if self.disagg is None else Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
-            self.group.on_place = self.on_place
+            self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
             self.inputs = InputProcessor(self.group.tokenizer, self.group.vocab_size, self.group.eos_token_ids)
             # The tokenizer and the server's modules are long-lived (~80k objects, 30-40 ms to
             # scan here): moved out of the collector's sight, a full collection while serving
@@ -209,18 +256,23 @@ class AsyncEngine:
             gc.freeze()
         elif self.group is not None:
             self.group.engine_up(client)
+        if self.parked and client in self.decode_clients:
+            for request_id, (lost_on, reason, cause) in list(self.parked.items()):
+                self.parked.pop(request_id)
+                self._migrate(request_id, lost_on, reason, cause)
 
     def engine_outputs(self, client: EngineClient, outputs: list[EngineCoreOutput]) -> None:
         """A batch from ``client``: to text, to the engines what it ended, to each request's queue."""
         try:
-            self.group.note_outputs(client, [o.request_id for o in outputs])
-            result = self.outputs.process_outputs(outputs)
-            tell_engines(self.group, result)
+            self._deliver(self.group.note_outputs(client, outputs))
         except Exception as exc:  # a bug here fails this batch's requests, never the reader
             logger.exception("cannot process the outputs of %s", client.name)
             self._fail_requests({o.request_id.partition("/")[0] for o in outputs},
                                 EngineUnavailableError(f"internal error while processing outputs: {exc}"))
-            return
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        result = self.outputs.process_outputs(outputs)
+        tell_engines(self.group, result)
         for snapshot in result.outputs:
             call_hooks(self.on_output, snapshot)
             queue = self.queues.get(snapshot.request_id)
@@ -229,13 +281,54 @@ class AsyncEngine:
 
     def engine_down(self, client: EngineClient, reason: str) -> None:
         stranded = self.group.stranded_by(client) if self.group is not None else []
-        logger.error("%s is down (%s): failing the %d requests it held", client.name, reason, len(stranded))
-        self._fail_requests(stranded, EngineUnavailableError(
-            f"engine {client.name} went down while this request was on it ({reason}); retry it"))
+        logger.error("%s is down (%s): moving the %d requests it held", client.name, reason, len(stranded))
+        cause = migration_cause(client, reason)
+        for request_id in stranded:
+            self._migrate(request_id, client.name, reason, cause)
+
+    def _migrate(self, request_id: str, lost_on: str, reason: str, cause: str) -> None:
+        """Go on with a request whose engine ``lost_on`` went down (see the module docstring)."""
+        state = self.outputs.states.get(request_id)
+        placement = self.group.placements.get(request_id)
+        if state is None or placement is None:
+            return
+        lost = [*placement.lost_on, lost_on]
+        if len(lost) > MAX_MIGRATIONS:
+            self._fail_requests([request_id], EngineUnavailableError(
+                f"engine {lost_on} went down while this request was on it ({reason}); it had already lost "
+                f"{', '.join(placement.lost_on)}, and is not moved again; retry it"))
+            return
+        self._deliver(ended_unseen(state, self.group.eos_token_ids, placement.request.max_total_tokens))
+        if request_id not in self.outputs.states:   # its last token had come: it ended now
+            return
+        resumed = {i: list(o.token_ids) for i, o in enumerate(state.outputs) if not o.finished}
+        if not any(resumed.values()) and not any(o.finished for o in state.outputs):
+            resumed = {}                              # no token yet: it starts over, placed anew
+        try:
+            decode = self.group.migrate(request_id, resumed, lost_on)
+        except EngineDeadError:
+            self._park(request_id, lost_on, reason, cause)
+            return
+        num_tokens = len(state.prompt_token_ids) + max((len(t) for t in resumed.values()), default=0)
+        logger.info("request %s moved from %s to %s (%d tokens to restore)", request_id, lost_on, decode, num_tokens)
+        call_hooks(self.on_migrate, cause, lost_on, num_tokens)
+
+    def _park(self, request_id: str, lost_on: str, reason: str, cause: str) -> None:
+        """No decode engine is up: wait for one (``engine_up``), at most MIGRATION_WAIT_S."""
+        self.parked[request_id] = (lost_on, reason, cause)
+
+        def give_up() -> None:
+            if self.parked.pop(request_id, None) is not None:
+                self._fail_requests([request_id], EngineUnavailableError(
+                    f"engine {lost_on} went down while this request was on it ({reason}) and no decode engine "
+                    f"came up within {MIGRATION_WAIT_S:.0f}s; retry it"))
+
+        asyncio.get_running_loop().call_later(MIGRATION_WAIT_S, give_up)
 
     def engines_lost(self, reason: str) -> None:
         logger.error("engine unavailable: %s", reason)
         self.dead_reason = reason
+        self.parked.clear()
         for queue in self.queues.values():
             queue.put_nowait(EngineUnavailableError(reason))
 

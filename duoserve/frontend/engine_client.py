@@ -222,7 +222,8 @@ class EngineClient:
 
     def add_request(self, request: Request, kv_peer: str | None = None, kv_peer_instance: str | None = None) -> None:
         self._send(msg.AddRequest.from_request(request, max_total_tokens=request.max_total_tokens or self.max_model_len,
-                                               kv_peer=kv_peer, kv_peer_instance=kv_peer_instance))
+                                               kv_peer=kv_peer, kv_peer_instance=kv_peer_instance,
+                                               output_token_ids=request.output_token_ids))
 
     def abort(self, request_id: str) -> None:
         self._send(msg.AbortRequest(request_id))

@@ -1,6 +1,7 @@
 """Which engines a frontend drives, and where each listens.
 
-Colocated: one engine this frontend launches. Disaggregated: the decode and prefill
+Colocated: the engines this frontend launches (``--num-engines``, one by default; several
+split this host's cores between them unless ``--num-threads`` says otherwise). Disaggregated: the decode and prefill
 engines at ``--decode-addrs`` / ``--prefill-addrs`` (started elsewhere with ``duoserve
 decode|prefill --listen``), or else ``--num-decode-engines`` / ``--num-prefill-engines``
 launched here. Launched engines listen on ``ipc://`` paths (KV then moves through
@@ -35,6 +36,7 @@ import uuid
 import msgspec
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.errors import ConfigError
 from duoserve.engine.process import engine_main
 from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient
 from duoserve.frontend.ray_cluster import plan_ray_engines
@@ -104,13 +106,21 @@ def deployment_key(disagg: DisaggConfig | None) -> AuthKey | None:
     return key
 
 
-def plan_engines(config: EngineConfig, disagg: DisaggConfig | None,
-                 frontend_id: str = FRONTEND_ID) -> tuple[list[EngineClient], list[EngineClient]]:
+def plan_engines(config: EngineConfig, disagg: DisaggConfig | None, frontend_id: str = FRONTEND_ID,
+                 num_engines: int = 1) -> tuple[list[EngineClient], list[EngineClient]]:
     """(decode engines, prefill engines) as clients, not yet started."""
     key = deployment_key(disagg)
     sweep_orphaned_sockets()
     if disagg is None:
-        return [EngineClient("engine-0", _ipc_address("engine-0"), config, key=key, frontend_id=frontend_id)], []
+        configs = [config] * num_engines
+        if num_engines > 1 and config.num_threads is None and config.cpus is None:
+            cpus = sorted(os.sched_getaffinity(0))
+            oversubscribed = len(cpus) < num_engines
+            shares = [tuple(cpus[len(cpus) * i // num_engines: len(cpus) * (i + 1) // num_engines])
+                      for i in range(num_engines)]
+            configs = [_pinned(config, () if oversubscribed else c, oversubscribed) for c in shares]
+        return [EngineClient(f"engine-{i}", _ipc_address(f"engine-{i}"), c, key=key, frontend_id=frontend_id)
+                for i, c in enumerate(configs)], []
     prefill_config, decode_config = disagg.engine_configs(config)
     tcp = disagg.kv_transport == "tcp" or bool(disagg.prefill_addrs or disagg.decode_addrs)
     num_prefill = 0 if disagg.prefill_addrs else disagg.num_prefill_engines
@@ -150,7 +160,10 @@ def plan_deployment(config: EngineConfig, disagg: DisaggConfig | None, cluster: 
     """(decode engines, prefill engines) of a deployment: launched here, or Ray actors."""
     if cluster is not None and cluster.kind == "ray":
         return plan_ray_engines(config, disagg, cluster, frontend_id)
-    return plan_engines(config, disagg, frontend_id)
+    num_engines = 1 if cluster is None else cluster.num_engines
+    if disagg is not None and num_engines != 1:
+        raise ConfigError("num_engines", num_engines, "1 with --disagg (use --num-decode-engines)")
+    return plan_engines(config, disagg, frontend_id, num_engines)
 
 
 def spawn_engine(client: EngineClient) -> None:

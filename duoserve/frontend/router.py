@@ -10,11 +10,21 @@ here exactly: a decode engine's unfinished requests, a prefill engine's requests
 yet prefilled); between equals the first in its list (``decode-0`` before
 ``decode-1``), and an engine that is down is passed over. The frontend does not see
 the engines' prefix caches, so "uncached part" is judged by the whole prompt's length.
+
+Migration (``migrate``): a request whose engine went down is placed again. One no sample of
+which has a token yet starts over, placed like a new request; otherwise each unfinished
+sample is added to a decode engine with the tokens it had sent as outputs (the engine
+computes them again like the prompt, or finds their blocks in its prefix cache or the KV
+store), so the stream goes on from its next token. The request takes a new id on the
+engines (``rid#1``, ``rid#2``...; the frontend's id stays) so that nothing an engine still
+sends for an earlier placement can be mistaken for the new one's: ``note_outputs`` renames
+the new one's outputs and drops the others.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from duoserve.core.request import Request
@@ -39,11 +49,31 @@ class Placement:
     samples: int = 1          # n: each sample is handed over on its own
     prefilled: bool = False   # the prefill engine has reported (its first token)
     handed_over: set[int] = field(default_factory=set)   # samples the decode engine has reported
+    request: Request | None = None     # as the frontend first added it: a migration starts from it
+    engine_id: str = ""                # the request's id on its engines (a new one at each migration)
+    resumed: list[int] = field(default_factory=list)     # migrated samples added one by one
+    lost_on: list[str] = field(default_factory=list)     # the engines it was on when they went down
+    migrated_at: float | None = None   # until its first token after the migration (time to resume)
+
+    def engine_ids(self) -> list[str]:
+        """Its ids on the engines: the request's, or each resumed sample's."""
+        return [sample_id(self.engine_id, i) for i in self.resumed] if self.resumed else [self.engine_id]
 
     @property
     def decoding(self) -> bool:
         """Every sample lives on the decode engine now (a prefill engine that dies loses none)."""
         return len(self.handed_over) >= self.samples
+
+
+def sample_id(engine_id: str, index: int) -> str:
+    """An engine's id for sample ``index`` of a request (``rid``, ``rid/1``, ...)."""
+    return engine_id if index == 0 else f"{engine_id}/{index}"
+
+
+def split_sample(output_id: str) -> tuple[str, str]:
+    """(the request's id, the sample's suffix "" or "/k") of an engine's output id."""
+    parent, _, index = output_id.rpartition("/")
+    return (parent, "/" + index) if parent and index.isdigit() else (output_id, "")
 
 
 class EngineGroup:
@@ -68,7 +98,9 @@ class EngineGroup:
         self.placements: dict[str, Placement] = {}
         self._by_name = {c.name: c for c in (*self.decode, *self.prefill)}
         self._warned_fallback = False
+        self.aliases: dict[str, str] = {}   # a migrated request's engine id -> the frontend's id
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
+        self.on_resume: list = []  # hooks(seconds from the migration to the stream's next token)
 
     def engine_up(self, client: EngineClient) -> None:
         """An engine came up (late, or again): the context is what every engine can hold."""
@@ -113,30 +145,80 @@ class EngineGroup:
             self._warned_fallback = prefill is None
         return decode, prefill
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, original: Request | None = None) -> None:
         decode, prefill = self.choose(request)
         if prefill is not None:
             prefill.add_request(request, kv_peer=decode.name, kv_peer_instance=decode.ready.instance_id)
         else:
             decode.add_request(request)
-        self.placements[request.request_id] = Placement(decode.name, prefill.name if prefill else None,
-                                                        samples=request.params.n)
-        logger.debug("request %s: prefill on %s, decode on %s", request.request_id,
+        self.placements[(original or request).request_id] = Placement(
+            decode.name, prefill.name if prefill else None, samples=request.params.n, request=original or request,
+            engine_id=request.request_id)
+        self._placed(request.request_id, prefill, decode)
+
+    def _placed(self, request_id: str, prefill: EngineClient | None, decode: EngineClient) -> None:
+        logger.debug("request %s: prefill on %s, decode on %s", request_id,
                      prefill.name if prefill else decode.name, decode.name)
         for hook in self.on_place:
-            hook(request.request_id, prefill.name if prefill else None, decode.name)
+            hook(request_id, prefill.name if prefill else None, decode.name)
 
-    def note_outputs(self, client: EngineClient, request_ids) -> None:
-        """Outputs came from ``client``: a prefill engine is done with those requests."""
-        for request_id in request_ids:
-            parent, _, index = request_id.partition("/")
-            placement = self.placements.get(parent)
-            if placement is None:
-                continue
-            if client.name == placement.decode:
-                placement.handed_over.add(int(index) if index.isdigit() else 0)
-            elif client.name == placement.prefill:
-                placement.prefilled = True
+    def migrate(self, request_id: str, resumed: dict[int, list[int]], lost_on: str) -> str:
+        """Place again a request whose engine ``lost_on`` went down; ``resumed``: each unfinished
+        sample's tokens so far (empty: none has a token, it starts over). Returns the decode
+        engine's name; raises EngineDeadError when no decode engine is up (nothing changes)."""
+        old = self.placements[request_id]
+        if self._least_loaded(self.decode) is None:
+            raise EngineDeadError("no decode engine is up")
+        for client in self._engines_of(request_id):   # a survivor may still hold a part of it
+            for engine_id in old.engine_ids():
+                self._send(client, "abort", engine_id)
+                self._send(client, "release", engine_id)
+        self.aliases.pop(old.engine_id, None)
+        lost = [*old.lost_on, lost_on]
+        engine_id = f"{request_id}#{len(lost)}"
+        base = old.request
+        self.aliases[engine_id] = request_id
+        if not resumed:
+            fresh = Request(engine_id, base.prompt_token_ids, base.params, base.eos_token_ids, base.max_total_tokens,
+                            arrival_time=base.arrival_time)
+            self.add_request(fresh, original=base)
+        else:
+            decode = self._least_loaded(self.decode)
+            for index, tokens in sorted(resumed.items()):
+                sample = Request(sample_id(engine_id, index), base.prompt_token_ids, base.params, base.eos_token_ids,
+                                 base.max_total_tokens, sample_index=index, arrival_time=base.arrival_time)
+                sample.output_token_ids = list(tokens)
+                decode.add_request(sample)
+            self.placements[request_id] = Placement(decode.name, samples=base.params.n, request=base,
+                                                    engine_id=engine_id, resumed=sorted(resumed))
+            self._placed(engine_id, None, decode)
+        placement = self.placements[request_id]
+        placement.lost_on, placement.migrated_at = lost, time.monotonic()
+        return placement.decode
+
+    def note_outputs(self, client: EngineClient, outputs: list) -> list:
+        """Outputs came from ``client``: those of each request's current placement, under the
+        frontend's ids (a migrated request's renamed, an earlier placement's dropped); a prefill
+        engine is done with those requests."""
+        kept = []
+        for out in outputs:
+            engine_id, suffix = split_sample(out.request_id)
+            request_id = self.aliases.get(engine_id, engine_id)
+            placement = self.placements.get(request_id)
+            if placement is not None:
+                if engine_id != placement.engine_id or client.name not in (placement.decode, placement.prefill):
+                    continue
+                if client.name == placement.decode:
+                    placement.handed_over.add(int(suffix[1:]) if suffix else 0)
+                elif client.name == placement.prefill:
+                    placement.prefilled = True
+                if placement.migrated_at is not None and out.new_token_ids:
+                    for hook in self.on_resume:
+                        hook(time.monotonic() - placement.migrated_at)
+                    placement.migrated_at = None
+                out.request_id = request_id + suffix
+            kept.append(out)
+        return kept
 
     def stranded_by(self, client: EngineClient) -> list[str]:
         """The requests that die with ``client``: all it decodes, and those it prefills with a sample
@@ -150,13 +232,27 @@ class EngineGroup:
             return [*self.prefill, *self.decode]
         return [self._by_name[n] for n in (placement.prefill, placement.decode) if n is not None]
 
+    @staticmethod
+    def _send(client: EngineClient, method: str, engine_id: str) -> None:
+        if client.is_up():
+            try:
+                getattr(client, method)(engine_id)
+            except EngineDeadError:  # it went down meanwhile: nothing of the request is left there
+                pass
+
     def _tell(self, method: str, request_id: str) -> None:
-        for client in self._engines_of(request_id):
-            if client.is_up():
-                try:
-                    getattr(client, method)(request_id)
-                except EngineDeadError:  # it went down meanwhile: nothing of the request is left there
-                    pass
+        """Tell the request's engines, under their ids: the request's (or one sample's, "rid/k")."""
+        parent, suffix = split_sample(request_id)
+        placement = self.placements.get(parent)
+        if placement is None:
+            ids = [request_id]
+        elif suffix:
+            ids = [sample_id(placement.engine_id, int(suffix[1:]))]
+        else:
+            ids = placement.engine_ids()
+        for client in self._engines_of(parent):
+            for engine_id in ids:
+                self._send(client, method, engine_id)
 
     def abort(self, request_id: str) -> None:
         self._tell("abort", request_id)
@@ -166,5 +262,6 @@ class EngineGroup:
 
     def release(self, request_id: str) -> None:
         self._tell("release", request_id)
-        self.placements.pop(request_id, None)
-
+        placement = self.placements.pop(request_id, None)
+        if placement is not None:
+            self.aliases.pop(placement.engine_id, None)

@@ -153,7 +153,8 @@ def test_frontends_share_the_engines_and_a_new_one_finds_them(namespace, tiny_di
     assert stats["decode-0"].kv_cache_usage == 0
 
 
-def test_a_decode_node_removed_mid_stream_fails_only_its_requests(cluster, namespace, tiny_dir, disagg_reference):
+def test_a_decode_node_removed_mid_stream_its_requests_wait_and_go_on_on_its_successor(cluster, namespace, tiny_dir,
+                                                                                      disagg_reference):
     c, nodes = cluster
     config = engine_config(tiny_dir(kind="llama"))
     long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
@@ -177,27 +178,31 @@ def test_a_decode_node_removed_mid_stream_fails_only_its_requests(cluster, names
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
             removed_at = time.monotonic()
             c.remove_node(nodes["decode"])
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            for _ in range(200):   # noticed: no decode engine is up
+                if not engine.accepting:
+                    break
+                await asyncio.sleep(0.05)
+            noticed = time.monotonic() - removed_at
             nodes["decode"] = c.add_node(num_cpus=1, resources={"duoserve_decode": 1})
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
             back_after = await _up(engine, within=120)
             after = await generate_all(engine, prompts()[:3], GREEDY)
             first_success = time.monotonic() - removed_at
             new = dict(engine.decode_clients[0].info)
             stats = await _settled_stats(engine)
-            return old, new, results, removed_at, back_after, after, first_success, stats
+            return old, new, results, noticed, back_after, after, first_success, stats
         finally:
             await engine.shutdown()
 
-    old, new, results, removed_at, back_after, after, first_success, stats = asyncio.run(main())
-    for message, at in results:
-        assert "engine decode-0 went down while this request was on it" in message
-        assert at - removed_at < 5.0, f"failed {at - removed_at:.1f} s after the node was removed"
+    old, new, results, noticed, back_after, after, first_success, stats = asyncio.run(main())
+    assert noticed < 5.0, f"the lost node noticed {noticed:.1f} s after it was removed"
+    for message, _ in results:
+        assert message == "finished", "a request waits for the relaunched engine and goes on there"
     assert new["node_id"] == nodes["decode"].node_id != old["node_id"] and new["address"] != old["address"]
     assert_same(after, disagg_reference[0][:3])
     assert stats["prefill-0"].num_kv_leased == 0 and stats["prefill-0"].kv_cache_usage == 0, \
         "no block of the dead engine's requests left on the prefill side"
-    print(f"node removed -> requests failed in {max(at for _, at in results) - removed_at:.2f} s; "
-          f"first success after {first_success:.1f} s")
+    print(f"node removed -> noticed in {noticed:.2f} s; first new success after {first_success:.1f} s")
 
 
 def test_another_configuration_or_a_failed_start_is_refused_by_name(namespace, tiny_dir, tmp_path):

@@ -83,9 +83,11 @@ def test_ctrl_c_to_the_process_group_drains_then_ends_late_streams_cleanly(tmp_p
     _wait_for(lambda: not any(alive(p) for p in all_children), 10)
 
 
-def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
-    """After traffic, kill -9 the engine: its request fails, the gauges clear, the engine is
-    relaunched and serves again, and every counter keeps counting up from where it was."""
+def test_a_dead_engine_is_relaunched_and_its_stream_goes_on_there(tmp_path):
+    """After traffic, kill -9 the only engine mid-stream: while it is down /health says so and
+    new requests are refused, the stream waits; the engine is relaunched, the stream goes on
+    there with the tokens an undisturbed run gives, and every counter keeps counting up from
+    where it was."""
     log = tmp_path / "log"
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", log=log)
     try:
@@ -93,29 +95,36 @@ def test_dead_engine_fails_requests_and_health_then_is_relaunched(tmp_path):
         for i in range(3):  # traffic the old engine counts (prefix-cache lookups, tokens)
             r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": f"Count to {i} " * 20, "max_tokens": 4})
             assert r.status_code == 200
+        body = {"prompt": "Tell me a long story", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+        want = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         time.sleep(1.2)
         counters = ["duoserve:prefix_cache_queries_total", "duoserve:generation_tokens_total",
                     "duoserve:prompt_tokens_total"]
         before = {name: metric(srv.url, name) for name in counters}
         assert before["duoserve:prefix_cache_queries_total"] > 100
         lines: list[str] = []
-        body = {"prompt": "Tell me a long story", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        while_down = {}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
-                if len(lines) == 3:
+                if len(lines) == 3 and not while_down:
                     os.kill(engine_pid, signal.SIGKILL)
+                    _wait_for(lambda: httpx.get(f"{srv.url}/health", timeout=10).status_code == 503, 10)
+                    while_down["health"] = httpx.get(f"{srv.url}/health", timeout=10).json()
+                    while_down["new"] = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+                    while_down["models"] = httpx.get(f"{srv.url}/v1/models", timeout=10)
         assert lines[-1] == "data: [DONE]"
-        error = json.loads([ln for ln in lines if ln.startswith("data: {\"error\"")][0][6:])["error"]
-        assert "engine engine-0 went down" in error["message"]
-        wait_gauges_idle(srv.url, within=1.0)   # the dead engine's gauges are cleared
-        health = httpx.get(f"{srv.url}/health", timeout=10)
-        assert health.status_code == 503 and "engine-0" in health.json()["reason"]
-        refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert not [ln for ln in lines if "error" in ln], "the stream saw no error"
+        text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1])
+        assert text == want, "the stream went on where it was, as if nothing had happened"
+        assert "engine-0" in while_down["health"]["reason"]
+        refused = while_down["new"]
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
-        models = httpx.get(f"{srv.url}/v1/models", timeout=10)  # what the frontend knows stays served
+        models = while_down["models"]  # what the frontend knows stays served
         assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] == 4096
+        assert metric(srv.url, "duoserve:request_migrations_total", {"cause": "exited"}) == 1
+        wait_gauges_idle(srv.url, within=5.0)
         deadline = time.monotonic() + 60  # the launcher relaunches the engine; then it serves again
         while httpx.get(f"{srv.url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from duoserve import SamplingParams
+from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request
 from duoserve.frontend.engine_client import EngineDeadError
 from duoserve.frontend.router import EngineGroup, Router
@@ -23,6 +24,7 @@ class FakeClient:
         self.tokenizer = None
         self.up = True
         self.added: list[tuple[str, str | None, str | None]] = []   # (request id, kv peer, its instance)
+        self.requests: list[Request] = []
         self.told: list[tuple[str, str]] = []                       # (abort|finish_stopped|release, request id)
 
     def is_up(self) -> bool:
@@ -30,6 +32,7 @@ class FakeClient:
 
     def add_request(self, request, kv_peer=None, kv_peer_instance=None) -> None:
         self.added.append((request.request_id, kv_peer, kv_peer_instance))
+        self.requests.append(request)
 
     def abort(self, request_id: str) -> None:
         self.told.append(("abort", request_id))
@@ -49,6 +52,11 @@ def engines(num_decode: int, num_prefill: int = 0, router: Router | None = None)
     decode = [FakeClient(f"decode-{i}") for i in range(num_decode)]
     prefill = [FakeClient(f"prefill-{i}") for i in range(num_prefill)]
     return EngineGroup(decode, prefill, router), decode, prefill
+
+
+def outs(*engine_ids: str) -> list[EngineCoreOutput]:
+    """An output of one new token under each engine id."""
+    return [EngineCoreOutput(engine_id, [7]) for engine_id in engine_ids]
 
 
 def place(group: EngineGroup, *request_ids: str, num_tokens: int = 3) -> list[tuple[str | None, str]]:
@@ -95,10 +103,10 @@ def test_every_prompt_goes_to_a_prefill_engine_which_hands_its_kv_to_the_chosen_
 def test_a_prefill_engine_counts_only_the_requests_it_has_not_prefilled_yet():
     group, (d0,), (p0, p1) = engines(1, 2)
     assert place(group, "a", "b") == [("prefill-0", "decode-0"), ("prefill-1", "decode-0")]
-    group.note_outputs(p0, ["a"])   # its first token: prefilled
+    group.note_outputs(p0, outs("a"))   # its first token: prefilled
     assert group.load == {"decode-0": 2, "prefill-0": 0, "prefill-1": 1}
     assert place(group, "c") == [("prefill-0", "decode-0")]
-    group.note_outputs(d0, ["b"])   # the decode engine's first output does not prefill it on prefill-1
+    group.note_outputs(d0, outs("b"))   # the decode engine's first output does not prefill it on prefill-1
     assert group.load["prefill-1"] == 1
 
 
@@ -146,13 +154,11 @@ def test_aborts_and_releases_reach_the_engines_of_the_placement_that_are_up():
     assert sorted(group.placements) == ["a"]
 
 
-def test_a_samples_stop_is_told_to_every_engine_up():
-    """Placements are kept by request id, so a sample's id ("a/1") finds none: every engine
-    hears it (an engine that never held the sample remembers the id in a bounded list)."""
+def test_a_samples_stop_is_told_to_the_engines_of_its_request():
     group, (d0, d1), (p0,) = engines(2, 1)
     place(group, "a")
     group.finish_stopped("a/1")
-    assert p0.told == d0.told == d1.told == [("finish_stopped", "a/1")]
+    assert p0.told == d0.told == [("finish_stopped", "a/1")] and d1.told == []
 
 
 def test_the_context_is_what_every_engine_can_hold():
@@ -170,9 +176,76 @@ def test_a_prefill_engine_that_dies_takes_the_samples_it_has_not_handed_over():
     for rid, n in (("single", 1), ("pair", 2), ("quad", 4)):
         group.add_request(request(rid, n=n))
     assert [r for r, _, _ in prefill.added] == ["single", "pair", "quad"]
-    group.note_outputs(prefill, ["single", "pair", "pair/1", "quad"])   # first tokens
-    group.note_outputs(decode, ["single", "pair", "quad", "quad/2", "quad/1"])   # handed over so far
+    group.note_outputs(prefill, outs("single", "pair", "pair/1", "quad"))   # first tokens
+    group.note_outputs(decode, outs("single", "pair", "quad", "quad/2", "quad/1"))   # handed over so far
     assert sorted(group.stranded_by(prefill)) == ["pair", "quad"], "a sample still on the prefill engine"
-    group.note_outputs(decode, ["pair/1", "quad/3"])
+    group.note_outputs(decode, outs("pair/1", "quad/3"))
     assert group.stranded_by(prefill) == []
     assert sorted(group.stranded_by(decode)) == ["pair", "quad", "single"]
+
+
+def test_a_request_with_tokens_goes_on_on_a_survivor_under_a_new_id():
+    group, (d0, d1), _ = engines(2)
+    place(group, "a", "b")          # a on decode-0, b on decode-1
+    d0.up = False
+    assert group.migrate("a", {0: [5, 6]}, lost_on="decode-0") == "decode-1"
+    (resumed,) = d1.requests[1:]
+    assert (resumed.request_id, resumed.prompt_token_ids, resumed.output_token_ids) == ("a#1", [1, 2, 3], [5, 6])
+    assert group.load == {"decode-0": 0, "decode-1": 2}
+    assert group.placements["a"].lost_on == ["decode-0"]
+    late = group.note_outputs(d0, outs("a"))          # the old placement's last words: dropped
+    fresh = group.note_outputs(d1, outs("a#1", "b"))  # the new one's: under the frontend's id
+    assert late == [] and [o.request_id for o in fresh] == ["a", "b"]
+    group.abort("a")
+    group.release("a")
+    assert d1.told == [("abort", "a#1"), ("release", "a#1")] and group.aliases == {}
+
+
+def test_the_samples_of_a_request_resume_one_by_one_and_hear_their_own_stops():
+    group, (d0, d1), _ = engines(2)
+    group.add_request(request("a", n=3))
+    d0.up = False
+    group.migrate("a", {0: [5], 2: [8, 9]}, lost_on="decode-0")   # sample 1 had finished
+    assert [(r.request_id, r.sample_index, r.output_token_ids) for r in d1.requests] == \
+        [("a#1", 0, [5]), ("a#1/2", 2, [8, 9])]
+    assert [o.request_id for o in group.note_outputs(d1, outs("a#1/2", "a#1"))] == ["a/2", "a"]
+    group.finish_stopped("a/2")
+    group.release("a")
+    assert d1.told == [("finish_stopped", "a#1/2"), ("release", "a#1"), ("release", "a#1/2")]
+
+
+def test_a_request_without_a_token_starts_over_and_the_survivor_forgets_its_part():
+    """Its prefill engine went down before the first token: placed like a new request (on the
+    prefill engine up), and its decode engine, which may hold a transfer of it, forgets it."""
+    group, (d0,), (p0, p1) = engines(1, 2)
+    place(group, "a")                 # prefill-0 -> decode-0
+    p0.up = False
+    assert group.migrate("a", {}, lost_on="prefill-0") == "decode-0"
+    assert p1.added == [("a#1", "decode-0", "decode-0-1")]
+    assert d0.told == [("abort", "a"), ("release", "a")]
+    assert (group.placements["a"].prefill, group.placements["a"].engine_id) == ("prefill-1", "a#1")
+    p1.up = False                     # and again: a third id, on the decode engine itself
+    group.migrate("a", {}, lost_on="prefill-1")
+    assert d0.added == [("a#2", None, None)] and group.placements["a"].lost_on == ["prefill-0", "prefill-1"]
+
+
+def test_with_no_decode_engine_up_a_migration_changes_nothing():
+    group, (d0,), _ = engines(1)
+    place(group, "a")
+    d0.up = False
+    with pytest.raises(EngineDeadError, match="no decode engine is up"):
+        group.migrate("a", {0: [5]}, lost_on="decode-0")
+    assert group.placements["a"].engine_id == "a" and group.aliases == {}
+
+
+def test_the_resume_hook_hears_the_first_token_after_a_migration_once():
+    group, (d0, d1), _ = engines(2)
+    heard = []
+    group.on_resume.append(heard.append)
+    place(group, "a")
+    d0.up = False
+    group.migrate("a", {0: [5]}, lost_on="decode-0")
+    group.note_outputs(d1, [EngineCoreOutput("a#1", [])])   # no token yet (e.g. prompt log-probabilities)
+    assert heard == []
+    group.note_outputs(d1, outs("a#1", "a#1"))
+    assert len(heard) == 1 and 0 <= heard[0] < 5
