@@ -18,8 +18,8 @@ tokens its stream has already sent (``EngineGroup.migrate``), and its client see
 an error nor a repeated or missing token. Greedy continuations are the undisturbed run's,
 and seeded ones too (a seeded draw depends on the seed and the token's position, not on
 the engine). With no decode engine up a request waits for one to come (back) up, at most
-``MIGRATION_WAIT_S`` seconds; a request that lost ``MAX_MIGRATIONS`` engines, or waited
-too long, ends with an error naming them. Once shutdown has begun nothing is relaunched;
+``MIGRATION_WAIT_S`` seconds; a request that loses an engine after ``MAX_MIGRATIONS``
+moves, or waits too long, ends with an error naming the engines. Once shutdown has begun nothing is relaunched;
 requests still running when the drain deadline passes end with an error saying the server
 is shutting down.
 """
@@ -47,7 +47,7 @@ from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-MAX_MIGRATIONS = 3        # a request that lost this many engines is not moved again
+MAX_MIGRATIONS = 3        # a request is moved at most this many times (the next lost engine fails it)
 MIGRATION_WAIT_S = 120.0  # how long a request waits for a decode engine to come (back) up
 
 
