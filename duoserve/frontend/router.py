@@ -70,6 +70,14 @@ def sample_id(engine_id: str, index: int) -> str:
     return engine_id if index == 0 else f"{engine_id}/{index}"
 
 
+def renamed(base: Request, engine_id: str, sample_index: int = 0, outputs: list[int] = ()) -> Request:
+    """``base`` under another id on the engines: one sample of it, with the outputs it had sent."""
+    request = Request(engine_id, base.prompt_token_ids, base.params, base.eos_token_ids, base.max_total_tokens,
+                      sample_index=sample_index, arrival_time=base.arrival_time)
+    request.output_token_ids = list(outputs)
+    return request
+
+
 def split_sample(output_id: str) -> tuple[str, str]:
     """(the request's id, the sample's suffix "" or "/k") of an engine's output id."""
     parent, _, index = output_id.rpartition("/")
@@ -167,7 +175,8 @@ class EngineGroup:
         sample's tokens so far (empty: none has a token, it starts over). Returns the decode
         engine's name; raises EngineDeadError when no decode engine is up (nothing changes)."""
         old = self.placements[request_id]
-        if self._least_loaded(self.decode) is None:
+        decode = self._least_loaded(self.decode)
+        if decode is None:
             raise EngineDeadError("no decode engine is up")
         for client in self._engines_of(request_id):   # a survivor may still hold a part of it
             for engine_id in old.engine_ids():
@@ -179,16 +188,10 @@ class EngineGroup:
         base = old.request
         self.aliases[engine_id] = request_id
         if not resumed:
-            fresh = Request(engine_id, base.prompt_token_ids, base.params, base.eos_token_ids, base.max_total_tokens,
-                            arrival_time=base.arrival_time)
-            self.add_request(fresh, original=base)
+            self.add_request(renamed(base, engine_id), original=base)
         else:
-            decode = self._least_loaded(self.decode)
             for index, tokens in sorted(resumed.items()):
-                sample = Request(sample_id(engine_id, index), base.prompt_token_ids, base.params, base.eos_token_ids,
-                                 base.max_total_tokens, sample_index=index, arrival_time=base.arrival_time)
-                sample.output_token_ids = list(tokens)
-                decode.add_request(sample)
+                decode.add_request(renamed(base, sample_id(engine_id, index), index, tokens))
             self.placements[request_id] = Placement(decode.name, samples=base.params.n, request=base,
                                                     engine_id=engine_id, resumed=sorted(resumed))
             self._placed(engine_id, None, decode)
