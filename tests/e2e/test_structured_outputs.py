@@ -45,7 +45,7 @@ SCHEMAS = {
     "numbers": {"type": "object", "properties": {
         "count": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20},
         "step": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1}},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25}},
         "required": ["count", "step", "ratio"], "additionalProperties": False},
     "strings and formats": {"type": "object", "properties": {
         "code": {"type": "string", "pattern": "^[A-Z]{2}\\d$"}, "day": {"type": "string", "format": "date"},

@@ -211,11 +211,22 @@ def _rows(spec, block_size, num_blocks, rng):
     return torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), tables
 
 
+@pytest.fixture
+def tiles():
+    """The tiled prompt kernel switched on for one test (it is off by default: paged_prefill.c)."""
+    import ctypes
+
+    switch = load_c_function("paged_decode", "paged_set_tiled_prefill", (ctypes.c_int,), restype=None)
+    switch(1)
+    yield
+    switch(0)
+
+
 @pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # head_dim 64 and 128 tile (AVX-512); 32 takes the decode kernel throughout; several groups and block sizes
 @pytest.mark.parametrize("shape", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8), (12, 1, 64, 32), (8, 2, 32, 16)])
-def test_c_kernel_runs_of_prompt_tokens_match_reference(dtype, shape):
+def test_c_kernel_runs_of_prompt_tokens_match_reference(dtype, shape, tiles):
     """Rows of a prompt chunk (a run: one table, lengths growing by one) go to the tiled kernel,
     others to the decode kernel, in one call: all match plain softmax attention. Tolerance: 1e-5
     in float32; in bfloat16 2e-2, the probabilities being rounded to bf16 for the dot products
@@ -260,7 +271,7 @@ def test_rows_group_into_runs_only_over_one_table():
 
 @pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_kernel_run_over_a_long_context_matches_reference(dtype):
+def test_c_kernel_run_over_a_long_context_matches_reference(dtype, tiles):
     """A chunk of 40 tokens after 1,990 cached keys: the online softmax carried over 127 blocks
     of sixteen keys, scores far apart (q scaled up), still plain softmax attention."""
     torch.set_num_threads(2)
@@ -273,3 +284,21 @@ def test_c_kernel_run_over_a_long_context_matches_reference(dtype):
     got = c_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
     want = _reference(q, k_cache, v_cache, lens.tolist(), blocks, 0.125)
     assert (got - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_by_default_a_row_attends_with_the_same_bits_in_a_run_or_alone(dtype):
+    """Tiles off (the default): every row of a prompt chunk computes what it computes alone, as a
+    decode row, bit for bit, so a token's attention does not depend on its chunk or batch."""
+    torch.set_num_threads(2)
+    rng = random.Random(4)
+    torch.manual_seed(4)
+    k_cache = torch.randn(64, 16, 2, 64).to(dtype)
+    v_cache = torch.randn(64, 16, 2, 64).to(dtype)
+    tables, lens, _ = _rows([(40, 30), (5, 0)], 16, 64, rng)
+    q = torch.randn(len(lens), 8, 64).to(dtype).float()
+    together = c_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    one_by_one = torch.cat([c_decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], 0.125)
+                            for i in range(len(lens))])
+    assert torch.equal(together, one_by_one)

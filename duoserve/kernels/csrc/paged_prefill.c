@@ -12,7 +12,8 @@
  * With a bfloat16 cache and AVX512-BF16 the dot products are the CPU's bf16 pair products
  * summed into float32 (q and the probabilities rounded to bf16, as a bf16 matmul would; the
  * accumulation in float32); with a float32 cache, float32 FMAs. Other CPUs, head sizes other
- * than 64 and 128, and runs shorter than MIN_RUN tokens take the decode kernel.
+ * than 64 and 128, and runs shorter than MIN_RUN tokens take the decode kernel, and so does
+ * every row unless tiles are switched on (tiles_on below says why they are off by default).
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16.
  */
@@ -59,11 +60,28 @@ int paged_find_runs(const int64_t *block_tables, const int64_t *seq_lens, int nu
 #define MAX_DIM 128
 #define NEG (-1e30f)   /* a masked score: finite, since -ffast-math assumes no infinities */
 
+/* A tile computes a row with other arithmetic than the decode kernel (an online softmax over
+ * blocks of sixteen keys, against two passes over the row's scores), so with tiles on a token's
+ * attention depends on whether its prompt chunk, prefix-cache hit or speculative check left it
+ * in a run of MIN_RUN rows: the same prompt could answer differently batched than alone. Off
+ * unless DUOSERVE_TILED_PREFILL=1 (read at the first call) or paged_set_tiled_prefill(1). */
+static int tiled_prefill = -1;
+
+void paged_set_tiled_prefill(int on) { tiled_prefill = on; }
+
+static int tiles_on(void) {
+    if (tiled_prefill < 0) {
+        const char *value = getenv("DUOSERVE_TILED_PREFILL");
+        tiled_prefill = value != NULL && value[0] == '1';
+    }
+    return tiled_prefill;
+}
+
 int paged_prefill_supported(int head_dim, int is_bf16) {
 #if !defined(__AVX512BF16__)
     if (is_bf16) return 0;
 #endif
-    return head_dim == 64 || head_dim == 128;
+    return (head_dim == 64 || head_dim == 128) && tiles_on();
 }
 
 /* 2^x for x <= 0: x = n + f with |f| <= 1/2, 2^f by its Taylor polynomial (relative error
@@ -184,9 +202,9 @@ static inline void tile_f32(const struct tile *t, const float *k_cache, const fl
 
 #if defined(__AVX512BF16__)
 /* A bfloat16 tile: q and probabilities as bf16 pairs, each dot product two bf16 products a lane.
- * Its loop is tile_f32's with other arithmetic; one function branching on a constant dtype ran
- * a layer of 4 x 128 prompt tokens 30-50 % slower (0.39-0.47 against 0.26-0.32 ms), so they stay
- * apart. */
+ * Its loop is tile_f32's with other arithmetic; one function branching on a constant dtype
+ * measured slower than the two apart (BENCHMARKS.md, "Figures that were comments"), so they
+ * stay apart. */
 static inline void tile_bf16(const struct tile *t, const uint16_t *k_cache, const uint16_t *v_cache,
                              const int64_t *table, int block_size, int num_kv_heads, int h, float scale_log2,
                              const int N16) {
@@ -279,6 +297,8 @@ void paged_prefill_team(const float *q, const void *k_cache, const void *v_cache
 }
 #else
 int paged_prefill_supported(int head_dim, int is_bf16) { return 0; }
+
+void paged_set_tiled_prefill(int on) { (void)on; }
 
 void paged_prefill_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                         const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *run_first,
