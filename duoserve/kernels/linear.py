@@ -81,6 +81,18 @@ class PackedEmbedding(nn.Module):
         super().__init__()
         self.packed, self.num_embeddings, self.embedding_dim = head.packed, head.out_features, head.in_features
 
+    @classmethod
+    def of_table(cls, table: torch.Tensor) -> "PackedEmbedding | None":
+        """An untied embedding table packed as a linear weight would be (the C++ decode step reads
+        its rows so), or None where the CPU has no packed kernel for its dtype."""
+        packed = pack_linear_weight(table.detach())
+        if packed is None:
+            return None
+        embedding = cls.__new__(cls)
+        nn.Module.__init__(embedding)
+        embedding.packed, (embedding.num_embeddings, embedding.embedding_dim) = packed, table.shape
+        return embedding
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         block, column, k = ids // PACK_COLUMNS, ids % PACK_COLUMNS, self.embedding_dim
         if self.packed.dtype == torch.bfloat16:

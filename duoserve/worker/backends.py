@@ -75,6 +75,9 @@ def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
         if (model.arch.tie_word_embeddings and isinstance(head, CPULinear) and head.packed is not None
                 and isinstance(embed, nn.Embedding)):
             model.embed = PackedEmbedding(head)   # one copy of the table: the packed one
+        elif isinstance(embed, nn.Embedding) and embed.weight.device.type == "cpu":
+            # untied: the table packed in place of the plain one (the C++ decode step reads it so)
+            model.embed = PackedEmbedding.of_table(embed.weight) or embed
         del head, embed
         release_free_memory()
     else:
