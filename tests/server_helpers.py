@@ -77,9 +77,26 @@ class Server:
         return self.proc.returncode
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first)."""
+    found, todo = [], children(pid)
+    while todo:
+        found.append(todo.pop(0))
+        todo += children(found[-1])
+    return found
+
+
 def engine_children(pid: int) -> list[int]:
-    """The server's engine processes (multiprocessing may add a resource tracker beside them)."""
-    return [c for c in children(pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    """The server's engine processes: forks of its fork server, named ``duoserve-<engine>``
+    (multiprocessing adds the fork server and a resource tracker beside them)."""
+    engines = []
+    for c in descendants(pid):
+        try:
+            if Path(f"/proc/{c}/comm").read_text().startswith("duoserve-"):
+                engines.append(c)
+        except OSError:   # gone meanwhile
+            continue
+    return engines
 
 
 def metric(url: str, name: str, labels: dict | None = None, headers: dict | None = None) -> float:

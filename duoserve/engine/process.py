@@ -31,6 +31,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 STATS_INTERVAL = 1.0        # stats go out at least this often (a heartbeat of the application)...
 STATS_ON_CHANGE_S = 0.25    # ...and within this long of a change in the counts, at once when idle
@@ -114,6 +115,24 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
         ctx.term()
 
 
+def launched_engine_main(name: str, environ: dict[str, str], *args) -> int:
+    """``engine_main`` in a process a frontend started from its fork server
+    (``duoserve.frontend.launcher``): the launcher's environment as it is now (the server was
+    forked earlier, maybe with another), and a process name that ``ps`` and ``top`` show."""
+    os.environ.clear()
+    os.environ.update(environ)
+    _set_process_name(f"duoserve-{name}")
+    return engine_main(*args)
+
+
+def _set_process_name(name: str) -> None:
+    """The kernel's name of this process (``/proc/self/comm``, 15 characters), where it lets us."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
+
+
 def _pin(config_bytes: bytes) -> None:
     """Apply ``cpus`` before torch starts its threads (they inherit the affinity)."""
     import msgspec
@@ -150,6 +169,16 @@ def _refuse(sock, failure) -> None:
             continue
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class EngineServer:
     """One engine's message loop: its frontends, and for prefill/decode roles the KV peers."""
 
@@ -157,6 +186,7 @@ class EngineServer:
         self.core = core
         self.sock = sock
         self.parent_pid = parent_pid
+        self.start_ppid = os.getppid()
         # socket identity -> tag of each frontend that said hello: one connection per frontend (a
         # frontend's new connection replaces its old one), so a tag names one identity
         self.frontends: dict[bytes, str] = {}
@@ -169,6 +199,11 @@ class EngineServer:
 
         self.peers = peer_link(core, sock, key, self.instance_id)   # the one place the role decides
         self.fingerprint_values = self.peers.fingerprint_values
+
+    def _launcher_alive(self) -> bool:
+        """The launcher (``parent_pid``) lives, and so does this process's own parent (the
+        launcher, or its fork server, which ends with it): a pid can be reused, a parent can't."""
+        return os.getppid() == self.start_ppid and _pid_alive(self.parent_pid)
 
     def send(self, message) -> None:
         """To every frontend (a failure of the whole engine)."""
@@ -249,7 +284,7 @@ class EngineServer:
             if changed or now - last_stats >= STATS_INTERVAL:
                 # the stats double as a probe: a frontend whose connection is gone is dropped here
                 stats, last_stats, last_signature = self.core.stats(), now, signature
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and not self._launcher_alive():
                     self.log.warning("the process that launched this engine is gone: stopping")
                     return
             if outputs or stats is not None:

@@ -8,8 +8,7 @@ launched here. Launched engines listen on ``ipc://`` paths (KV then moves throug
 shared memory), or on TCP ports of ``engine_host`` with ``--kv-transport tcp`` or when
 any engine is remote (a remote engine cannot reach an ``ipc://`` path).
 
-The launcher also spawns the process of every engine launched here (``spawn_engine``:
-``spawn``, never ``fork``: the child gets none of this process's sockets and threads) and
+The launcher also starts the process of every engine launched here (``spawn_engine``) and
 kills it (``kill_engine``); when to do either is the supervisor's call
 (``duoserve.frontend.supervisor``). With ``--cluster ray`` the engines are Ray actors
 instead (``duoserve.frontend.ray_cluster``).
@@ -37,7 +36,7 @@ import msgspec
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.errors import ConfigError
-from duoserve.engine.process import engine_main
+from duoserve.engine.process import launched_engine_main
 from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient
 from duoserve.frontend.ray_cluster import plan_ray_engines
 from duoserve.transport.auth import AuthKey, check_listen, load_key
@@ -166,11 +165,24 @@ def plan_deployment(config: EngineConfig, disagg: DisaggConfig | None, cluster: 
     return plan_engines(config, disagg, frontend_id, num_engines)
 
 
+# What every engine imports (torch, the model and kernel code: seconds of a start) is imported
+# once, in a fork server started with the first engine; each engine is a fork of that server:
+# a fresh process (none of this process's sockets or threads) that starts with those imports
+# done. The server runs no torch op before it forks, so no thread pool is copied half-made.
+ENGINE_PRELOAD = ["duoserve.engine.process", "duoserve.engine.builder"]
+
+
+def engine_process_context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(ENGINE_PRELOAD)
+    return context
+
+
 def spawn_engine(client: EngineClient) -> None:
     """Start the process of an engine this frontend launches (``client.config``); the client watches it."""
-    process = multiprocessing.get_context("spawn").Process(
-        target=engine_main, name=f"duoserve-{client.name}", daemon=True,
-        args=(msgspec.msgpack.encode(client.config), client.address,
+    process = engine_process_context().Process(
+        target=launched_engine_main, name=f"duoserve-{client.name}", daemon=True,
+        args=(client.name, dict(os.environ), msgspec.msgpack.encode(client.config), client.address,
               logging.getLogger().getEffectiveLevel() or logging.INFO, os.getpid(),
               None if client.key is None else client.key.secret))
     process.start()

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.server_helpers import Server, alive, children, engine_children, metric, wait_gauges_idle
+from tests.server_helpers import Server, alive, descendants, engine_children, metric, wait_gauges_idle
 
 BAD_LOG_LINES = ("Traceback", "CancelledError", "KeyboardInterrupt", "relaunched", "a metrics hook failed")
 
@@ -19,7 +19,7 @@ def test_sigterm_drains_in_flight_request_and_leaves_no_child(tmp_path):
     """The request in flight when SIGTERM arrives still completes; then the engine child is gone."""
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "20", log=tmp_path / "log")
     engine_pids = engine_children(srv.proc.pid)
-    all_children = children(srv.proc.pid)
+    all_children = descendants(srv.proc.pid)
     assert len(engine_pids) == 1, "the engine runs in a child process"
     maps = open(f"/proc/{srv.proc.pid}/maps").read()
     assert "libtorch" not in maps, "the API process must not load torch (it would cost ~250 MB)"
@@ -63,7 +63,7 @@ def test_ctrl_c_to_the_process_group_drains_then_ends_late_streams_cleanly(tmp_p
     log = tmp_path / "log"
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "4", log=log,
                  new_session=True)
-    all_children = children(srv.proc.pid)
+    all_children = descendants(srv.proc.pid)
     short, long = [], []
     threads = [threading.Thread(target=_stream, args=(srv.url, {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True}, short)),
                threading.Thread(target=_stream, args=(srv.url, {"prompt": "Go", "max_tokens": 3000, "ignore_eos": True}, long))]
