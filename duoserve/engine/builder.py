@@ -36,7 +36,8 @@ from duoserve.worker.backends import load_model
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.grammar_masks import GrammarMasks
 from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
-from duoserve.worker.memory import measure_prefill_scratch, rss_bytes, tensor_resident_bytes
+from duoserve.worker.memory import (estimate_prefill_scratch, measure_prefill_scratch, rss_bytes, scratch_measured,
+                                    tensor_resident_bytes)
 from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,11 @@ class EngineBuilder:
         block_size, per_block, on_cpu = self.config.cache.block_size, self.block_bytes, self.device == "cpu"
         kv_buffer = runner.kv_caches[0][0]
         scratch_tokens = min(self.budget, self.max_model_len)
-        scratch = measure_prefill_scratch(lambda: runner.scratch_forward(scratch_tokens), kv_buffer) if on_cpu else None
+        measured = on_cpu and scratch_measured()
+        if measured:
+            scratch = measure_prefill_scratch(lambda: runner.scratch_forward(scratch_tokens), kv_buffer)
+        else:
+            scratch = estimate_prefill_scratch(self.loaded.arch, scratch_tokens, self.loaded.dtype.itemsize)
         report = {
             "weights_bytes": {kind: size for kind, size in self.weights.items() if size},
             "kv_pool": {"blocks": num_blocks, "block_size": block_size, "tokens": num_blocks * block_size,
@@ -155,6 +160,7 @@ class EngineBuilder:
                         "resident_bytes": tensor_resident_bytes(kv_buffer) if on_cpu else None},
             "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
             "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": scratch_tokens,
+            "prefill_scratch_measured": measured and scratch is not None,
             "runtime_bytes": self.runtime_bytes, "loading_bytes": self.loading_bytes,
             "rss_bytes": rss_bytes() if on_cpu else None,
             "pid": os.getpid(),   # which process this is (operators, the chaos tests)
@@ -199,8 +205,9 @@ def _log_memory(report: dict) -> None:
         return "?" if value is None else f"{value / mb:.0f}"
 
     logger.info("memory: weights %.0f MB, KV pool %.0f MB reserved (%d tokens of %s), swap %.0f MB, "
-                "prefill scratch %s MB (%d tokens), runtime %s MB, loading %s MB, resident %s MB",
+                "prefill scratch %s MB (%d tokens, %s), runtime %s MB, loading %s MB, resident %s MB",
                 sum(report["weights_bytes"].values()) / mb, report["kv_pool"]["bytes"] / mb,
                 report["kv_pool"]["tokens"], report["kv_pool"]["dtype"], report["swap"]["bytes"] / mb,
                 size(report["prefill_scratch_bytes"]), report["prefill_scratch_tokens"],
+                "measured" if report["prefill_scratch_measured"] else "estimated",
                 size(report["runtime_bytes"]), size(report["loading_bytes"]), size(report["rss_bytes"]))

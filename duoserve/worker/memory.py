@@ -1,10 +1,11 @@
 """Where an engine's memory goes: weights by kind, the KV pool and swap space (reserved and
-resident), the temporary memory of the largest prefill chunk (measured), the runtime around
+resident), the temporary memory of the largest prefill chunk, the runtime around
 them, and the process's resident size.
 
 Resident sizes come from the kernel: ``/proc/self/status`` for the process and ``mincore`` for
 the pages of one large buffer (the KV pool: written whole at start, resident whole unless the
-kernel swaps pages out). The prefill scratch is measured by resetting the process's peak
+kernel swaps pages out). The prefill scratch is estimated from the model's shapes; with
+``DUOSERVE_MEASURE_SCRATCH=1`` it is measured instead, by resetting the process's peak
 (``/proc/self/clear_refs``), running one forward of the step budget's tokens, and taking the
 peak's rise above the resident size before it, less the KV pages that forward wrote.
 """
@@ -68,6 +69,20 @@ def measure_prefill_scratch(run_forward, kv_buffer: "torch.Tensor") -> int | Non
     return max(0, peak - before - (tensor_resident_bytes(kv_buffer) - kv_before))
 
 
+def estimate_prefill_scratch(arch, num_tokens: int, element_size: int) -> int:
+    """Temporary bytes of one prefill chunk of ``num_tokens``, from the model's shapes: a chunk's
+    live activations are a few hidden-size rows, the MLP's intermediate rows and Q/K/V."""
+    return num_tokens * element_size * (6 * arch.hidden_size + 3 * arch.intermediate_size
+                                        + arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads))
+
+
+def scratch_measured() -> bool:
+    """``DUOSERVE_MEASURE_SCRATCH=1``: the engine runs one chunk of the step budget at start and
+    reports its measured peak instead of the estimate (a forward costs start-up time; the
+    memory report's own tests ask for it)."""
+    return os.environ.get("DUOSERVE_MEASURE_SCRATCH", "0") == "1"
+
+
 def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:
     """Bytes the weights will take, from the checkpoint's tensor sizes (no weights are read)."""
     if path.is_file():
@@ -128,10 +143,7 @@ def plan(config) -> dict:
     per_token = bytes_per_token(arch, kv_dtype)
     block_bytes = per_token * config.cache.block_size
     budget = config.scheduler.token_budget(max_model_len)
-    element = torch.tensor([], dtype=dtype).element_size()
-    # a chunk's live activations: a few hidden-size rows, the MLP's intermediate rows, Q/K/V
-    scratch = budget * element * (6 * arch.hidden_size + 3 * arch.intermediate_size
-                                  + arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads))
+    scratch = estimate_prefill_scratch(arch, budget, torch.tensor([], dtype=dtype).element_size())
     swap = int(config.cache.swap_space * 2**30) // block_bytes * block_bytes
     total = RUNTIME_ESTIMATE + weights + blocks * block_bytes + swap + scratch
     result = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,8 @@ def test_the_report_adds_up_to_the_resident_size():
     run's own process the models of earlier tests leave freed memory that a new one reuses."""
     code = ("import json; from duoserve import LLM; llm = LLM(None, dtype='float32', quantization='none', "
             "kv_cache_memory=0.5, enforce_eager=True); print(json.dumps(llm.engine.memory))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DUOSERVE_MEASURE_SCRATCH": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     weights = sum(report["weights_bytes"].values())
