@@ -249,9 +249,9 @@ class AsyncEngine:
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
             self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
             self.inputs = InputProcessor(self.group.tokenizer, self.group.vocab_size, self.group.eos_token_ids)
-            # The tokenizer and the server's modules are long-lived (~80k objects, 30-40 ms to
-            # scan here): moved out of the collector's sight, a full collection while serving
-            # scans only the requests' objects instead of stalling every stream that long.
+            # The tokenizer and the server's modules are long-lived (tens of thousands of
+            # objects): moved out of the collector's sight, a full collection while serving
+            # scans only the requests' objects instead of stalling every stream for the scan.
             gc.collect()
             gc.freeze()
         elif self.group is not None:

@@ -1,8 +1,8 @@
 """A GGUF file's header: its metadata, and where each tensor's bytes lie (memory-mapped, not read).
 
 The ``gguf`` package's ``GGUFReader`` makes a numpy view of every element of every metadata
-array, so a file with a 150k-262k token vocabulary took 15-20 s to open here (BENCHMARKS.md,
-"Start-up"); this reads the same header with ``struct`` in well under a second. The layout is
+array, so a file with a large vocabulary takes seconds to open (BENCHMARKS.md, "Start-up");
+this reads the same header with ``struct``, one Python object per value. The layout is
 llama.cpp's (GGUF v2/v3): magic, version, tensor and key counts, the key/value pairs, the tensor
 infos, then the tensors' data from the next multiple of ``general.alignment``.
 """

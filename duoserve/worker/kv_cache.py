@@ -50,10 +50,9 @@ def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: 
 
     All of them are views of one buffer. Unwritten slots must hold finite numbers (masked
     attention multiplies them by 0). The buffer is written whole here, as vLLM and llama.cpp
-    do with theirs: its memory is committed at start (1 GiB in ~0.2 s on the project's
-    machine), and no step pays the kernel's page faults and page zeroing for blocks the pool
-    hands out for the first time, which a cache of fresh zero pages made prompt steps pay
-    (5.6 % of a 32-prompt wave of prefill steps, BENCHMARKS.md, session 9).
+    do with theirs: its memory is committed at start, once, and no step pays the kernel's
+    page faults and page zeroing for blocks the pool hands out for the first time, which a
+    cache of fresh zero pages made prompt steps pay (BENCHMARKS.md, session 9).
     """
     shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     per_tensor = num_blocks * block_size * arch.num_kv_heads * arch.head_dim

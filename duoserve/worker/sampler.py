@@ -4,9 +4,9 @@ A draw inverts the cumulative distribution: one uniform ``u`` per row picks the 
 token whose running probability sum exceeds ``u`` times the total, in two levels (the
 block of 1024 tokens, then the token within it) so that the float64 running sums stay
 short: a token of zero probability can never be picked. One random number a row, not one
-per vocabulary entry: at 32 rows of a 49k vocabulary ~1 ms, where exponential noise over
-the whole vocabulary took ~24 ms and one float64 running sum over it ~7 ms. With a seed, ``u`` comes from a generator seeded by (seed, output
-position, sample index) alone, on the CPU, so a draw is the same whatever the batch and
+per vocabulary entry (exponential noise over the whole vocabulary, or one float64 running
+sum over it, costs many times more: BENCHMARKS.md). With a seed, ``u`` comes from a
+generator seeded by (seed, output position, sample index) alone, on the CPU, so a draw is the same whatever the batch and
 whichever device or process makes it.
 """
 
