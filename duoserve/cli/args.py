@@ -1,21 +1,19 @@
 """The ``duoserve`` command's flags: one function per flag group, and the parser of every
-subcommand. Nothing here imports torch or the engine, so ``--help`` is instant; the flags become
-a config tree in ``duoserve.cli.configs`` and run in ``duoserve.cli.commands``.
+subcommand; an engine's flags are ``duoserve.engine_args.EngineArgs``' fields. Nothing here
+imports torch or the engine, so ``--help`` is instant; the flags become a config tree in
+``duoserve.cli.configs`` and run in ``duoserve.cli.commands``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
-from duoserve.config import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_KV_STORE_TIMEOUT_MS,
-                             DEFAULT_KV_STORE_TTL, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
-                             DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_SPEC_DISABLE_BATCH_SIZE, GGUF_MODES,
-                             QUANTIZATIONS, SPEC_METHODS, eager_by_default)
+from duoserve.config import CLUSTERS, KV_TRANSPORTS, PREFILL_DEVICES, ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
 
@@ -60,8 +58,9 @@ def _add_engine_commands(commands: argparse._SubParsersAction) -> None:
                             help="address to listen on: tcp://HOST:PORT (e.g. tcp://0.0.0.0:7100), or ipc://PATH")
         engine.add_argument("--cpus", default=None, help="pin the engine to these CPUs (0, 0-1, 0,2)")
         if role == "prefill":
-            engine.add_argument("--kv-lease-timeout", type=float, default=30.0,
-                                help="seconds KV waits for the decode engine's acknowledgement (default: 30)")
+            engine.add_argument("--kv-lease-timeout", type=float, default=EngineConfig.kv_lease_timeout,
+                                help="seconds KV waits for the decode engine's acknowledgement "
+                                     f"(default: {EngineConfig.kv_lease_timeout:g})")
         add_auth_args(engine)
         add_engine_args(engine)
 
@@ -103,108 +102,9 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every flag of an engine: model, memory and scheduling, speculative decoding, the KV store."""
-    g = parser.add_argument_group("model and engine")
-    add_model_args(g)
-    add_cache_and_scheduler_args(g)
-    add_speculative_args(parser)
-    add_kv_store_args(parser)
-
-
-def add_model_args(g: argparse._ArgumentGroup) -> None:
-    """What to load and how to compute with it."""
-    g.add_argument("--model", default=None,
-                   help="a Hugging Face checkpoint directory, a .gguf file, or 'smollm2-135m' "
-                        "(default: the packaged SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
-                        "(AVX512-BF16, AMX), else float32 (default: auto). float32 matches transformers exactly")
-    g.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                   help="gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in memory "
-                        "and compute from them (CPU); int8: quantize linear weights per output channel at load; "
-                        "none: dequantize to --dtype at load (default: auto = gguf for a quantized GGUF file "
-                        "on CPU, else none)")
-    g.add_argument("--gguf-mode", default="fast", choices=GGUF_MODES,
-                   help="arithmetic of --quantization gguf for decode rows: fast quantizes activations to 8 bits "
-                        "per block and uses integer dot products (llama.cpp's way); exact widens each block to "
-                        "float32 (the dequantized model's result up to summation order) (default: fast)")
-    g.add_argument("--device", default="auto",
-                   help="cpu, cuda or cuda:N (default: auto = cuda if a GPU is visible, else cpu)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length in tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--hf-overrides", type=json.loads, default={},
-                   help='JSON object of config values to mend, e.g. \'{"eos_token_id": [2, 32000]}\'')
-
-
-def add_cache_and_scheduler_args(g: argparse._ArgumentGroup) -> None:
-    """The KV cache, the step's budget and the engine process."""
-    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                   help=f"tokens per KV block, a power of two (default: {DEFAULT_BLOCK_SIZE})")
-    g.add_argument("--kv-cache-memory", type=float, default=None,
-                   help=f"KV cache budget in GiB (default: {DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved as "
-                        "blocks are first written; on GPU --gpu-memory-utilization of free memory)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache element type; auto = the model dtype (default: auto). bfloat16 halves the "
-                        "KV memory and the bytes decode attention reads")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of free GPU memory for the KV cache (default: 0.9)")
-    g.add_argument("--swap-space", type=float, default=0.0,
-                   help="GiB of host memory for the KV of preempted requests, copied out and back in when "
-                        "that costs less than recomputing them (pinned on a GPU; on a CPU a pool of its own, "
-                        "beside --kv-cache-memory) (default: 0, always recompute)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of shared prompt prefixes (default: on)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps under the token budget (default: on)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked "
-                        "prefill, else max_model_len)")
-    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                   help=f"most sequences in one step (default: {DEFAULT_MAX_NUM_SEQS})")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=eager_by_default(),
-                   help="run the plain eager model instead of compiling the model step with torch.compile "
-                        "(CPU; the first start compiles for ~30 s, later ones load the cache in "
-                        "~/.cache/duoserve/inductor) (default: off; on for generate, which runs one prompt)")
-
-
-def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    s = parser.add_argument_group("speculative decoding (off unless --speculative-method is given)")
-    s.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
-                   help="ngram: guess from the request's own earlier tokens (prompt lookup); draft: guess "
-                        "with --speculative-model")
-    s.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="tokens guessed a step (default: " + ", ".join(
-                       f"{k} for {m}" for m, k in DEFAULT_NUM_SPECULATIVE_TOKENS.items()) + ")")
-    s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix ngram looks up (default: 2)")
-    s.add_argument("--ngram-max", type=int, default=4, help="longest suffix ngram looks up (default: 4)")
-    s.add_argument("--speculative-model", default=None,
-                   help="the draft model: HF directory, .gguf file or alias (default: the target's own file, "
-                        "e.g. its GGUF blocks with --speculative-quantization gguf)")
-    s.add_argument("--speculative-quantization", default="auto", choices=QUANTIZATIONS,
-                   help="how the draft computes (default: auto, gguf for a quantized GGUF file)")
-    s.add_argument("--speculative-gguf-mode", default="fast", choices=GGUF_MODES,
-                   help="the draft's GGUF kernels (default: fast)")
-    s.add_argument("--speculative-disable-batch-size", type=int, default=None,
-                   help="no speculation in a step with more running requests than this (a larger batch is "
-                        "compute-bound on a CPU) (default: " + ", ".join(
-                            f"{n} for {m}" for m, n in DEFAULT_SPEC_DISABLE_BATCH_SIZE.items()) + ")")
-
-
-def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
-    k = parser.add_argument_group("shared KV store (off unless --kv-store is given)")
-    k.add_argument("--kv-store", default=None,
-                   help="redis://[:password@]host:port/db (or rediss://): full KV blocks shared by every engine "
-                        "of the same model, KV layout and cache salt; prompts found there skip their prefill")
-    k.add_argument("--kv-store-ttl", type=int, default=DEFAULT_KV_STORE_TTL,
-                   help=f"seconds a stored block lives after its last write or hit (default: {DEFAULT_KV_STORE_TTL})")
-    k.add_argument("--kv-store-timeout", type=float, default=DEFAULT_KV_STORE_TIMEOUT_MS,
-                   help="milliseconds per round trip to the store; past a request's budget it computes "
-                        f"(default: {DEFAULT_KV_STORE_TIMEOUT_MS})")
-    k.add_argument("--kv-store-required", action="store_true",
-                   help="refuse to start when the store does not answer (default: warn, naming it, and serve "
-                        "without it until it does)")
+    """Every flag of an engine (``duoserve.engine_args.EngineArgs``: model, memory and scheduling,
+    speculative decoding, the KV store)."""
+    EngineArgs.add_cli_args(parser)
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -250,11 +150,12 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-cpus or --decode-cpus is given, decode engines are pinned to the first half of the cores "
         "and prefill engines to the rest, one thread per core (2 cores: prefill on CPU 1, decode on CPU 0). "
         "With --prefill-device cuda the CPU engines are not pinned.")
-    d.add_argument("--prefill-device", default="cpu", choices=["cpu", "cuda", "gpu", "auto"],
+    d.add_argument("--prefill-device", default=DisaggConfig.prefill_device, choices=PREFILL_DEVICES,
                    help="where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or "
                         "auto: prompts of at most --max-prefill-len tokens on a CPU prefill engine, longer "
                         "ones on the decode engine itself (default: cpu)")
-    d.add_argument("--max-prefill-len", type=int, default=512, help="the auto placement threshold (default: 512)")
+    d.add_argument("--max-prefill-len", type=int, default=DisaggConfig.max_prefill_len,
+                   help=f"the auto placement threshold (default: {DisaggConfig.max_prefill_len})")
     d.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads of each prefill engine (default: its share of the cores, see above)")
     d.add_argument("--decode-threads", type=int, default=None,
@@ -262,10 +163,11 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--prefill-cpus", default=None,
                    help="pin the prefill engines to these CPUs: 0, 0-1, 0,2 (default: see above)")
     d.add_argument("--decode-cpus", default=None, help="pin the decode engines to these CPUs (default: see above)")
-    d.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"],
+    d.add_argument("--kv-transport", default=DisaggConfig.kv_transport, choices=KV_TRANSPORTS,
                    help="how KV moves between the engines: shared memory or TCP (default: shm)")
-    d.add_argument("--kv-lease-timeout", type=float, default=30.0,
-                   help="seconds a prefill engine keeps KV for an unacknowledged handoff (default: 30)")
+    d.add_argument("--kv-lease-timeout", type=float, default=DisaggConfig.kv_lease_timeout,
+                   help="seconds a prefill engine keeps KV for an unacknowledged handoff "
+                        f"(default: {DisaggConfig.kv_lease_timeout:g})")
     d.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                    help="token budget of one prefill-engine step (default: --max-num-batched-tokens); smaller "
                         "chunks let a short prompt overtake a long one sooner")
@@ -277,7 +179,7 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
                    help="use running prefill engines instead (`duoserve prefill --listen ADDR`): tcp://h1:p1,...")
     d.add_argument("--decode-addrs", default=None,
                    help="use running decode engines instead (`duoserve decode --listen ADDR`): tcp://h2:p2,...")
-    d.add_argument("--engine-host", default="127.0.0.1",
+    d.add_argument("--engine-host", default=DisaggConfig.engine_host,
                    help="where launched engines listen when they use TCP; must be reachable from remote "
                         "engines (default: 127.0.0.1)")
 
@@ -288,16 +190,16 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "Engines as Ray actors, placed on the nodes that advertise duoserve_prefill / duoserve_decode resources "
         "(`duoserve ray-node`), found again by name by every frontend, restarted by Ray when a node dies. "
         "They outlive the frontends: `duoserve ray-stop` removes them.")
-    r.add_argument("--num-engines", type=int, default=1,
+    r.add_argument("--num-engines", type=int, default=ClusterConfig.num_engines,
                    help="colocated engines to launch on this host, each on its share of the cores; a request "
                         "whose engine goes down goes on on another (default: 1; with --disagg use "
                         "--num-decode-engines)")
-    r.add_argument("--cluster", default="local", choices=["local", "ray"],
+    r.add_argument("--cluster", default=ClusterConfig.kind, choices=CLUSTERS,
                    help="launch the engines on this host, or place them on a Ray cluster (default: local)")
     r.add_argument("--ray-address", default=None,
                    help="the cluster to join: HOST:PORT, or auto for the one `ray start` runs here (default: start "
                         "a Ray instance on this host with the resources of the engines asked for)")
-    r.add_argument("--ray-namespace", default="duoserve",
+    r.add_argument("--ray-namespace", default=ClusterConfig.ray_namespace,
                    help="one deployment's engines are the named actors of this namespace (default: duoserve)")
 
 

@@ -6,40 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from duoserve.config import (CacheConfig, ClusterConfig, DisaggConfig, EngineConfig, KVStoreConfig, ModelConfig,
-                             SchedulerConfig, SpeculativeConfig, parse_address_list, parse_cpu_list)
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig, parse_address_list, parse_cpu_list
+from duoserve.engine_args import EngineArgs
 from duoserve.errors import ConfigError
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, hf_overrides=args.hf_overrides,
-                          max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization,
-                          gguf_mode=args.gguf_mode),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                          enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs,
-                                  enable_chunked_prefill=args.enable_chunked_prefill),
-        num_threads=args.num_threads,
-        enforce_eager=args.enforce_eager,
-        speculative=speculative_config_from_args(args),
-        kv_store=KVStoreConfig(args.kv_store, args.kv_store_ttl, args.kv_store_timeout,
-                               required=args.kv_store_required) if args.kv_store else None,
-    )
-
-
-def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    if args.speculative_method is None:
-        if args.speculative_model is not None:
-            raise ConfigError("speculative_method", None, "ngram or draft: --speculative-model needs "
-                              "--speculative-method draft")
-        return None
-    return SpeculativeConfig(method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-                             ngram_min=args.ngram_min, ngram_max=args.ngram_max, model=args.speculative_model,
-                             quantization=args.speculative_quantization, gguf_mode=args.speculative_gguf_mode,
-                             disable_batch_size=args.speculative_disable_batch_size)
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:

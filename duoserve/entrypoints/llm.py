@@ -9,10 +9,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from duoserve.config import (DEFAULT_KV_STORE_TIMEOUT_MS, DEFAULT_KV_STORE_TTL, CacheConfig, EngineConfig,
-                             KVStoreConfig, ModelConfig, SchedulerConfig, SpeculativeConfig)
 from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
+from duoserve.engine_args import EngineArgs
 from duoserve.frontend.frontend import Frontend
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
@@ -37,33 +36,16 @@ def show_logs_by_default() -> None:
 class LLM:
     """An engine in this process, for batch generation from Python."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str | None = None,
-                 max_model_len: int | None = None, hf_overrides: dict[str, Any] | None = None,
-                 block_size: int = 16, kv_cache_memory: float | None = None,
-                 enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int = 128, enable_chunked_prefill: bool = True,
-                 num_threads: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 quantization: str = "auto", gguf_mode: str = "fast", kv_cache_dtype: str = "auto",
-                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-                 kv_store: str | None = None, kv_store_ttl: int = DEFAULT_KV_STORE_TTL,
-                 kv_store_timeout: float = DEFAULT_KV_STORE_TIMEOUT_MS, kv_store_required: bool = False,
-                 swap_space: float = 0.0) -> None:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """``engine_args``: any field of ``duoserve.engine_args.EngineArgs``, the engine flags'
+        names (``dtype``, ``max_model_len``, ``kv_cache_memory``, ..., and ``speculative_config``
+        as one dict); an unknown keyword is a TypeError naming it."""
         show_logs_by_default()
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device or "auto",
-                              hf_overrides=hf_overrides or {}, max_model_len=max_model_len, seed=seed,
-                              quantization=quantization, gguf_mode=gguf_mode),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                              enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            num_threads=num_threads,
-            speculative=SpeculativeConfig.from_value(speculative_config),
-            kv_store=(KVStoreConfig(kv_store, kv_store_ttl, kv_store_timeout, required=kv_store_required)
-                      if kv_store else None),
-            **({} if enforce_eager is None else {"enforce_eager": enforce_eager}),
-        )
-        self._attach(build_engine(config))
+        unknown = sorted(set(engine_args) - set(EngineArgs.names()))
+        if unknown:
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}: its keywords are the fields "
+                            f"of duoserve.engine_args.EngineArgs ({', '.join(EngineArgs.names())})")
+        self._attach(build_engine(EngineArgs(model=model, **engine_args).create_engine_config()))
 
     @classmethod
     def from_engine(cls, engine: EngineCore) -> "LLM":

@@ -1,0 +1,201 @@
+"""Every engine flag written once: its name, type, default, help and choices.
+
+``EngineArgs`` is an engine's configuration flat, as vLLM's ``EngineArgs`` is: the ``duoserve``
+command's engine flags are made from its fields (``add_cli_args``: ``max_model_len`` is
+``--max-model-len``), ``LLM(...)`` takes the same names as keywords, and
+``create_engine_config`` builds the validated tree of ``duoserve.config`` from it (each
+dataclass there checks its own values and names the field). Defaults are read off the config
+dataclasses, never restated. A new engine flag is one field here and, where it lands in the
+tree, one argument in ``create_engine_config`` (docs/architecture.md, "Flags").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+                             DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SPEC_METHODS,
+                             CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
+                             SpeculativeConfig, eager_by_default)
+from duoserve.errors import ConfigError
+
+MODEL_GROUP = "model and engine"
+SPECULATIVE_GROUP = "speculative decoding (off unless --speculative-method is given)"
+KV_STORE_GROUP = "shared KV store (off unless --kv-store is given)"
+
+
+def flag(default: Any = None, help: str = "", *, parse: Callable[[str], Any] | None = None,
+         choices: tuple[str, ...] | None = None, group: str = MODEL_GROUP, default_help: str | None = None,
+         factory: Callable[[], Any] | None = None, cli: bool = True):
+    """A field of ``EngineArgs`` with what its flag needs: ``parse`` turns the flag's text into the
+    value (booleans get --x/--no-x), ``default_help`` says what the default means where the value
+    alone would not, ``cli=False`` keeps a keyword out of the command line."""
+    metadata = {"help": help, "parse": parse, "choices": choices, "group": group, "default_help": default_help,
+                "cli": cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _spec_defaults(table: dict[str, int]) -> str:
+    return ", ".join(f"{value} for {method}" for method, value in table.items())
+
+
+@dataclass
+class EngineArgs:
+    # what to load and how to compute with it
+    model: str | None = flag(
+        ModelConfig.model, "a Hugging Face checkpoint directory, a .gguf file, or 'smollm2-135m'",
+        default_help="the packaged SmolLM2-135M-Instruct")
+    dtype: str = flag(
+        ModelConfig.dtype, "weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
+        "(AVX512-BF16, AMX), else float32. float32 matches transformers exactly", choices=DTYPES)
+    quantization: str = flag(
+        ModelConfig.quantization, "gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+        "Q5_K, Q6_K) in memory and compute from them (CPU); int8: quantize linear weights per output channel at "
+        "load; none: dequantize to --dtype at load; auto = gguf for a quantized GGUF file on CPU, else none",
+        choices=QUANTIZATIONS)
+    gguf_mode: str = flag(
+        ModelConfig.gguf_mode, "arithmetic of --quantization gguf for decode rows: fast quantizes activations to "
+        "8 bits per block and uses integer dot products (llama.cpp's way); exact widens each block to float32 (the "
+        "dequantized model's result up to summation order)", choices=GGUF_MODES)
+    device: str = flag(ModelConfig.device, "cpu, cuda or cuda:N; auto = cuda if a GPU is visible, else cpu")
+    max_model_len: int | None = flag(ModelConfig.max_model_len, "context length in tokens", parse=int,
+                                     default_help="the model's max_position_embeddings")
+    hf_overrides: dict[str, Any] = flag(
+        help='JSON object of config values to mend, e.g. \'{"eos_token_id": [2, 32000]}\'', parse=json.loads,
+        factory=dict, default_help="none")
+    # the KV cache, the step's budget and the engine process
+    block_size: int = flag(CacheConfig.block_size, "tokens per KV block, a power of two", parse=int)
+    kv_cache_memory: float | None = flag(
+        CacheConfig.kv_cache_memory, "KV cache budget in GiB", parse=float,
+        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved as blocks are first written; on GPU "
+                     "--gpu-memory-utilization of free memory")
+    kv_cache_dtype: str = flag(
+        CacheConfig.kv_cache_dtype, "KV cache element type; auto = the model dtype. bfloat16 halves the KV memory "
+        "and the bytes decode attention reads", choices=DTYPES)
+    gpu_memory_utilization: float = flag(CacheConfig.gpu_memory_utilization,
+                                         "fraction of free GPU memory for the KV cache", parse=float)
+    swap_space: float = flag(
+        CacheConfig.swap_space, "GiB of host memory for the KV of preempted requests, copied out and back in when "
+        "that costs less than recomputing them (pinned on a GPU; on a CPU a pool of its own, beside "
+        "--kv-cache-memory)", parse=float, default_help="0, always recompute")
+    enable_prefix_caching: bool = flag(CacheConfig.enable_prefix_caching,
+                                       "reuse the KV of shared prompt prefixes", parse=bool)
+    enable_chunked_prefill: bool = flag(SchedulerConfig.enable_chunked_prefill,
+                                        "split long prompts across steps under the token budget", parse=bool)
+    max_num_batched_tokens: int | None = flag(
+        SchedulerConfig.max_num_batched_tokens, "token budget of one step", parse=int,
+        default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, else max_model_len")
+    max_num_seqs: int = flag(SchedulerConfig.max_num_seqs, "most sequences in one step", parse=int)
+    num_threads: int | None = flag(EngineConfig.num_threads, "torch threads", parse=int, default_help="all cores")
+    seed: int = flag(ModelConfig.seed, "seed for unseeded sampling", parse=int)
+    enforce_eager: bool = flag(
+        help="run the plain eager model instead of compiling the model step with torch.compile (CPU; the first "
+        "start compiles for ~30 s, later ones load the cache in ~/.cache/duoserve/inductor)", parse=bool,
+        factory=eager_by_default, default_help="off; on for generate, which runs one prompt")
+    # speculative decoding
+    speculative_method: str | None = flag(
+        None, "ngram: guess from the request's own earlier tokens (prompt lookup); draft: guess with "
+        "--speculative-model", choices=SPEC_METHODS, group=SPECULATIVE_GROUP, default_help="none")
+    num_speculative_tokens: int | None = flag(
+        SpeculativeConfig.num_speculative_tokens, "tokens guessed a step", parse=int, group=SPECULATIVE_GROUP,
+        default_help=_spec_defaults(DEFAULT_NUM_SPECULATIVE_TOKENS))
+    ngram_min: int = flag(SpeculativeConfig.ngram_min, "shortest suffix ngram looks up", parse=int,
+                          group=SPECULATIVE_GROUP)
+    ngram_max: int = flag(SpeculativeConfig.ngram_max, "longest suffix ngram looks up", parse=int,
+                          group=SPECULATIVE_GROUP)
+    speculative_model: str | None = flag(
+        SpeculativeConfig.model, "the draft model: HF directory, .gguf file or alias", group=SPECULATIVE_GROUP,
+        default_help="the target's own file, e.g. its GGUF blocks with --speculative-quantization gguf")
+    speculative_quantization: str = flag(
+        SpeculativeConfig.quantization, "how the draft computes; auto = gguf for a quantized GGUF file",
+        choices=QUANTIZATIONS, group=SPECULATIVE_GROUP)
+    speculative_gguf_mode: str = flag(SpeculativeConfig.gguf_mode, "the draft's GGUF kernels", choices=GGUF_MODES,
+                                      group=SPECULATIVE_GROUP)
+    speculative_disable_batch_size: int | None = flag(
+        SpeculativeConfig.disable_batch_size, "no speculation in a step with more running requests than this (a "
+        "larger batch is compute-bound on a CPU)", parse=int, group=SPECULATIVE_GROUP,
+        default_help=_spec_defaults(DEFAULT_SPEC_DISABLE_BATCH_SIZE))
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = flag(
+        None, "LLM(speculative_config=...): the speculative settings as one dict of SpeculativeConfig's fields",
+        cli=False)
+    # the shared KV store
+    kv_store: str | None = flag(
+        None, "redis://[:password@]host:port/db (or rediss://): full KV blocks shared by every engine of the same "
+        "model, KV layout and cache salt; prompts found there skip their prefill", group=KV_STORE_GROUP,
+        default_help="none")
+    kv_store_ttl: int = flag(KVStoreConfig.ttl, "seconds a stored block lives after its last write or hit",
+                             parse=int, group=KV_STORE_GROUP)
+    kv_store_timeout: float = flag(
+        KVStoreConfig.timeout_ms, "milliseconds per round trip to the store; past a request's budget it computes",
+        parse=float, group=KV_STORE_GROUP)
+    kv_store_required: bool = flag(
+        KVStoreConfig.required, "refuse to start when the store does not answer", parse=bool, group=KV_STORE_GROUP,
+        default_help="off: warn, naming it, and serve without it until it does")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--flag`` per field (its groups in field order)."""
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if not meta["cli"]:
+                continue
+            group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            shown = meta["default_help"] or ("on" if default is True else "off" if default is False else default)
+            kwargs: dict[str, Any] = {"default": default, "help": f"{meta['help']} (default: {shown})"}
+            if meta["parse"] is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif meta["parse"] is not None:
+                kwargs["type"] = meta["parse"]
+            if meta["choices"]:
+                kwargs["choices"] = list(meta["choices"])
+            group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata["cli"]})
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated config tree (``ConfigError`` naming the field of a wrong value)."""
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, device=self.device, hf_overrides=self.hf_overrides,
+                              max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
+                              gguf_mode=self.gguf_mode),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
+                              swap_space=self.swap_space),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
+            num_threads=self.num_threads, enforce_eager=self.enforce_eager, speculative=self._speculative(),
+            kv_store=KVStoreConfig(self.kv_store, self.kv_store_ttl, self.kv_store_timeout,
+                                   required=self.kv_store_required) if self.kv_store else None)
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        """From the flat flags, or from ``speculative_config`` (not both)."""
+        if self.speculative_config is not None:
+            if self.speculative_method is not None:
+                raise ConfigError("speculative_config", self.speculative_config,
+                                  "unset when speculative_method is given (one or the other)")
+            return SpeculativeConfig.from_value(self.speculative_config)
+        if self.speculative_method is None:
+            if self.speculative_model is not None:
+                raise ConfigError("speculative_method", None, "ngram or draft: --speculative-model needs "
+                                  "--speculative-method draft")
+            return None
+        return SpeculativeConfig(method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
+                                 ngram_min=self.ngram_min, ngram_max=self.ngram_max, model=self.speculative_model,
+                                 quantization=self.speculative_quantization, gguf_mode=self.speculative_gguf_mode,
+                                 disable_batch_size=self.speculative_disable_batch_size)
