@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -128,16 +128,15 @@ class DrainingServer(uvicorn.Server):
 
 def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None,
                cluster: ClusterConfig | None = None) -> FastAPI:
+    """The app: the engine group and its metrics in ``app.state``, the guards, the error shapes
+    and the routes of this module's ``router``."""
     engine = AsyncEngine(engine_config, server.max_queue_len, disagg, cluster)
     metrics = ServerMetrics()
-    engine.on_output.append(metrics.observe_output)
-    engine.on_stats.append(metrics.observe_stats)
-    engine.on_place.append(metrics.observe_placement)
-    engine.on_migrate.append(metrics.observe_migration)
-    engine.on_resume.append(metrics.migration_resume.observe)
-    engine.on_engine_down.append(metrics.engine_down)
-    openai = OpenAIServing(engine, server.served_model_name)
-    chat = ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
+    for hooks, hook in ((engine.on_output, metrics.observe_output), (engine.on_stats, metrics.observe_stats),
+                        (engine.on_place, metrics.observe_placement), (engine.on_migrate, metrics.observe_migration),
+                        (engine.on_resume, metrics.migration_resume.observe),
+                        (engine.on_engine_down, metrics.engine_down)):
+        hooks.append(hook)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -151,112 +150,139 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
             await engine.shutdown()
 
     app = FastAPI(title="duoserve", lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
+    openai = OpenAIServing(engine, server.served_model_name)
+    app.state.engine, app.state.metrics, app.state.server = engine, metrics, server
+    app.state.openai, app.state.chat = openai, ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
     app.add_middleware(APIKeyGuard, api_key=server.api_key)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
-        param, message = _validation_param(exc)
-        return error_response(400, message, param)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception):
-        logger.exception("internal error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
-
-    def check_fields(body) -> None:
-        """Refuse a known field we do not implement by name; warn about the others."""
-        refused = body.not_implemented_field()
-        if refused is not None:
-            raise APIError(400, f"'{refused}' is not supported by this server yet: leave it out, or give it its "
-                                "default (the answer would not be what it asks for)", param=refused)
-        unknown = body.unknown_fields()
-        if unknown:
-            logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        check_fields(body)
-        return await openai.completions(body, raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        check_fields(body)
-        return await chat.chat(body, raw)
-
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, raw: Request):
-        check_fields(body)
-        return await chat.generate(body, raw)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": server.served_model_name, "object": "model",
-                                            "created": int(time.time()), "owned_by": "duoserve",
-                                            "max_model_len": engine.max_model_len}]}
-
-    def require_engine() -> None:
-        if engine.tokenizer is None:
-            raise APIError(503, f"the engine is unavailable: {engine.not_ready_reason()}")
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        openai.check_model(body.model)
-        require_engine()
-        if body.messages is not None:
-            ids = chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
-                                                         add_generation_prompt=body.add_generation_prompt))
-        elif body.prompt is not None:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "give prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        openai.check_model(body.model)
-        require_engine()
-        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.vocab_size})",
-                           param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-    @app.get("/health")
-    async def health():
-        if engine.ready:
-            slow = [c.name for c in engine.clients if c.slow_since is not None]
-            if slow:  # still serving: a long step is not a dead engine
-                return {"status": "slow", "slow_engines": slow}
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "reason": engine.not_ready_reason()}, status_code=503)
-
-    @app.get("/metrics")
-    async def prometheus():
-        for client in engine.clients:
-            if client.ready is not None and client.ready.memory:
-                metrics.observe_memory(client.name, client.ready.memory)
-        if engine.inputs is not None:
-            metrics.observe_structured_requests(engine.inputs.num_constrained, engine.inputs.num_rejected_grammars)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/memory")
-    async def memory():
-        """Each engine's start-up memory report, and this API process's resident size."""
-        from duoserve.worker.memory import rss_bytes
-
-        return {"engines": {c.name: c.ready.memory for c in engine.clients if c.ready is not None},
-                "api_process_rss_bytes": rss_bytes()}
-
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.include_router(router)
     return app
+
+
+# ---- error shapes --------------------------------------------------------------------------
+
+async def http_error(request: Request, exc: StarletteHTTPException):
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+
+async def api_error(_: Request, exc: APIError):
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+
+async def validation_error(_: Request, exc: RequestValidationError):
+    param, message = _validation_param(exc)
+    return error_response(400, message, param)
+
+
+async def internal_error(_: Request, exc: Exception):
+    logger.exception("internal error")
+    return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+# ---- routes ----------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+def check_fields(body) -> None:
+    """Refuse a known field we do not implement by name; warn about the others."""
+    refused = body.not_implemented_field()
+    if refused is not None:
+        raise APIError(400, f"'{refused}' is not supported by this server yet: leave it out, or give it its "
+                            "default (the answer would not be what it asks for)", param=refused)
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+
+
+def require_engine(engine: AsyncEngine) -> None:
+    if engine.tokenizer is None:
+        raise APIError(503, f"the engine is unavailable: {engine.not_ready_reason()}")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request):
+    check_fields(body)
+    return await raw.app.state.openai.completions(body, raw)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    check_fields(body)
+    return await raw.app.state.chat.chat(body, raw)
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, raw: Request):
+    check_fields(body)
+    return await raw.app.state.chat.generate(body, raw)
+
+
+@router.get("/v1/models")
+async def models(raw: Request):
+    state = raw.app.state
+    return {"object": "list", "data": [{"id": state.server.served_model_name, "object": "model",
+                                        "created": int(time.time()), "owned_by": "duoserve",
+                                        "max_model_len": state.engine.max_model_len}]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, raw: Request):
+    state = raw.app.state
+    engine = state.engine
+    state.openai.check_model(body.model)
+    require_engine(engine)
+    if body.messages is not None:
+        ids = state.chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
+                                                           add_generation_prompt=body.add_generation_prompt))
+    elif body.prompt is not None:
+        ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise APIError(400, "give prompt or messages", param="prompt")
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, raw: Request):
+    engine = raw.app.state.engine
+    raw.app.state.openai.check_model(body.model)
+    require_engine(engine)
+    bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.vocab_size})", param="tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@router.get("/health")
+async def health(raw: Request):
+    engine = raw.app.state.engine
+    if engine.ready:
+        slow = engine.slow_engines()
+        if slow:  # still serving: a long step is not a dead engine
+            return {"status": "slow", "slow_engines": slow}
+        return {"status": "ok"}
+    return JSONResponse({"status": "unavailable", "reason": engine.not_ready_reason()}, status_code=503)
+
+
+@router.get("/metrics")
+async def prometheus(raw: Request):
+    engine, metrics = raw.app.state.engine, raw.app.state.metrics
+    for name, report in engine.engine_memory().items():
+        if report:
+            metrics.observe_memory(name, report)
+    metrics.observe_structured_requests(*engine.structured_request_counts())
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/memory")
+async def memory(raw: Request):
+    """Each engine's start-up memory report, and this API process's resident size."""
+    from duoserve.worker.memory import rss_bytes
+
+    return {"engines": raw.app.state.engine.engine_memory(), "api_process_rss_bytes": rss_bytes()}

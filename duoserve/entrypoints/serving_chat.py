@@ -36,7 +36,7 @@ class ChatServing:
         self.reasoning_parser = reasoning_parser
 
     def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
-        if self.engine.group is None:
+        if not self.engine.started:
             raise APIError(503, f"the engine is unavailable: {self.engine.not_ready_reason()}")
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:

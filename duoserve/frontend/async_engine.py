@@ -176,6 +176,25 @@ class AsyncEngine:
         return self.supervisor.waiting_reason()
 
     @property
+    def started(self) -> bool:
+        """The engines have been up once: the tokenizer and the model's limits are known."""
+        return self.group is not None
+
+    def slow_engines(self) -> list[str]:
+        """Engines silent past the silence timeout while their connection answers (busy, not dead)."""
+        return [c.name for c in self.clients if c.slow_since is not None]
+
+    def engine_memory(self) -> dict[str, dict]:
+        """Each engine's start-up memory report, by engine name (those that said ready)."""
+        return {c.name: c.ready.memory for c in self.clients if c.ready is not None}
+
+    def structured_request_counts(self) -> tuple[int, int]:
+        """(requests that asked for structured output, grammars refused) so far."""
+        if self.inputs is None:
+            return 0, 0
+        return self.inputs.num_constrained, self.inputs.num_rejected_grammars
+
+    @property
     def tokenizer(self):
         return None if self.group is None else self.group.tokenizer
 
