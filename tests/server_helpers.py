@@ -110,6 +110,19 @@ def metric(url: str, name: str, labels: dict | None = None, headers: dict | None
     return total
 
 
+def wait_metric(url: str, name: str, predicate, labels: dict | None = None, headers: dict | None = None,
+                guard: float = 120.0) -> float:
+    """Poll a series until ``predicate(value)`` holds (the engines' stats come once a second, later
+    on a busy machine); returns the value. ``guard`` only turns a hang into a failure."""
+    deadline = time.monotonic() + guard
+    while True:
+        value = metric(url, name, labels, headers)
+        if predicate(value):
+            return value
+        assert time.monotonic() < deadline, f"{name}{labels or ''} still {value} after {guard:g}s"
+        time.sleep(0.05)
+
+
 IDLE_GAUGES = ("duoserve:num_requests_running", "duoserve:num_requests_waiting", "duoserve:num_requests_kv_leased",
                "duoserve:kv_cache_usage_ratio")
 

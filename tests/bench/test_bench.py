@@ -145,40 +145,35 @@ def test_workloads_have_the_lengths_they_promise(tmp_path):
             workloads.build(bad, tokenizer, 2, 8, 8)
 
 
-def test_bench_serve_against_duoserve_reports_its_stages(tmp_path):
-    """A short run of each workload against a real duoserve server: stage breakdown present."""
+def test_bench_serve_against_duoserve_reports_its_stages(tmp_path, server):
+    """A short run of each workload against a real duoserve server (the session's: the client
+    only reads it): stage breakdown present."""
     import subprocess
     import sys
 
     import jsonschema
 
-    from tests.server_helpers import Server
-
-    server = Server("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.4", "--num-threads", "2",
-                    log=tmp_path / "server.log")
-    try:
-        jsonl = tmp_path / "p.jsonl"
-        jsonl.write_text('{"prompt": "Name three colors.", "output_len": 8}\n')
-        for i, dataset in enumerate(("random", "mixed:16:0.5,64:0.5", "shared-prefix", f"jsonl:{jsonl}")):
-            out = tmp_path / f"run{i}.json"
-            result = subprocess.run([sys.executable, "-m", "duoserve.cli", "bench", "serve", "--base-url", server.url,
-                                     "--dataset", dataset, "--num-prompts", "4", "--input-len", "32",
-                                     "--output-len", "8", "--prefix-len", "64", "--max-concurrency", "2",
-                                     "--result-json", str(out), "--quiet", "--plot", str(tmp_path / f"run{i}.png")],
-                                    capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, result.stderr
-            data = json.loads(out.read_text())
-            jsonschema.validate(data, report.RESULT_SCHEMA)
-            assert data["completed"] == 4 and data["failed"] == 0, dataset
-            assert data["config"]["model"] == "smollm2-135m"
-            stages = data["server"]
-            assert stages["ttft_queue_mean_ms"] >= 0 and stages["ttft_prefill_mean_ms"] > 0
-            if dataset == "shared-prefix":
-                assert stages["prefix_cache_hit_rate"] > 0.3
-            assert "TTFT" in result.stdout and "ttft_prefill_mean_ms" in result.stdout
-            assert len(data["samples"]["ttft_ms"]) == 4 and len(data["samples"]["token_times_s"]) >= 4
-    finally:
-        server.stop()
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "Name three colors.", "output_len": 8}\n')
+    for i, dataset in enumerate(("random", "mixed:16:0.5,64:0.5", "shared-prefix", f"jsonl:{jsonl}")):
+        out = tmp_path / f"run{i}.json"
+        result = subprocess.run([sys.executable, "-m", "duoserve.cli", "bench", "serve", "--base-url", server.url,
+                                 "--dataset", dataset, "--num-prompts", "4", "--input-len", "32",
+                                 "--output-len", "8", "--prefix-len", "64", "--max-concurrency", "2",
+                                 "--result-json", str(out), "--quiet", "--plot", str(tmp_path / f"run{i}.png"),
+                                 "--api-key", server.api_key],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        data = json.loads(out.read_text())
+        jsonschema.validate(data, report.RESULT_SCHEMA)
+        assert data["completed"] == 4 and data["failed"] == 0, dataset
+        assert data["config"]["model"] == "smollm2-135m"
+        stages = data["server"]
+        assert stages["ttft_queue_mean_ms"] >= 0 and stages["ttft_prefill_mean_ms"] > 0
+        if dataset == "shared-prefix":
+            assert stages["prefix_cache_hit_rate"] > 0.3
+        assert "TTFT" in result.stdout and "ttft_prefill_mean_ms" in result.stdout
+        assert len(data["samples"]["ttft_ms"]) == 4 and len(data["samples"]["token_times_s"]) >= 4
     import matplotlib.pyplot as plt
 
     image = plt.imread(tmp_path / "run0.png")
