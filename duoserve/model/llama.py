@@ -65,7 +65,9 @@ class LlamaModel(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer   # a family's own layer and norm (gemma.py)
     norm_class: type[nn.Module] = RMSNorm
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, with_rotary: bool = True) -> None:
+        """``with_rotary=False``: no cos/sin tables yet (a model built on the meta device gets
+        them from ``set_rotary`` once loaded, for the context it serves)."""
         super().__init__()
         self.arch = arch
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
@@ -74,7 +76,8 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight  # the output projection is the table itself
-        self.set_rotary(arch.max_position_embeddings)
+        if with_rotary:
+            self.set_rotary(arch.max_position_embeddings)
         self.requires_grad_(False)
 
     def set_rotary(self, max_positions: int) -> None:

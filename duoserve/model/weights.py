@@ -7,6 +7,8 @@ gate/up, and assigns the result to a model built on the meta device.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -115,13 +117,32 @@ def _fetch(source: TensorSource, name: str, shape: tuple[int, ...], dtype: torch
 _BLOCK_PARAMS = ("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight", "lm_head.weight", "embed.weight")
 
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Modules built on the meta device skip their random initialization (every parameter comes
+    from the checkpoint): on meta tensors torch.nn.init runs torch's Python reference kernels,
+    whose first call imports torch.compile's stack (a second of every engine's start)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, device: str,
                 max_positions: int | None = None, blocks: BlockModules | None = None) -> nn.Module:
     """Build the model on ``device`` with every parameter taken from ``source``. With ``blocks``,
     linear weights and the embedding that the source holds as GGUF blocks of ``blocks.types``
     stay in blocks, in ``blocks``' modules; a tied output projection then reads the embedding's."""
-    with torch.device("meta"):
-        model = MODEL_CLASSES[arch.family](arch)
+    with torch.device("meta"), _no_init():
+        model = MODEL_CLASSES[arch.family](arch, with_rotary=False)   # its tables once loaded, below
     embed_blocks = None
     # One parameter at a time, straight to the device: the peak is the model plus one tensor.
     for name, pieces in checkpoint_parts(arch).items():

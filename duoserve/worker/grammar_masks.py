@@ -15,13 +15,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
 from duoserve.core.outputs import ScheduledRequest
 from duoserve.structured.cache import GrammarCache
 from duoserve.structured.grammar import GrammarError
+
+def fill_mask_row(matcher, bitmask: torch.Tensor, row: int) -> None:
+    """The matcher writes its next-token mask into row ``row`` of ``bitmask`` (int32, CPU,
+    contiguous rows) itself: llguidance's own call, made here rather than through
+    ``llguidance.torch``, whose import pulls in torch.compile's whole stack (seconds of every
+    engine's start, compiled or not)."""
+    words = bitmask[row]
+    assert bitmask.dtype == torch.int32 and words.is_contiguous() and not words.is_cuda
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [R, ceil(vocab / 32)] int32 (bit j of word w: token 32w + j) -> bool [R, vocab].
@@ -76,14 +85,14 @@ class GrammarMasks:
                 masks.failed[item.request.request_id] = str(exc)
                 at += count
                 continue
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, at)
+            fill_mask_row(matcher, bitmask, at)
             bitmask[at + 1:at + item.num_samples] = bitmask[at]
             consumed = 0
             for guess in item.spec_token_ids:
                 if matcher.is_stopped() or matcher.validate_tokens([guess]) != 1 or not matcher.consume_token(guess):
                     break
                 consumed += 1
-                llg_torch.fill_next_token_bitmask(matcher, bitmask, at + consumed)
+                fill_mask_row(matcher, bitmask, at + consumed)
             if consumed:
                 matcher.rollback(consumed)
             at += count
