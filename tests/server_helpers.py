@@ -39,7 +39,9 @@ class Server:
     as a terminal's Ctrl-C would."""
 
     def __init__(self, *args: str, api_key: str | None = None, log: Path | None = None,
-                 new_session: bool = False, wait_healthy: bool = True) -> None:
+                 new_session: bool = False, wait_healthy: bool = True, wait_port: bool = True) -> None:
+        """``wait_healthy``: return once /health says 200 (else once the port answers at all);
+        ``wait_port=False``: return at once (the server may still be starting its engines)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -48,6 +50,8 @@ class Server:
             cmd += ["--api-key", api_key]
         self.log = open(log, "w") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=new_session)
+        if not wait_port:
+            return
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -80,6 +80,7 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
         restrict_ipc(each)
     try:
         try:
+            _fault_start_sleep()
             core = _start_core(config_bytes)
         except Exception as exc:  # a bad config or model: say why (to the launcher), then stop
             from duoserve.errors import ConfigError, ModelLoadError
@@ -115,14 +116,50 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
         ctx.term()
 
 
-def launched_engine_main(name: str, environ: dict[str, str], *args) -> int:
+def launched_engine_main(name: str, environ: dict[str, str], config_bytes: bytes, address: str | list[str],
+                         log_level: int, parent_pid: int, auth_secret: bytes | None) -> int:
     """``engine_main`` in a process a frontend started from its fork server
     (``duoserve.frontend.launcher``): the launcher's environment as it is now (the server was
-    forked earlier, maybe with another), and a process name that ``ps`` and ``top`` show."""
+    forked earlier, maybe with another), a process name that ``ps`` and ``top`` show, and an
+    end with the launcher at any stage (``_stop_with_launcher``)."""
     os.environ.clear()
     os.environ.update(environ)
     _set_process_name(f"duoserve-{name}")
-    return engine_main(*args)
+    _stop_with_launcher(parent_pid)
+    return engine_main(config_bytes, address, log_level, parent_pid, auth_secret)
+
+
+LAUNCHER_GONE_GRACE_S = 5.0   # the clean-up's time once the launcher is gone, then a hard exit
+
+
+def _stop_with_launcher(launcher_pid: int) -> None:
+    """A thread waits on a pidfd of the launcher, readable the moment it exits (killed or not):
+    then the main thread gets SIGHUP, whose handler raises SystemExit wherever the engine is
+    (importing, loading, building kernels, compiling, serving), so its clean-up runs (sockets,
+    shared-memory segments); if that has not ended the process within the grace, it exits
+    anyway. (The fork server is no watcher: every process forked from it holds its pipe open.)"""
+    import select
+    import threading
+
+    def launcher_gone(signum, frame) -> None:
+        raise SystemExit(0)
+
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:   # gone already
+        raise SystemExit(0) from None
+    except (AttributeError, OSError):   # no pidfd here: the serving loop's check remains
+        return
+    signal.signal(signal.SIGHUP, launcher_gone)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        logging.getLogger(__name__).warning("the process that launched this engine is gone: stopping")
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(LAUNCHER_GONE_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def _set_process_name(name: str) -> None:
@@ -140,6 +177,14 @@ def _pin(config_bytes: bytes) -> None:
     cpus = msgspec.msgpack.decode(config_bytes).get("cpus")
     if cpus:
         os.sched_setaffinity(0, cpus)
+
+
+def _fault_start_sleep() -> None:
+    """Fault injection for tests (documented in docs/architecture.md): the engine sleeps this
+    many seconds before it loads, as a first start that builds kernels or compiles would."""
+    seconds = float(os.environ.get("DUOSERVE_FAULT_START_SLEEP", "0"))
+    if seconds:
+        time.sleep(seconds)
 
 
 def _start_core(config_bytes: bytes):
