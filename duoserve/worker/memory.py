@@ -69,11 +69,15 @@ def measure_prefill_scratch(run_forward, kv_buffer: "torch.Tensor") -> int | Non
     return max(0, peak - before - (tensor_resident_bytes(kv_buffer) - kv_before))
 
 
+SCRATCH_OVERHEAD = 2   # measured peaks run close to twice the activations' sum (BENCHMARKS.md, session 18)
+
+
 def estimate_prefill_scratch(arch, num_tokens: int, element_size: int) -> int:
     """Temporary bytes of one prefill chunk of ``num_tokens``, from the model's shapes: a chunk's
-    live activations are a few hidden-size rows, the MLP's intermediate rows and Q/K/V."""
-    return num_tokens * element_size * (6 * arch.hidden_size + 3 * arch.intermediate_size
-                                        + arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads))
+    live activations (a few hidden-size rows, the MLP's intermediate rows, Q/K/V), times what
+    the allocator and the kernels' own temporaries add on top of them."""
+    return SCRATCH_OVERHEAD * num_tokens * element_size * (
+        6 * arch.hidden_size + 3 * arch.intermediate_size + arch.head_dim * (arch.num_heads + 2 * arch.num_kv_heads))
 
 
 def scratch_measured() -> bool:
