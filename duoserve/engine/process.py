@@ -246,8 +246,9 @@ class EngineServer:
         self.fingerprint_values = self.peers.fingerprint_values
 
     def _launcher_alive(self) -> bool:
-        """The launcher (``parent_pid``) lives, and so does this process's own parent (the
-        launcher, or its fork server, which ends with it): a pid can be reused, a parent can't."""
+        """The launcher's pid (``parent_pid``) still names a process and this process's parent is
+        the one it started under. The serving loop's check, where ``_stop_with_launcher`` found
+        no pidfd to wait on."""
         return os.getppid() == self.start_ppid and _pid_alive(self.parent_pid)
 
     def send(self, message) -> None:
