@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import torch
 
@@ -69,3 +71,19 @@ def joined_in_process(prefill, decode):
     prefill.attach_connector(link)
     decode.attach_connector(link)
     return prefill, decode
+
+
+async def settled_stats(engine, guard: float = 120.0) -> dict:
+    """The engines' stats once every engine that is up has sent a message after this call with
+    nothing running or waiting there: what they counted up to now (they send stats once a
+    second, and at once when their load changes). ``guard`` only turns a hang into a failure."""
+    stale = {name: id(stats) for name, stats in engine.stats.items()}
+    deadline = time.monotonic() + guard
+    while True:
+        stats = dict(engine.stats)
+        up = [c.name for c in engine.clients if c.is_up()]
+        if all(n in stats and id(stats[n]) != stale.get(n) and stats[n].num_running == 0
+               and stats[n].num_waiting == 0 for n in up):
+            return stats
+        assert time.monotonic() < deadline, f"no fresh, settled stats from every engine up after {guard:g}s"
+        await asyncio.sleep(0.02)

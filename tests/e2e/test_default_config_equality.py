@@ -5,7 +5,7 @@ and back, verified by n-gram speculation, as each of n = 2 samples, handed from 
 engine to a decode engine with other blocks, or read back from Redis by a fresh engine
 (colocated and disaggregated). Streamed vs whole through a server: tests/entrypoints/
 test_default_server_equality.py; compiled vs eager: tests/worker/test_compiled.py. Strict equality, no near-tie allowance: the kernels compute a row the
-same way whatever its step holds (``tests/kernels/test_quantized.py``)."""
+same way whatever its step holds (``tests/kernels/test_gguf.py``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.launcher import _ipc_address
 from duoserve.frontend.supervisor import start_engine, stop_engine
-from tests.disagg_helpers import GREEDY, SEEDED, STAGE_METRICS, assert_same, generate_all, prompts
+from tests.disagg_helpers import GREEDY, SEEDED, STAGE_METRICS, assert_same, generate_all, prompts, settled_stats
 
 def run_disaggregated(path, disagg: DisaggConfig, params_list) -> tuple[list, dict]:
     config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
@@ -22,8 +22,7 @@ def run_disaggregated(path, disagg: DisaggConfig, params_list) -> tuple[list, di
         await engine.start()
         try:
             outs = [await generate_all(engine, prompts(), p) for p in params_list]
-            await asyncio.sleep(1.3)  # a stats message from each engine
-            return outs, dict(engine.stats)
+            return outs, await settled_stats(engine)
         finally:
             await engine.shutdown()
 
@@ -135,8 +134,7 @@ def test_a_killed_prefill_engines_prompt_is_prefilled_on_the_decode_engine_until
             # under ids of their own: the decode engine was told to abort "r0" (it might have held
             # a transfer of it) and refuses a later transfer under that id (see the closing note)
             after = [await one(engine, f"after-{i}", p) for i, p in enumerate([[5, 6, 7], long_prompt])]
-            await asyncio.sleep(1.3)
-            return placed_on, moved, fallback, after, prefill.process.pid != first_pid, dict(engine.stats)
+            return placed_on, moved, fallback, after, prefill.process.pid != first_pid, await settled_stats(engine)
         finally:
             await engine.shutdown()
 

@@ -16,7 +16,7 @@ import pytest
 from duoserve import SamplingParams
 from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
 from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError
-from tests.disagg_helpers import GREEDY, assert_same, generate_all, prompts
+from tests.disagg_helpers import GREEDY, assert_same, generate_all, prompts, settled_stats
 from tests.server_helpers import free_port
 
 def engine_config(path) -> EngineConfig:
@@ -25,8 +25,7 @@ def engine_config(path) -> EngineConfig:
 
 
 async def final_stats(engine: AsyncEngine) -> dict:
-    await asyncio.sleep(1.3)  # a stats message from every engine
-    return dict(engine.stats)
+    return await settled_stats(engine)
 
 
 def test_two_prefill_and_two_decode_engines_balance_by_queue_depth(tiny_dir, disagg_reference):

@@ -16,7 +16,7 @@ import pytest
 from duoserve import SamplingParams
 from duoserve.config import CacheConfig, ClusterConfig, EngineConfig, ModelConfig
 from duoserve.frontend.async_engine import AsyncEngine
-from tests.disagg_helpers import assert_same
+from tests.disagg_helpers import assert_same, settled_stats
 
 GREEDY = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=300, ignore_eos=True)
@@ -70,8 +70,7 @@ def test_the_streams_of_an_engine_that_goes_down_go_on_on_the_other(tiny_dir, ho
                 if engine.ready and doomed.process.pid != first_pid:
                     break
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(1.3)   # a stats message from each engine
-            return reference, placed, results, finished_in, doomed.process.pid != first_pid, dict(engine.stats), \
+            return reference, placed, results, finished_in, doomed.process.pid != first_pid, await settled_stats(engine), \
                 dict(engine.group.placements)
         finally:
             await engine.shutdown()

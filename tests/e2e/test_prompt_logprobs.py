@@ -20,6 +20,7 @@ from duoserve import LLM, SamplingParams
 from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig
 from duoserve.engine.builder import build_engine
 from duoserve.frontend.async_engine import AsyncEngine
+from tests.disagg_helpers import settled_stats
 from tests.helpers import assert_pool_whole, hf_model
 from tests.server_helpers import Server
 
@@ -174,8 +175,7 @@ def test_disaggregated_prompt_logprobs(tiny_dir):
         try:
             sequential = [await run_one(engine, i, context + c) for i, c in enumerate(conts)]
             together = await asyncio.gather(*(run_one(engine, 10 + i, context + c) for i, c in enumerate(conts)))
-            await asyncio.sleep(1.3)   # the engines' stats after the last request
-            return sequential, together, dict(engine.stats)
+            return sequential, together, await settled_stats(engine)
         finally:
             await engine.shutdown()
 
