@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.chaos.harness import FULL, check_answers, kv_segments, make_specs, reference, report, soak, tree_rss_mb
-from tests.server_helpers import Server, alive, engine_children, wait_gauges_idle
+from tests.server_helpers import Server, alive, engine_children, metric, wait_gauges_idle
 
 MODEL = "chaos"
 # dense fp32 weights: an answer does not depend on the batch it was computed in beyond
@@ -34,6 +34,15 @@ def server_args(mode: str) -> tuple[str, ...]:
     return (*COMMON, "--mode", "disaggregated", "--num-prefill-engines", engines, "--num-decode-engines", engines)
 
 
+_ANSWERS: dict[str, dict] = {}   # mode -> the reference answers of make_specs(24) (the same on every server of a mode)
+
+
+def answers_of(mode: str, url: str, specs) -> dict:
+    if mode not in _ANSWERS:
+        _ANSWERS[mode] = asyncio.run(reference(url, MODEL, specs))
+    return _ANSWERS[mode]
+
+
 def ipc_files(pid: int) -> list[str]:
     return glob.glob(os.path.join(tempfile.gettempdir(), f"duoserve-{pid}-*"))
 
@@ -46,7 +55,7 @@ def test_soak_loses_nothing(mode, tmp_path):
     srv = Server(*server_args(mode), log=tmp_path / "log")
     try:
         engines = sorted(engine_children(srv.proc.pid))
-        answers = asyncio.run(reference(srv.url, MODEL, specs))
+        answers = answers_of(mode, srv.url, specs)
         first = asyncio.run(soak(srv.url, MODEL, specs, count // 2, concurrency, seed=11))
         wait_gauges_idle(srv.url, within=IDLE_WITHIN_S)
         rss_mid = tree_rss_mb(srv.proc.pid)
@@ -68,3 +77,33 @@ def test_soak_loses_nothing(mode, tmp_path):
     report(f"soak-{mode}", {**figures, "requests": count, "concurrency": concurrency,
                             "max_request_s": round(max(seconds), 2), "idle_after_s": round(idle_after, 2),
                             "rss_mid_mb": round(rss_mid), "rss_end_mb": round(rss_end)})
+
+
+def test_a_cotenant_busy_on_every_core_slows_the_engines_but_kills_nothing(tmp_path):
+    """Half the soak's requests (48, 16 clients; disaggregated: the engines pinned to one core each)
+    while another process spins on every core: the engines are slow, not dead. No request fails
+    or differs from its reference, no engine is declared down, migrated from or relaunched."""
+    import subprocess
+    import sys
+
+    specs = make_specs(24)
+    log = tmp_path / "log"
+    srv = Server(*server_args("disaggregated"), log=log)
+    hogs = []
+    try:
+        engines = sorted(engine_children(srv.proc.pid))
+        answers = answers_of("disaggregated", srv.url, specs)
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        outcomes = asyncio.run(soak(srv.url, MODEL, specs, 48, 16, seed=13))
+        for hog in hogs:
+            hog.kill()
+        figures = check_answers(outcomes, answers)
+        wait_gauges_idle(srv.url, within=IDLE_WITHIN_S)
+        assert sorted(engine_children(srv.proc.pid)) == engines, "no engine died or was relaunched"
+        assert metric(srv.url, "duoserve:request_migrations_total") == 0, "no request moved off an engine"
+    finally:
+        for hog in hogs:
+            hog.kill()
+        srv.stop()
+    assert " is down (" not in log.read_text(), "an engine whose process lives was declared down"
+    report("soak-cotenant", {**figures, "requests": 48, "concurrency": 16})
