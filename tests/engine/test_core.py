@@ -52,7 +52,6 @@ def test_reset_ends_only_the_requests_of_one_frontend(engine):
 
 
 def test_a_failing_model_step_fails_its_requests_and_the_engine_serves_on(engine, monkeypatch):
-    want = {}
     engine.add_request(Request("ref", list(range(7, 17)), GREEDY, (), 512))
     want = run_out(engine)["ref"]
     execute = engine.runner.execute
