@@ -146,7 +146,9 @@ class EngineArgs:
             meta = f.metadata
             if not meta["cli"]:
                 continue
-            group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(meta["group"])
+            group = groups[meta["group"]]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             shown = meta["default_help"] or ("on" if default is True else "off" if default is False else default)
             kwargs: dict[str, Any] = {"default": default, "help": f"{meta['help']} (default: {shown})"}

@@ -231,7 +231,6 @@ class EngineServer:
         self.core = core
         self.sock = sock
         self.parent_pid = parent_pid
-        self.start_ppid = os.getppid()
         # socket identity -> tag of each frontend that said hello: one connection per frontend (a
         # frontend's new connection replaces its old one), so a tag names one identity
         self.frontends: dict[bytes, str] = {}
@@ -244,12 +243,6 @@ class EngineServer:
 
         self.peers = peer_link(core, sock, key, self.instance_id)   # the one place the role decides
         self.fingerprint_values = self.peers.fingerprint_values
-
-    def _launcher_alive(self) -> bool:
-        """The launcher's pid (``parent_pid``) still names a process and this process's parent is
-        the one it started under. The serving loop's check, where ``_stop_with_launcher`` found
-        no pidfd to wait on."""
-        return os.getppid() == self.start_ppid and _pid_alive(self.parent_pid)
 
     def send(self, message) -> None:
         """To every frontend (a failure of the whole engine)."""
@@ -330,7 +323,8 @@ class EngineServer:
             if changed or now - last_stats >= STATS_INTERVAL:
                 # the stats double as a probe: a frontend whose connection is gone is dropped here
                 stats, last_stats, last_signature = self.core.stats(), now, signature
-                if self.parent_pid is not None and not self._launcher_alive():
+                # the serving loop's check, where _stop_with_launcher found no pidfd to wait on
+                if self.parent_pid is not None and not _pid_alive(self.parent_pid):
                     self.log.warning("the process that launched this engine is gone: stopping")
                     return
             if outputs or stats is not None:

@@ -77,21 +77,21 @@ class PackedEmbedding(nn.Module):
     plain table need not stay beside it: row t sits in block t // 48 at column t % 48, its
     values k apart (float32) or in pairs (bfloat16), as ``csrc/packed_linear.c`` packs them."""
 
-    def __init__(self, head: CPULinear) -> None:
+    def __init__(self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.packed, self.num_embeddings, self.embedding_dim = head.packed, head.out_features, head.in_features
+        self.packed, self.num_embeddings, self.embedding_dim = packed, num_embeddings, embedding_dim
+
+    @classmethod
+    def of_head(cls, head: CPULinear) -> "PackedEmbedding":
+        """A tied table's rows, read from its output projection's packed copy."""
+        return cls(head.packed, head.out_features, head.in_features)
 
     @classmethod
     def of_table(cls, table: torch.Tensor) -> "PackedEmbedding | None":
         """An untied embedding table packed as a linear weight would be (the C++ decode step reads
         its rows so), or None where the CPU has no packed kernel for its dtype."""
         packed = pack_linear_weight(table.detach())
-        if packed is None:
-            return None
-        embedding = cls.__new__(cls)
-        nn.Module.__init__(embedding)
-        embedding.packed, (embedding.num_embeddings, embedding.embedding_dim) = packed, table.shape
-        return embedding
+        return None if packed is None else cls(packed, *table.shape)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         block, column, k = ids // PACK_COLUMNS, ids % PACK_COLUMNS, self.embedding_dim

@@ -74,7 +74,7 @@ def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
         head, embed = getattr(model, "lm_head", None), getattr(model, "embed", None)
         if (model.arch.tie_word_embeddings and isinstance(head, CPULinear) and head.packed is not None
                 and isinstance(embed, nn.Embedding)):
-            model.embed = PackedEmbedding(head)   # one copy of the table: the packed one
+            model.embed = PackedEmbedding.of_head(head)   # one copy of the table: the packed one
         elif isinstance(embed, nn.Embedding) and embed.weight.device.type == "cpu":
             # untied: the table packed in place of the plain one (the C++ decode step reads it so)
             model.embed = PackedEmbedding.of_table(embed.weight) or embed

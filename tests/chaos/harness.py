@@ -234,19 +234,17 @@ def kv_segments() -> set[str]:
 
 
 def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and its children, in MB."""
-    from tests.server_helpers import children
+    """Resident memory of a process and every process below it, in MB."""
+    from tests.server_helpers import descendants
 
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
+    total = 0
+    for p in [pid, *descendants(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1])
         except FileNotFoundError:
             continue
-        todo += children(p)
     return total / 1024
 
 

@@ -77,7 +77,7 @@ def test_packed_embedding_gives_the_rows_of_the_table(dtype):
     require_packed(dtype)
     torch.manual_seed(4)
     table = torch.randn(100, 64).to(dtype)
-    embedding = PackedEmbedding(CPULinear(table, None))
+    embedding = PackedEmbedding.of_head(CPULinear(table, None))
     ids = torch.tensor([[0, 47, 48, 99], [5, 5, 96, 1]])
     assert torch.equal(embedding(ids), table[ids])
 
