@@ -24,11 +24,10 @@ from duoserve.structured.grammar import GrammarError
 
 def fill_mask_row(matcher, bitmask: torch.Tensor, row: int) -> None:
     """The matcher writes its next-token mask into row ``row`` of ``bitmask`` (int32, CPU,
-    contiguous rows) itself: llguidance's own call, made here rather than through
-    ``llguidance.torch``, whose import pulls in torch.compile's whole stack (seconds of every
-    engine's start, compiled or not)."""
+    contiguous rows: as ``GrammarMasks.fill`` allocates it) itself: llguidance's own call, made here
+    rather than through ``llguidance.torch``, whose import pulls in torch.compile's whole stack
+    (seconds of every engine's start, compiled or not)."""
     words = bitmask[row]
-    assert bitmask.dtype == torch.int32 and words.is_contiguous() and not words.is_cuda
     matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
