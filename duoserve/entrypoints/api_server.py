@@ -25,10 +25,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
 from duoserve.entrypoints.errors import APIError, error_response
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            GenerateRequest, TokenizeRequest)
 from duoserve.entrypoints.serving import OpenAIServing
+from duoserve.entrypoints.responses_protocol import ResponsesRequest
+from duoserve.entrypoints.serving_anthropic import AnthropicServing
+from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.metrics import ServerMetrics
@@ -78,25 +82,26 @@ class BodyLimit:
 
     async def _refuse(self, scope, receive, send):
         response = error_response(413, f"request body over the limit of {self.limit} bytes "
-                                       "(--max-request-bytes)", code="request_too_large")
+                                       "(--max-request-bytes)", code="request_too_large", path=scope["path"])
         await response(scope, receive, send)
 
 
 class APIKeyGuard:
-    """ASGI middleware: every route but /health needs ``Authorization: Bearer <key>`` (compared in
-    constant time)."""
+    """ASGI middleware: every route but /health needs the key, as ``Authorization: Bearer <key>``
+    (OpenAI's SDK) or ``x-api-key: <key>`` (Anthropic's), compared in constant time."""
 
     def __init__(self, app, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.expected is None or scope["path"] == "/health":
+        if scope["type"] != "http" or self.key is None or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+        headers = dict(scope.get("headers") or [])
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key)
+        if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                      "or 'x-api-key: <key>'", code="invalid_api_key", path=scope["path"])
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -124,6 +129,12 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.engine.begin_drain(self.drain_timeout)
         await super().shutdown(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        # in the signal handler, not at uvicorn's next tick: an engine the signal reached too
+        # (Ctrl-C, kill -TERM -PGID) may drain and exit first, and must not be relaunched
+        self.engine.stop_relaunching()
+        super().handle_exit(sig, frame)
 
 
 def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None,
@@ -153,6 +164,8 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     openai = OpenAIServing(engine, server.served_model_name)
     app.state.engine, app.state.metrics, app.state.server = engine, metrics, server
     app.state.openai, app.state.chat = openai, ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
+    app.state.anthropic = AnthropicServing(app.state.chat)
+    app.state.responses = ResponsesServing(app.state.chat)
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
     app.add_middleware(APIKeyGuard, api_key=server.api_key)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -168,21 +181,21 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
 async def http_error(request: Request, exc: StarletteHTTPException):
     message = {404: f"no route {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
 
-async def api_error(_: Request, exc: APIError):
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+async def api_error(request: Request, exc: APIError):
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, path=request.url.path)
 
 
-async def validation_error(_: Request, exc: RequestValidationError):
+async def validation_error(request: Request, exc: RequestValidationError):
     param, message = _validation_param(exc)
-    return error_response(400, message, param)
+    return error_response(400, message, param, path=request.url.path)
 
 
-async def internal_error(_: Request, exc: Exception):
+async def internal_error(request: Request, exc: Exception):
     logger.exception("internal error")
-    return error_response(500, f"internal error: {type(exc).__name__}")
+    return error_response(500, f"internal error: {type(exc).__name__}", path=request.url.path)
 
 
 # ---- routes ----------------------------------------------------------------------------------
@@ -216,6 +229,21 @@ async def completions(body: CompletionRequest, raw: Request):
 async def chat_completions(body: ChatCompletionRequest, raw: Request):
     check_fields(body)
     return await raw.app.state.chat.chat(body, raw)
+
+
+@router.post("/v1/messages")
+async def anthropic_messages(body: MessagesRequest, raw: Request):
+    return await raw.app.state.anthropic.messages(body, raw)
+
+
+@router.post("/v1/messages/count_tokens")
+async def anthropic_count_tokens(body: CountTokensRequest, raw: Request):
+    return await raw.app.state.anthropic.count_tokens(body)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, raw: Request):
+    return await raw.app.state.responses.create(body, raw)
 
 
 @router.post("/generate")

@@ -271,6 +271,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False   # vLLM's: the answer goes on from a final assistant message
     chat_template_kwargs: dict[str, Any] | None = None   # extra variables for the template (enable_thinking...)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -52,7 +52,7 @@ class Streams:
 
     def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, base_id: str,
                  prompt_param: str = "prompt") -> None:
-        self.engine = engine
+        self.engine, self.base_id = engine, base_id
         self.streams = [engine.generate(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
         self.firsts: list[RequestOutput] = []
         self.prompt_param = prompt_param

@@ -7,6 +7,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -15,7 +16,29 @@ from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import ChatCompletionRequest, GenerateRequest
 from duoserve.entrypoints.reasoning import ReasoningStream, split_reasoning
 from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect, sse, usage
-from duoserve.entrypoints.tools import ToolPlan, ToolStream, for_template
+from duoserve.entrypoints.tools import ToolCall, ToolPlan, ToolStream, for_template
+from duoserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """A finished chat choice as every surface reads it."""
+    reasoning: str | None
+    content: str | None
+    calls: list[ToolCall]
+    finish_reason: str | None   # OpenAI's: stop, length, tool_calls, abort, error
+    stop_reason: int | str | None
+
+
+@dataclass
+class ChatPiece:
+    """One snapshot of one streamed choice: what to send for it."""
+    out: RequestOutput            # the request's snapshot (prompt size, cached tokens)
+    choice: CompletionOutput
+    deltas: list[dict]            # OpenAI-shaped: {"reasoning_content"}, {"content"}, {"tool_calls": [...]}
+    logprobs: list | None         # entries of the tokens since the last piece (when asked)
+    finish_reason: str | None     # set once the choice is finished
+    first: bool = False           # the choice's first piece
 
 
 def _chat_logprobs(tokenizer, entries: list) -> dict:
@@ -42,14 +65,29 @@ class ChatServing:
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages = for_template([m.for_template() for m in body.messages])
+        final = body.messages[-1]
+        if body.continue_final_message and (final.role != "assistant" or not final.text()):
+            raise APIError(400, "continue_final_message needs a final assistant message with text to go on from",
+                           param="messages")
+        generation_prompt = body.add_generation_prompt and not body.continue_final_message
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                                  tools=tools or None, **(body.chat_template_kwargs or {}))
         except Exception as exc:  # the template itself may refuse a conversation
             raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+        if body.continue_final_message:   # cut the template's end of turn after the final message
+            opened = final.text().rstrip()
+            end = text.rfind(opened)
+            if end < 0:
+                raise APIError(400, "the chat template rewrites the final assistant message, so the answer "
+                               "cannot go on from it", param="messages")
+            text = text[:end + len(opened)]
         return tokenizer.encode(text, add_special_tokens=False)
 
-    async def chat(self, body: ChatCompletionRequest, raw: Request):
+    async def start(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> tuple[Streams, ToolPlan]:
+        """Validate a chat request into its prompt, sampling parameters and tool plan, and start
+        its engine stream: the one entry of every chat-shaped surface (chat completions,
+        Anthropic's Messages, OpenAI's Responses), which then only render its answer."""
         self.base.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -69,26 +107,65 @@ class ChatServing:
                            "supported yet: send chat_template_kwargs {\"enable_thinking\": false}, or leave it "
                            "out", param=params.structured_outputs.param)
         prompt = self.chat_prompt(body, plan.tools)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = Streams(self.engine, [prompt], params, rid, prompt_param="messages")
+        streams = Streams(self.engine, [prompt], params, f"{id_prefix}-{uuid.uuid4().hex}", prompt_param="messages")
         await streams.start()
-        created = int(time.time())
+        return streams, plan
+
+    def answer(self, c: CompletionOutput, plan: ToolPlan) -> ChatAnswer:
+        """A finished choice read back: its reasoning, content and tool calls."""
+        reasoning, text = split_reasoning(self.reasoning_parser, c.text) if self.reasoning_parser else (None, c.text)
+        content, calls = plan.calls(text or "", self.tool_call_parser) if text is not None else (None, [])
+        finish = "tool_calls" if calls and c.finish_reason == "stop" and plan.mode != "named" else c.finish_reason
+        return ChatAnswer(reasoning, content, calls, finish, c.stop_reason)
+
+    async def pieces(self, streams: Streams, plan: ToolPlan, logprobs: bool = False) -> AsyncIterator[ChatPiece]:
+        """A streamed chat answer as pieces: per engine snapshot of a choice, its OpenAI-shaped
+        deltas (``reasoning_content``, ``content``, ``tool_calls``) and, once finished, its finish
+        reason. Tokens whose text was held back (a stop string's possible start) went out with no
+        piece: their log-probabilities go with the next one."""
+        started: set[int] = set()
+        logged: dict[int, int] = {}   # per choice, tokens whose log-probabilities went out
+        tool_streams: dict[int, ToolStream] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
+        async for _, out in streams.merged():
+            for c in out.outputs:
+                first = c.index not in started
+                started.add(c.index)
+                if not c.delta_text and not c.finished:
+                    if first:
+                        yield ChatPiece(out, c, [], None, None, first=True)
+                    continue
+                lp = None
+                if logprobs and c.logprobs:
+                    lp = c.logprobs[logged.get(c.index, 0):len(c.token_ids)]
+                    logged[c.index] = len(c.token_ids)
+                tools = tool_streams.setdefault(c.index, ToolStream(plan, self.tool_call_parser))
+                text, deltas = c.delta_text, []
+                if self.reasoning_parser:
+                    thinking = reasoning_streams.setdefault(c.index, ReasoningStream(self.reasoning_parser))
+                    reasoning, text = thinking.feed(c.delta_text, c.finished)
+                    deltas = [{"reasoning_content": reasoning}] if reasoning else []
+                deltas = deltas + tools.feed(text, c.finished)
+                finish = tools.finish_reason(c.finish_reason) if c.finished else None
+                yield ChatPiece(out, c, deltas, lp, finish, first=first)
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        streams, plan = await self.start(body)
+        rid, created = streams.base_id, int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(streams, body, rid, created, plan), media_type="text/event-stream")
         (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
         choices = []
         for c in final.outputs:
-            reasoning, text = split_reasoning(self.reasoning_parser, c.text) if self.reasoning_parser else (None, c.text)
-            content, calls = plan.calls(text or "", self.tool_call_parser) if text is not None else (None, [])
-            message = {"role": "assistant", "content": content, "refusal": None}
+            answer = self.answer(c, plan)
+            message = {"role": "assistant", "content": answer.content, "refusal": None}
             if self.reasoning_parser:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [call.as_dict() for call in calls]
-            finish = "tool_calls" if calls and c.finish_reason == "stop" and plan.mode != "named" else c.finish_reason
+                message["reasoning_content"] = answer.reasoning
+            if answer.calls:
+                message["tool_calls"] = [call.as_dict() for call in answer.calls]
             choices.append({"index": c.index, "message": message,
                             "logprobs": _chat_logprobs(self.engine.tokenizer, c.logprobs) if body.logprobs else None,
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+                            "finish_reason": answer.finish_reason, "stop_reason": c.stop_reason})
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
                              "model": self.base.model_name, "choices": choices,
@@ -98,46 +175,31 @@ class ChatServing:
                       created: int, plan: ToolPlan) -> AsyncIterator[str]:
         opts = body.stream_options
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.base.model_name}
-        started: set[int] = set()
         num_prompt = num_cached = 0
         counts: dict[int, int] = {}
-        logged: dict[int, int] = {}   # per choice, tokens whose log-probabilities went out
-        tool_streams: dict[int, ToolStream] = {}
-        reasoning_streams: dict[int, ReasoningStream] = {}
         try:
-            async for _, out in streams.merged():
-                num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
-                for c in out.outputs:
-                    if c.index not in started:
-                        started.add(c.index)
-                        yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]})
-                    if not c.delta_text and not c.finished:
+            async for piece in self.pieces(streams, plan, body.logprobs):
+                c = piece.choice
+                num_prompt, num_cached = len(piece.out.prompt_token_ids), piece.out.num_cached_tokens
+                if piece.first:
+                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+                if not c.delta_text and not c.finished:
+                    continue
+                counts[c.index] = len(c.token_ids)
+                lp = None if piece.logprobs is None else _chat_logprobs(self.engine.tokenizer, piece.logprobs)
+                deltas = piece.deltas or [{}]
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    if not delta and not last:
                         continue
-                    counts[c.index] = len(c.token_ids)
-                    lp = None
-                    if body.logprobs and c.logprobs:   # tokens whose text was held back (a stop string's
-                        # possible start) went out with no chunk: their entries go with this one
-                        lp = _chat_logprobs(self.engine.tokenizer, c.logprobs[logged.get(c.index, 0):len(c.token_ids)])
-                        logged[c.index] = len(c.token_ids)
-                    tools = tool_streams.setdefault(c.index, ToolStream(plan, self.tool_call_parser))
-                    text, deltas = c.delta_text, []
-                    if self.reasoning_parser:
-                        thinking = reasoning_streams.setdefault(c.index, ReasoningStream(self.reasoning_parser))
-                        reasoning, text = thinking.feed(c.delta_text, c.finished)
-                        deltas = [{"reasoning_content": reasoning}] if reasoning else []
-                    deltas = deltas + tools.feed(text, c.finished) or [{}]
-                    for k, delta in enumerate(deltas):
-                        last = k == len(deltas) - 1
-                        if not delta and not last:
-                            continue
-                        chunk = {**head, "choices": [{
-                            "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
-                            "finish_reason": tools.finish_reason(c.finish_reason) if last else None}]}
-                        if opts is not None and opts.continuous_usage_stats:
-                            chunk["usage"] = usage(num_prompt, sum(counts.values()), num_cached)
-                        if delta or last and (c.finished or lp is not None):
-                            yield sse(chunk)
+                    chunk = {**head, "choices": [{
+                        "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                        "finish_reason": piece.finish_reason if last else None}]}
+                    if opts is not None and opts.continuous_usage_stats:
+                        chunk["usage"] = usage(num_prompt, sum(counts.values()), num_cached)
+                    if delta or last and (c.finished or lp is not None):
+                        yield sse(chunk)
             if opts is not None and opts.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(num_prompt, sum(counts.values()), num_cached)})
         except APIError as exc:
