@@ -224,6 +224,7 @@ class EngineConfig:
     enforce_eager: bool = field(default_factory=eager_by_default)  # False: compile the model step (CPU)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_store: KVStoreConfig | None = None         # None: no shared KV tier
+    shutdown_timeout: float = 30.0   # a launched engine's SIGTERM gives its requests this long (serve's flag)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -232,6 +233,8 @@ class EngineConfig:
             raise ConfigError("role", self.role, f"one of {', '.join(ROLES)}")
         if self.kv_lease_timeout <= 0:
             raise ConfigError("kv_lease_timeout", self.kv_lease_timeout, "a positive number of seconds")
+        if self.shutdown_timeout < 0:
+            raise ConfigError("shutdown_timeout", self.shutdown_timeout, "a number of seconds, 0 or more")
 
 
 PREFILL_DEVICES = ("cpu", "cuda", "gpu", "auto")

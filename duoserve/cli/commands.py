@@ -40,16 +40,20 @@ def check_port(host: str, port: int) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
     import logging
+    import signal
 
     import uvicorn
 
+    from duoserve.cli.start_signals import stop_start_on_signal
     from duoserve.entrypoints.api_server import DrainingServer, ServerConfig, create_app
     from duoserve.frontend.engine_client import EngineStartError
     from duoserve.model.paths import resolve_model_path
 
     disagg = disagg_config_from_args(args)
-    engine_config = engine_config_from_args(args)
+    # a launched engine's own SIGTERM drains it as long as the server's drains the server
+    engine_config = dataclasses.replace(engine_config_from_args(args), shutdown_timeout=args.shutdown_timeout)
     cluster = cluster_config_from_args(args)
     check_port(args.host, args.port)
     if not (disagg and disagg.decode_addrs and disagg.prefill_addrs) and cluster.kind == "local":
@@ -65,19 +69,30 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
 
-    async def main() -> None:
-        try:
-            await engine.start(wait=False)   # launched engines first: the port opens once they serve
-        except EngineStartError as exc:
-            if exc.config_error:
-                raise DuoserveError(str(exc)) from None
-            raise
+    async def main() -> int | None:
+        """The signal that stopped the start, if one did; else serve until stopped."""
+        with stop_start_on_signal(engine.clients) as received:
+            try:
+                await engine.start(wait=False)   # launched engines first: the port opens once they serve
+            except asyncio.CancelledError:
+                if not received:
+                    raise
+                logging.getLogger("duoserve.api").info("engines stopped; exiting")
+                return received[0]
+            except EngineStartError as exc:
+                if exc.config_error:
+                    raise DuoserveError(str(exc)) from None
+                raise
         await DrainingServer(config, engine, args.shutdown_timeout).serve()
+        return None
 
     try:
-        asyncio.run(main())
+        stopped_by = asyncio.run(main())
     except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it drained on: a clean stop
-        pass
+        return 0
+    if stopped_by == signal.SIGTERM:   # as uvicorn does once it drained: the exit says what stopped it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
     return 0
 
 

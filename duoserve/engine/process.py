@@ -10,7 +10,8 @@ to its frontend. It blocks on its socket only while idle. It pushes stats every
 ``STATS_INTERVAL`` seconds (a heartbeat), and sooner when its counts change (at once when it
 goes idle), so the frontend's gauges fall back to idle values as soon as the work is done.
 
-A launched engine exits on ``Shutdown`` or when its parent is gone. A standalone one
+A launched engine exits on ``Shutdown``, when its launcher is gone, or on SIGTERM/SIGINT (at
+once while it starts; once drained while it serves: ``duoserve.engine.lifecycle``). A standalone one
 outlives its frontends and serves any number of them at once (several API servers behind
 a load balancer): each frontend names itself in its hello (``frontend_id``), and the engine
 keeps their requests apart by prefixing every request id with the frontend's tag
@@ -26,12 +27,15 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from duoserve.engine.lifecycle import StopSignals
 
 STATS_INTERVAL = 1.0        # stats go out at least this often (a heartbeat of the application)...
 STATS_ON_CHANGE_S = 0.25    # ...and within this long of a change in the counts, at once when idle
@@ -42,7 +46,8 @@ FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tel
 
 def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = logging.INFO,
                 parent_pid: int | None = None, auth_secret: bytes | None = None,
-                on_start_failure: Callable[[str, bool], None] | None = None) -> int:
+                on_start_failure: Callable[[str, bool], None] | None = None,
+                signals: StopSignals | None = None) -> int:
     """Process entry point (import-light: torch and the model load after the socket is bound).
 
     ``address``: where to listen, or several (a Ray engine listens on TCP for frontends on
@@ -51,6 +56,7 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
     ``auth_secret``: the deployment's CURVE secret key; None accepts any peer.
     ``on_start_failure``: called with (reason, is a config error) when the engine cannot start;
     the first hello is then answered with the reason, as it is for a launched engine.
+    ``signals``: a launched engine's ``StopSignals``: it drains on SIGTERM/SIGINT once it serves.
     Returns an exit status: 0 after a shutdown, 1 when the engine could not start.
     """
     import zmq
@@ -61,11 +67,6 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
     log = logging.getLogger(__name__)
-    if parent_pid is not None:
-        # Ctrl-C (or kill -TERM -PGID) reaches the whole process group: a launched engine
-        # leaves its stopping to the frontend, which drains first and then says Shutdown
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _pin(config_bytes)
     addresses = [address] if isinstance(address, str) else list(address)
     ctx = zmq.Context.instance()
@@ -95,7 +96,9 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
             if told:
                 _refuse(sock, msg.EngineFailed(reason, config_error))
             return 1
-        server = EngineServer(core, sock, parent_pid, key)
+        server = EngineServer(core, sock, parent_pid, key, signals)
+        if signals is not None:
+            signals.start_serving(core.config.shutdown_timeout)
         log.info("%s engine listening on %s", core.config.role, ", ".join(addresses))
         try:
             server.run()
@@ -121,45 +124,15 @@ def launched_engine_main(name: str, environ: dict[str, str], config_bytes: bytes
     """``engine_main`` in a process a frontend started from its fork server
     (``duoserve.frontend.launcher``): the launcher's environment as it is now (the server was
     forked earlier, maybe with another), a process name that ``ps`` and ``top`` show, and an
-    end with the launcher at any stage (``_stop_with_launcher``)."""
+    end with the launcher, or on SIGTERM/SIGINT, at any stage (``duoserve.engine.lifecycle``)."""
+    from duoserve.engine.lifecycle import StopSignals, stop_with_launcher
+
+    signals = StopSignals().install()   # first: a SIGTERM from now on is obeyed
     os.environ.clear()
     os.environ.update(environ)
     _set_process_name(f"duoserve-{name}")
-    _stop_with_launcher(parent_pid)
-    return engine_main(config_bytes, address, log_level, parent_pid, auth_secret)
-
-
-LAUNCHER_GONE_GRACE_S = 5.0   # the clean-up's time once the launcher is gone, then a hard exit
-
-
-def _stop_with_launcher(launcher_pid: int) -> None:
-    """A thread waits on a pidfd of the launcher, readable the moment it exits (killed or not):
-    then the main thread gets SIGHUP, whose handler raises SystemExit wherever the engine is
-    (importing, loading, building kernels, compiling, serving), so its clean-up runs (sockets,
-    shared-memory segments); if that has not ended the process within the grace, it exits
-    anyway. (The fork server is no watcher: every process forked from it holds its pipe open.)"""
-    import select
-    import threading
-
-    def launcher_gone(signum, frame) -> None:
-        raise SystemExit(0)
-
-    try:
-        pidfd = os.pidfd_open(launcher_pid)
-    except ProcessLookupError:   # gone already
-        raise SystemExit(0) from None
-    except (AttributeError, OSError):   # no pidfd here: the serving loop's check remains
-        return
-    signal.signal(signal.SIGHUP, launcher_gone)
-
-    def watch() -> None:
-        select.select([pidfd], [], [])
-        logging.getLogger(__name__).warning("the process that launched this engine is gone: stopping")
-        os.kill(os.getpid(), signal.SIGHUP)
-        time.sleep(LAUNCHER_GONE_GRACE_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    stop_with_launcher(parent_pid)
+    return engine_main(config_bytes, address, log_level, parent_pid, auth_secret, signals=signals)
 
 
 def _set_process_name(name: str) -> None:
@@ -227,8 +200,9 @@ def _pid_alive(pid: int) -> bool:
 class EngineServer:
     """One engine's message loop: its frontends, and for prefill/decode roles the KV peers."""
 
-    def __init__(self, core, sock, parent_pid: int | None, key=None) -> None:
+    def __init__(self, core, sock, parent_pid: int | None, key=None, signals: StopSignals | None = None) -> None:
         self.core = core
+        self.signals = signals   # a launched engine's StopSignals: the loop ends once drained
         self.sock = sock
         self.parent_pid = parent_pid
         # socket identity -> tag of each frontend that said hello: one connection per frontend (a
@@ -323,12 +297,24 @@ class EngineServer:
             if changed or now - last_stats >= STATS_INTERVAL:
                 # the stats double as a probe: a frontend whose connection is gone is dropped here
                 stats, last_stats, last_signature = self.core.stats(), now, signature
-                # the serving loop's check, where _stop_with_launcher found no pidfd to wait on
+                # the serving loop's check, where stop_with_launcher found no pidfd to wait on
                 if self.parent_pid is not None and not _pid_alive(self.parent_pid):
                     self.log.warning("the process that launched this engine is gone: stopping")
                     return
             if outputs or stats is not None:
                 self._deliver(outputs, stats)
+            if self.signals is not None and self.signals.drained(self.core.has_unfinished()):
+                self._end_drain()
+                return
+
+    def _end_drain(self) -> None:
+        """Drained after a SIGTERM/SIGINT: what is still here ends with the process."""
+        if self.core.has_unfinished():
+            self.log.warning("the drain deadline passed: stopping with %d requests unfinished",
+                             self.core.scheduler.num_unfinished)
+        else:
+            self.log.info("drained: stopping")
+        self.core.reset()
 
     def _poller(self):
         import zmq

@@ -122,6 +122,7 @@ class AsyncEngine:
         self.on_engine_down = self.supervisor.on_engine_down
         self._tasks: list[asyncio.Task] = []
         self._started = False
+        self._draining = False
 
     async def start(self, wait: bool = True) -> None:
         """Start the engines this frontend launches or places (a failure is raised) and connect
@@ -353,11 +354,17 @@ class AsyncEngine:
 
     # ---- shutdown -----------------------------------------------------------------------
 
+    def stop_relaunching(self) -> None:
+        """A stop signal came (the drain begins at uvicorn's next tick): from now on no engine
+        is relaunched; engines the signal reached too may end first (they drain on their own)."""
+        self.supervisor.begin_stop()
+
     def begin_drain(self, timeout: float) -> None:
         """Shutdown began: take no new requests, relaunch nothing, and end the requests still
         running after ``timeout`` seconds with an error (streams get a final event)."""
-        if self.stopping:
+        if self._draining:
             return
+        self._draining = True
         self.supervisor.begin_stop()
         logger.info("draining: %d requests in flight get %.0fs to finish", len(self.outputs), timeout)
 

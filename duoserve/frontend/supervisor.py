@@ -65,6 +65,8 @@ async def stop_engine(client: EngineClient, timeout: float = 10.0) -> None:
     client.say_shutdown()
     process = client.process
     if client.launched and process is not None and process.is_alive():
+        if client.ready is None:   # still starting: it reads no message yet, but stops at once on SIGTERM
+            process.terminate()
         deadline = asyncio.get_running_loop().time() + timeout
         while process.is_alive() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)

@@ -1,0 +1,307 @@
+"""Every process duoserve starts ends with it, and a stop signal is obeyed at every stage.
+
+Each test records the process tree of what it stops (walked again until that process is
+gone, so a process started meanwhile counts too) and checks that none of it runs 10 s
+later, and that no shared-memory KV segment is left. Engines are held in their start-up
+by fault injection (``DUOSERVE_FAULT_START_SLEEP``, as a first start building kernels
+would hold them) or by a cold compile. Seconds here are hang guards, except the 10 s the
+issue allows and the moments a signal is sent at.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.chaos.harness import kv_segments
+from tests.server_helpers import Server, alive, descendants, engine_children, free_port
+
+GONE_WITHIN_S = 10.0
+BAD_LOG_LINES = ("Traceback", "KeyboardInterrupt", "relaunch")
+
+
+def _wait_for(predicate, guard: float, what: str) -> float:
+    """Seconds until ``predicate()`` holds; ``guard`` only turns a hang into a failure."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < guard, f"{what}: not after {guard:g}s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _walk(pid: int, names: dict[int, str]) -> dict[int, str]:
+    """``names`` with every process below ``pid`` now, each by its latest name (``comm``)."""
+    for child in descendants(pid):
+        try:
+            names[child] = Path(f"/proc/{child}/comm").read_text().strip()
+        except OSError:   # gone meanwhile
+            names.setdefault(child, "")
+    return names
+
+
+def _tree_until_exit(proc: subprocess.Popen, names: dict[int, str], guard: float = 60.0) -> set[int]:
+    """``names`` with every process below ``proc`` seen until it exits (walked every 20 ms);
+    returns those of them still running the moment it had exited."""
+    deadline = time.monotonic() + guard
+    while proc.poll() is None:
+        _walk(proc.pid, names)
+        assert time.monotonic() < deadline, "the process did not exit"
+        time.sleep(0.02)
+    return {p for p in names if alive(p)}
+
+
+def _engines(names: dict[int, str]) -> list[int]:
+    return [p for p, name in names.items() if name.startswith("duoserve-")]
+
+
+def _assert_gone(tree: set[int], segments_before: set[str]) -> float:
+    """Seconds until no process of ``tree`` runs (at most 10); then no new KV segment."""
+    seconds = _wait_for(lambda: not any(alive(p) for p in tree), GONE_WITHIN_S, "processes outlived their launcher")
+    assert kv_segments() <= segments_before, "a shared-memory segment was left"
+    return seconds
+
+
+# ---- the server's SIGTERM while its engines start ---------------------------------------------
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("at", [1.0, 5.0], ids=["at-1s", "at-5s"])
+def test_sigterm_while_the_engines_start_stops_them_before_the_server_exits(tmp_path, monkeypatch, mode, at):
+    """SIGTERM to `duoserve serve` 1 s or 5 s into its start (its engines held before they
+    load): the engines are gone by the time the server has exited, which it does by SIGTERM;
+    the fork server and resource tracker follow within 10 s; no segment, no traceback."""
+    monkeypatch.setenv("DUOSERVE_FAULT_START_SLEEP", "600")
+    segments_before = kv_segments()
+    log = tmp_path / "log"
+    started = time.monotonic()
+    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", log=log, wait_healthy=False, wait_port=False)
+    try:
+        time.sleep(max(0.0, at - (time.monotonic() - started)))
+        names = _walk(srv.proc.pid, {})
+        srv.proc.send_signal(signal.SIGTERM)
+        running_at_exit = _tree_until_exit(srv.proc, names)
+    finally:
+        srv.stop(signal.SIGKILL)
+    tree, engines = set(names), _engines(names)
+    assert not [p for p in engines if p in running_at_exit], "an engine outlived the server's exit"
+    assert srv.proc.returncode == -signal.SIGTERM
+    seconds = _assert_gone(tree, segments_before)
+    text = log.read_text()
+    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
+    if engines:   # the engines had started: they were stopped, not left to notice the exit
+        assert "while the engines start: stopping them" in text
+    print(f"{mode} at {at:g}s: {len(tree)} processes ({len(engines)} engines), gone {seconds:.2f}s after the exit")
+
+
+def test_sigterm_while_an_engine_compiles_stops_it_before_the_server_exits(tmp_path, monkeypatch):
+    """The same while the engine compiles its model step (a cold compile cache: minutes of
+    work on 2 cores, so the signal lands inside it), Inductor's compile workers included."""
+    monkeypatch.setenv("DUOSERVE_ENFORCE_EAGER", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    segments_before = kv_segments()
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "1024", log=log, wait_healthy=False, wait_port=False)
+    try:
+        _wait_for(lambda: "compiling the model step" in log.read_text(), 120, "the engine compiling")
+        time.sleep(1.0)   # into the compile, past its first call
+        names = _walk(srv.proc.pid, {})
+        srv.proc.send_signal(signal.SIGTERM)
+        running_at_exit = _tree_until_exit(srv.proc, names)
+    finally:
+        srv.stop(signal.SIGKILL)
+    text = log.read_text()
+    assert "compiled the model step" not in text, "the signal came after the compile"
+    tree, engines = set(names), _engines(names)
+    assert len(engines) == 1 and engines[0] not in running_at_exit, "the engine outlived the server's exit"
+    assert srv.proc.returncode == -signal.SIGTERM
+    seconds = _assert_gone(tree, segments_before)
+    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
+    print(f"while compiling: {sorted(names.values())} gone {seconds:.2f}s after the exit")
+
+
+# ---- SIGKILL: nobody cleans up, the pidfd watch does ------------------------------------------
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_server_stopped_while_its_engines_start_leaves_no_process(tmp_path, monkeypatch, mode, how):
+    """SIGKILL or SIGTERM to `duoserve serve` while its engines are still starting (held there by
+    fault injection, as a first start building kernels would be): every process it started (the
+    fork server, the engines, the resource tracker), walked from the tree recorded then, is gone
+    within 10 s, and so is every shared-memory segment it made."""
+    monkeypatch.setenv("DUOSERVE_FAULT_START_SLEEP", "600")
+    segments_before = kv_segments()
+    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", log=tmp_path / "log", wait_healthy=False,
+                 wait_port=False)
+    try:
+        want = 2 if mode == "disaggregated" else 1
+        _wait_for(lambda: len(engine_children(srv.proc.pid)) == want, 120, "the engines started")
+        tree = set(descendants(srv.proc.pid))
+        assert len(tree) >= want + 1, tree   # the engines and the fork server at least
+        os.kill(srv.proc.pid, getattr(signal, how))
+        srv.proc.wait(30)
+    finally:
+        srv.stop(signal.SIGKILL)
+    _assert_gone(tree, segments_before)
+
+
+def _stream(url: str, body: dict, lines: list, timeout: float = 300) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+    except httpx.HTTPError as exc:   # the server was killed under it
+        lines.append(f"error: {exc}")
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_sigkill_while_serving_leaves_no_process(tmp_path, mode):
+    """SIGKILL to `duoserve serve` while a stream runs through its engines."""
+    segments_before = kv_segments()
+    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", "--max-model-len", "4096", log=tmp_path / "log")
+    try:
+        lines: list[str] = []
+        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 3000,
+                                                                  "ignore_eos": True}, lines), daemon=True)
+        thread.start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        tree = set(descendants(srv.proc.pid))
+        assert len(engine_children(srv.proc.pid)) == (2 if mode == "disaggregated" else 1)
+        srv.proc.kill()
+        srv.proc.wait(30)
+    finally:
+        srv.stop(signal.SIGKILL)
+    print(f"{mode}: {len(tree)} processes gone {_assert_gone(tree, segments_before):.2f}s after SIGKILL")
+
+
+def test_sigkill_to_a_standalone_engines_launcher_leaves_no_process(tmp_path):
+    """Standalone engines (`duoserve prefill|decode --listen`) are started by their user, and
+    start processes of their own (multiprocessing's resource tracker, for the KV segments):
+    SIGKILL to each engine while a stream runs through them leaves none of those, and no segment."""
+    segments_before = kv_segments()
+    addresses = {role: f"ipc://{tempfile.gettempdir()}/duoserve-test-{uuid.uuid4().hex[:8]}-{role}"
+                 for role in ("prefill", "decode")}
+    log = open(tmp_path / "engines.log", "w")
+    engines = {role: subprocess.Popen([sys.executable, "-m", "duoserve.cli", role, "--listen", address,
+                                       "--kv-cache-memory", "0.2", "--max-model-len", "2048", "--num-threads", "1"],
+                                      stdout=log, stderr=subprocess.STDOUT)
+               for role, address in addresses.items()}
+    srv = None
+    try:
+        srv = Server("--mode", "disaggregated", "--prefill-addrs", addresses["prefill"],
+                     "--decode-addrs", addresses["decode"], log=tmp_path / "server.log")
+        for i in range(3):   # KV handed over in shared memory
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 4}, timeout=120)
+            assert r.status_code == 200
+        lines: list[str] = []
+        threading.Thread(target=_stream, args=(srv.url, {"prompt": "Go", "max_tokens": 1500, "ignore_eos": True},
+                                               lines), daemon=True).start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        trees = {role: _walk(proc.pid, {}) for role, proc in engines.items()}
+        assert all(trees.values()), f"each engine started a process of its own: {trees}"
+        for proc in engines.values():
+            proc.kill()
+            proc.wait(30)
+        seconds = _assert_gone(set(trees["prefill"]) | set(trees["decode"]), segments_before)
+    finally:
+        for proc in engines.values():
+            proc.kill()
+        if srv is not None:
+            srv.stop(signal.SIGKILL)
+        for address in addresses.values():
+            Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+    print(f"standalone engines' processes {trees} gone in {seconds:.2f}s")
+
+
+# ---- SIGTERM to a launched engine itself ----------------------------------------------------------
+
+def test_sigterm_to_a_serving_engine_drains_it_then_it_is_relaunched(tmp_path):
+    """SIGTERM to the engine (not the server): the stream it runs finishes whole, then the
+    engine exits (before --shutdown-timeout, having nothing left), the server relaunches it and
+    serves on; stopping the server then leaves nothing."""
+    segments_before = kv_segments()
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "120", log=log)
+    try:
+        (engine_pid,) = engine_children(srv.proc.pid)
+        lines: list[str] = []
+        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 60,
+                                                                  "ignore_eos": True}, lines))
+        thread.start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        os.kill(engine_pid, signal.SIGTERM)
+        thread.join(120)
+        assert lines[-1] == "data: [DONE]" and len(lines) == 60 + 1, lines[-3:]
+        assert not [ln for ln in lines if "error" in ln]
+        exited_after = _wait_for(lambda: not alive(engine_pid), 120, "the engine exiting once drained")
+        _wait_for(lambda: httpx.get(f"{srv.url}/health", timeout=10).status_code == 200 and
+                  engine_children(srv.proc.pid) not in ([], [engine_pid]), 120, "the engine relaunched")
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x y", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        text = log.read_text()
+        assert "SIGTERM: draining" in text and "drained: stopping" in text
+        tree = set(descendants(srv.proc.pid))
+    finally:
+        srv.stop(signal.SIGTERM)
+    _assert_gone(tree, segments_before)
+    print(f"the engine exited {exited_after:.2f}s after its stream ended")
+
+
+def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(tmp_path):
+    """Two SIGTERMs to an engine running a long stream, with a --shutdown-timeout of minutes: it
+    stops at the second, long before the deadline; the stream goes on on the relaunched engine."""
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "300", log=log)
+    try:
+        (engine_pid,) = engine_children(srv.proc.pid)
+        lines: list[str] = []
+        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Tell me a long story",
+                                                                  "max_tokens": 150, "ignore_eos": True}, lines))
+        thread.start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        os.kill(engine_pid, signal.SIGTERM)
+        _wait_for(lambda: "SIGTERM: draining" in log.read_text(), 60, "the engine draining")
+        assert alive(engine_pid), "one SIGTERM drains: the engine still runs its stream"
+        os.kill(engine_pid, signal.SIGTERM)
+        stopped_after = _wait_for(lambda: not alive(engine_pid), 60, "the engine stopping at the second SIGTERM")
+        thread.join(300)
+    finally:
+        srv.stop(signal.SIGTERM)
+    assert lines[-1] == "data: [DONE]" and not [ln for ln in lines if "error" in ln], lines[-3:]
+    assert len(lines) == 150 + 1, "the stream went on on the relaunched engine, every token once"
+    text = log.read_text()
+    assert "SIGTERM while draining: stopping at once" in text and "moving the 1 requests it held" in text
+    print(f"stopped {stopped_after:.2f}s after the second SIGTERM")
+
+
+def test_sigterm_to_a_starting_engine_stops_it_at_once(tmp_path, monkeypatch):
+    """SIGTERM to an engine held in its start: it stops at once (not after its 600 s hold), the
+    server reports the engine gone and exits, and nothing it started remains."""
+    monkeypatch.setenv("DUOSERVE_FAULT_START_SLEEP", "600")
+    segments_before = kv_segments()
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", log=log, wait_healthy=False, wait_port=False)
+    try:
+        _wait_for(lambda: len(engine_children(srv.proc.pid)) == 1, 120, "the engine started")
+        (engine_pid,) = engine_children(srv.proc.pid)
+        tree = set(descendants(srv.proc.pid))
+        os.kill(engine_pid, signal.SIGTERM)
+        stopped_after = _wait_for(lambda: not alive(engine_pid), 60, "the engine stopping")
+        srv.proc.wait(60)
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert srv.proc.returncode == 2   # the start failed: a one-line error naming the engine
+    text = log.read_text()
+    assert "SIGTERM while starting: stopping at once" in text
+    assert "duoserve: error: engine-0 exited (exit code 143) while waiting for EngineReady" in text
+    _assert_gone(tree, segments_before)
+    print(f"the engine stopped {stopped_after:.2f}s after SIGTERM")
