@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from duoserve.core.outputs import TokenLogprobs
@@ -37,7 +38,16 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    pooled: list[float] | None = None   # an embedding request's pooled hidden state (SamplingParams.pooling)
 
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """The pooled hidden state, L2-normalised (what /v1/embeddings returns); None if not asked."""
+        if self.pooled is None:
+            return None
+        norm = math.sqrt(math.fsum(x * x for x in self.pooled))
+        return [x / norm for x in self.pooled] if norm > 0 else list(self.pooled)

@@ -67,6 +67,9 @@ class StructuredOutputsParams:
         return (self.kind, getattr(self, self.kind))
 
 
+POOLINGS = ("last", "mean")   # how an embedding pools the prompt's hidden states
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, validated on construction.
@@ -100,6 +103,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None   # only these may be drawn (vLLM's)
     bad_words: tuple[str, ...] = ()   # never generated (vLLM's): the frontend fills in their tokens below
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # a sequence's last token is banned after the rest
+    # an embedding: the prompt's final hidden states pooled ("last" token, or "mean" of all), with no
+    # token generated (max_tokens 0); "mean" takes no prefix-cache hit, so every position is computed
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,6 +176,9 @@ class SamplingParams:
              f"a list of 1 to {MAX_ALLOWED_TOKENS} token ids, each in [0, 2^31)"),
             ("bad_words", self.bad_words, len(self.bad_words) <= MAX_STOP and all(
                 isinstance(w, str) and w.strip() for w in self.bad_words), f"at most {MAX_STOP} non-empty words"),
+            ("pooling", self.pooling, self.pooling is None or (self.pooling in POOLINGS and self.max_tokens == 0
+                                                                and self.n == 1),
+             f"one of {', '.join(POOLINGS)}, with max_tokens 0 and n 1 (an embedding generates nothing)"),
             ("cache_salt", self.cache_salt, self.cache_salt is None or (isinstance(self.cache_salt, str)
                                                                           and self.cache_salt != ""),
              "a non-empty string, or None"),

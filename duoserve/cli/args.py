@@ -16,6 +16,7 @@ from duoserve.config import CLUSTERS, KV_TRANSPORTS, PREFILL_DEVICES, ClusterCon
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
+from duoserve.sampling_params import POOLINGS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,6 +217,9 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
                         "(vLLM's names)")
+    g.add_argument("--pooling", default="last", choices=POOLINGS,
+                   help="how /v1/embeddings pools a prompt's final hidden states: the last token's, or the "
+                        "mean of all (default: last, as for a causal model)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
     g.add_argument("--uvicorn-log-level", default="info",

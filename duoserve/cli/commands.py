@@ -62,7 +62,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
     server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                           max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          pooling=args.pooling)
     app = create_app(engine_config, server, disagg, cluster)
     engine = app.state.engine
     # uvicorn cancels what still runs a little after the engine ended it with a final event

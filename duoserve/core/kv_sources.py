@@ -53,11 +53,12 @@ class KVSource(Protocol):
 def takes_cached_kv(request: Request, kv: KVCacheManager) -> bool:
     """Whether a waiting request may start from cached KV (the prefix cache's or the store's).
 
-    Prompt log-probabilities need every prompt position run through the model: such a request
-    takes no hits (its blocks are still cached for others). A forked sample holds blocks already.
+    Prompt log-probabilities and a mean-pooled embedding need every prompt position run through
+    the model: such a request takes no hits (its blocks are still cached for others). A forked
+    sample holds blocks already.
     """
     return (request.status is RequestStatus.WAITING and request.prompt_logprobs is None
-            and request.request_id not in kv.req_blocks)
+            and request.params.pooling != "mean" and request.request_id not in kv.req_blocks)
 
 
 class PrefixCacheSource:

@@ -72,6 +72,7 @@ class RunnerOutput:
     # structured outputs: per sampled token, whether the request's grammar is complete after it
     grammar_ended: dict[str, list[bool]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)   # request id -> why it cannot go on (its grammar)
+    pooled: dict[str, list[float]] = field(default_factory=dict)   # request id -> its embedding (not normalised)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ class EngineCoreOutput:
     # TTFT stages measured by this engine, once per request: queue and prefill with the first
     # token; transfer and admit on a decode engine's first output after a handoff
     stages: dict[str, float] | None = None
+    pooled: list[float] | None = None   # an embedding request's pooled hidden state, with its finish
 
     @property
     def finished(self) -> bool:

@@ -67,7 +67,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "sample_index",
                  "status", "num_computed_tokens", "num_cached_tokens", "arrival_time", "eos_token_ids",
                  "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time",
-                 "prompt_logprobs", "num_draft_computed", "swap_block_ids", "transferred_kv", "grammar")
+                 "prompt_logprobs", "num_draft_computed", "swap_block_ids", "transferred_kv", "grammar",
+                 "pool_sum")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_total_tokens: int | None = None,
@@ -95,6 +96,7 @@ class Request:
         self.swap_block_ids: list[int] = []   # SWAPPED: where its KV waits in the swap space
         self.transferred_kv: object = None    # WAITING_FOR_KV: the KV a prefill engine sent, until written
         self.grammar: object = None           # structured outputs: this sample's matcher (structured.cache)
+        self.pool_sum: object = None          # a mean-pooled embedding: its chunks' hidden states summed (runner's)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -320,7 +320,8 @@ class Scheduler:
             if request.params.max_tokens == 0:  # prompt only (e.g. for its log-probabilities)
                 self._finish(request, S.FINISHED_LENGTH)
                 outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="length",
-                                                prompt_logprobs=prompt_lp, num_cached_tokens=request.num_cached_tokens))
+                                                prompt_logprobs=prompt_lp, num_cached_tokens=request.num_cached_tokens,
+                                                pooled=result.pooled.get(request.request_id)))
                 continue
             tokens = result.sampled[request.request_id]
             logprobs = result.logprobs.get(request.request_id)

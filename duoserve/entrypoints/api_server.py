@@ -28,12 +28,13 @@ from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
 from duoserve.entrypoints.errors import APIError, error_response
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           GenerateRequest, TokenizeRequest)
+                                           EmbeddingRequest, GenerateRequest, TokenizeRequest)
 from duoserve.entrypoints.serving import OpenAIServing
 from duoserve.entrypoints.responses_protocol import ResponsesRequest
 from duoserve.entrypoints.serving_anthropic import AnthropicServing
 from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.serving_chat import ChatServing
+from duoserve.entrypoints.serving_embeddings import EmbeddingServing
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.metrics import ServerMetrics
 
@@ -49,6 +50,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None      # how the model writes tool calls (tool_choice "auto")
     reasoning_parser: str | None = None      # how a reasoning model marks its thinking
+    pooling: str = "last"                    # how /v1/embeddings pools a prompt's hidden states
 
 
 class BodyLimit:
@@ -166,6 +168,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     app.state.openai, app.state.chat = openai, ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
     app.state.anthropic = AnthropicServing(app.state.chat)
     app.state.responses = ResponsesServing(app.state.chat)
+    app.state.embeddings = EmbeddingServing(openai, server.pooling)
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
     app.add_middleware(APIKeyGuard, api_key=server.api_key)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -239,6 +242,12 @@ async def anthropic_messages(body: MessagesRequest, raw: Request):
 @router.post("/v1/messages/count_tokens")
 async def anthropic_count_tokens(body: CountTokensRequest, raw: Request):
     return await raw.app.state.anthropic.count_tokens(body)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, raw: Request):
+    check_fields(body)
+    return await raw.app.state.embeddings.embeddings(body, raw)
 
 
 @router.post("/v1/responses")

@@ -58,6 +58,12 @@ class LLM:
         self.engine = engine
         self.frontend = Frontend(engine)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last") -> list[list[float]]:
+        """One L2-normalised vector per prompt: its final hidden states pooled, the ``last`` token's
+        or the ``mean`` of all (vLLM's ``LLM.embed``; what /v1/embeddings returns)."""
+        outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling), use_tqdm=False)
+        return [out.embedding for out in outputs]
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

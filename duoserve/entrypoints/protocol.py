@@ -320,3 +320,20 @@ class GenerateRequest(SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings: one vector per input (text, or token ids)."""
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None   # shortening a vector needs a model trained for it: refused
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The four input forms, as a list of text or token-id prompts."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and all(isinstance(x, int) for x in self.input):
+            return [list(self.input)]
+        return list(self.input)

@@ -43,6 +43,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     stage_seconds: dict[str, float] = field(default_factory=dict)  # TTFT stages reported by the engine
+    pooled: list[float] | None = None   # an embedding, with the request's finish
 
     def snapshot(self) -> RequestOutput:
         """A copy of the request's state, carrying each sample's delta since the last snapshot."""
@@ -59,7 +60,7 @@ class RequestState:
             output.delta_text, output.delta_token_ids = "", []
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-                             self.num_cached_tokens, metrics)
+                             self.num_cached_tokens, metrics, self.pooled)
 
     @property
     def finished(self) -> bool:
@@ -154,6 +155,8 @@ def _apply(state: RequestState, index: int, out: EngineCoreOutput) -> bool:
     if out.new_token_ids and state.first_token_time is None:
         state.first_token_time = time.monotonic()
     state.num_cached_tokens = out.num_cached_tokens
+    if out.pooled is not None:
+        state.pooled = out.pooled
     if out.stages:
         state.stage_seconds.update(out.stages)
     detok = state.detokenizers[index]

@@ -125,6 +125,7 @@ class ModelRunner:
             self._sample(rows, row_hidden, owners, hidden, output, draft_probs,
                          masks.result() if masks is not None else None)
         self._prompt_logprobs(items, hidden, output)
+        self._pool(items, hidden, output)
         return output
 
     @staticmethod
@@ -206,6 +207,27 @@ class ModelRunner:
             lp = torch.log_softmax(logits, dim=-1)
             entries: list[TokenLogprobs] = top_logprobs(lp, targets, [request.params.prompt_logprobs] * count)
             output.prompt_logprobs[request.request_id] = entries
+
+    @staticmethod
+    def _pool(items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
+        """Embeddings: each pooling request's final hidden states, summed over its prompt's chunks
+        (a chunk from position 0 starts the sum again: the prompt is being computed anew), and
+        given out when its last chunk is done."""
+        offset = 0
+        for item in items:
+            first, offset = offset, offset + item.num_new_tokens
+            request = item.request
+            pooling = request.params.pooling
+            if pooling is None or item.start >= request.num_prompt_tokens:
+                continue
+            rows = hidden[first:offset].float()   # [num_new_tokens, hidden]
+            if pooling == "mean":
+                total = rows.sum(dim=0) if item.start == 0 else request.pool_sum + rows.sum(dim=0)
+                request.pool_sum = total
+            if item.start + item.num_new_tokens == request.num_prompt_tokens:
+                vector = request.pool_sum / request.num_prompt_tokens if pooling == "mean" else rows[-1]
+                output.pooled[request.request_id] = vector.tolist()
+                request.pool_sum = None
 
     @torch.inference_mode()
     def scratch_forward(self, num_tokens: int) -> None:

@@ -1,0 +1,57 @@
+"""/v1/embeddings: a prompt's final hidden states, pooled and L2-normalised.
+
+Each input is a prompt that generates nothing (``SamplingParams.pooling``, ``max_tokens`` 0): it
+is admitted, batched, chunked and placed like any other (on a prefill engine when disaggregated),
+and its vector comes back with its finish. ``last`` pooling reads the last token's state (a
+prefix-cache hit still computes that token); ``mean`` averages every position's, so it takes no
+hit. The vector is never kept: only its prompt's KV blocks stay cached, as any prompt's do.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+import numpy as np
+from fastapi import Request
+
+from duoserve.entrypoints.errors import APIError
+from duoserve.entrypoints.protocol import EmbeddingRequest
+from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect
+from duoserve.sampling_params import SamplingParams
+
+
+def encoded(values: np.ndarray, encoding_format: str) -> list[float] | str:
+    """float: a list; base64: the little-endian float32 bytes (what OpenAI's SDK decodes)."""
+    if encoding_format == "base64":
+        return base64.b64encode(values.astype("<f4").tobytes()).decode()
+    return values.tolist()
+
+
+class EmbeddingServing:
+    def __init__(self, base: OpenAIServing, pooling: str) -> None:
+        self.base = base
+        self.pooling = pooling
+
+    async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict:
+        self.base.check_model(body.model)
+        if body.dimensions is not None:
+            raise APIError(400, "'dimensions' is not supported: this model's vectors cannot be shortened "
+                           "(leave it out for the full size)", param="dimensions")
+        inputs = body.inputs()
+        if not inputs:
+            raise APIError(400, "input must not be empty", param="input")
+        params = _params(lambda: SamplingParams(max_tokens=0, pooling=self.pooling))
+        streams = Streams(self.base.engine, inputs, params, f"embd-{uuid.uuid4().hex}", prompt_param="input")
+        await streams.start()
+        finals = await run_until_disconnect(raw, self.base._collect(streams, len(inputs)))
+        data, num_tokens = [], 0
+        for index, out in enumerate(finals):
+            if out.embedding is None:   # ended without its vector (an engine's error)
+                error = out.outputs[0].error if out.outputs else None
+                raise APIError(503, f"input {index} got no embedding: {error or 'the engine gave none'}")
+            num_tokens += len(out.prompt_token_ids)
+            data.append({"object": "embedding", "index": index,
+                         "embedding": encoded(np.asarray(out.embedding, dtype=np.float32), body.encoding_format)})
+        return {"object": "list", "data": data, "model": self.base.model_name,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}

@@ -1,0 +1,85 @@
+"""/v1/embeddings through the official openai SDK against real servers: the session's colocated one
+and a disaggregated one (each input placed on its prefill engine)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import API_KEY
+from tests.server_helpers import Server, metric
+
+MODEL = "smollm2-135m"
+TEXTS = ["The quick brown fox jumps over the lazy dog", "Hello",
+         "Tides rise and fall twice a day, pulled by the moon and, less, by the sun."]
+
+
+def vectors(client, inputs, **kw) -> np.ndarray:
+    out = client.embeddings.create(model=MODEL, input=inputs, **kw)
+    assert [d.index for d in out.data] == list(range(len(out.data)))
+    return np.array([d.embedding for d in out.data], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory):
+    srv = Server("--mode", "disaggregated", "--prefill-device", "cpu", "--dtype", "float32", "--quantization",
+                 "none", "--kv-cache-memory", "0.5", api_key=API_KEY, log=tmp_path_factory.mktemp("embd") / "log")
+    yield srv
+    srv.stop()
+
+
+def test_deterministic_normalised_and_batched_equal_to_single(client, smol_llm):
+    batch = vectors(client, TEXTS)
+    assert batch.shape == (3, 576)
+    assert np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
+    assert np.array_equal(vectors(client, TEXTS), batch)
+    for i, text in enumerate(TEXTS):
+        assert np.abs(vectors(client, text)[0] - batch[i]).max() < 1e-4
+    # the offline engine's vectors, and token ids for text
+    assert np.abs(np.array(smol_llm.embed(TEXTS)) - batch).max() < 1e-4
+    ids = smol_llm.get_tokenizer().encode(TEXTS[0])
+    assert np.abs(vectors(client, ids)[0] - batch[0]).max() < 1e-4
+    assert np.abs(vectors(client, [ids, ids[:3]])[0] - batch[0]).max() < 1e-4
+
+
+def test_usage_counts_the_prompts(client, smol_llm):
+    out = client.embeddings.create(model=MODEL, input=TEXTS)
+    num_tokens = sum(len(smol_llm.get_tokenizer().encode(t)) for t in TEXTS)
+    assert out.usage.prompt_tokens == out.usage.total_tokens == num_tokens
+    assert out.model == MODEL and out.object == "list"
+
+
+def test_base64_decodes_to_the_floats(client):
+    floats = vectors(client, TEXTS[2])[0]
+    raw = client.embeddings.create(model=MODEL, input=TEXTS[2], encoding_format="base64").data[0].embedding
+    assert np.array_equal(np.frombuffer(base64.b64decode(raw), dtype="<f4"), floats)
+
+
+def test_a_prefix_cache_hit_does_not_change_the_vector(client):
+    long = " ".join(["the sea and the sky"] * 60)
+    first, again = vectors(client, long), vectors(client, long)   # the second finds the prompt's blocks
+    assert np.abs(first - again).max() < 1e-4
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(input="hi", dimensions=64), "dimensions"),
+    (dict(input=[]), "input"),
+    (dict(input=[10 ** 9]), "input"),
+])
+def test_bad_requests_are_refused_by_name(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=MODEL, **kw)
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_disaggregated_gives_the_colocated_vectors(client, disaggregated):
+    remote = openai.OpenAI(base_url=f"{disaggregated.url}/v1", api_key=API_KEY, max_retries=0, timeout=600)
+    series = ("duoserve:request_placements_total", {"prefill_engine": "prefill-0", "decode_engine": "decode-0"})
+    placed = metric(disaggregated.url, *series, headers=disaggregated.headers)
+    assert np.abs(vectors(remote, TEXTS) - vectors(client, TEXTS)).max() < 1e-4
+    assert metric(disaggregated.url, *series, headers=disaggregated.headers) == placed + len(TEXTS)
+    # and its generation still works after the embeddings (nothing left held)
+    assert remote.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
