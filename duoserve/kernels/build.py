@@ -31,6 +31,13 @@ CSRC = Path(__file__).parent / "csrc"
 
 C_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 
+
+def c_flags(march: str = "native") -> list[str]:
+    """C_FLAGS for the instruction set ``march`` (gcc's name): native for what runs; another one
+    (haswell: AVX2 without AVX-512, x86-64: none of either) builds the paths other CPUs take, so
+    that they are tested here."""
+    return [f"-march={march}" if flag.startswith("-march=") else flag for flag in C_FLAGS]
+
 # the C sources of the C++ op library, linked into it
 OP_LIBRARY_SOURCES = ("small_m_linear", "packed_linear", "gguf_linear", "paged_decode", "paged_prefill", "decode_step")
 
@@ -56,12 +63,12 @@ def compilers() -> tuple[str | None, str | None]:
 
 
 def _cached_build(stem: str, sources: list[Path], salt: str,
-                  commands: Callable[[Path, Path], list[list[str]]]) -> Path | None:
+                  commands: Callable[[Path, Path], list[list[str]]], flags: list[str] = C_FLAGS) -> Path | None:
     """``<cache>/<stem>-<tag>.so``, built by ``commands(tmp_dir, output)`` unless there; the tag
     covers the sources, the shared headers of csrc/, the C flags and ``salt`` (compilers, torch
     version). None, with one log line, when a command fails."""
     text = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
-    tag = hashlib.sha256(text + " ".join(C_FLAGS).encode() + salt.encode()).hexdigest()[:16]
+    tag = hashlib.sha256(text + " ".join(flags).encode() + salt.encode()).hexdigest()[:16]
     target = kernel_cache_dir() / f"{stem}-{tag}.so"
     if target.exists():
         return target
@@ -81,14 +88,16 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
     return target
 
 
-def _build_c(name: str) -> Path | None:
+def _build_c(name: str, march: str = "native") -> Path | None:
     compiler = compilers()[0]
     if compiler is None:
         logger.info("no C compiler found: %s runs on the torch path", name)
         return None
     sources = [CSRC / f"{c}.c" for c in (name, *_LINKED.get(name, ()))]
-    return _cached_build(name, sources, compiler,
-                         lambda tmp, out: [[compiler, *C_FLAGS, "-shared", *map(str, sources), "-o", str(out), "-lm"]])
+    flags = c_flags(march)
+    return _cached_build(name if march == "native" else f"{name}-{march}", sources, compiler,
+                         lambda tmp, out: [[compiler, *flags, "-shared", *map(str, sources), "-o", str(out), "-lm"]],
+                         flags)
 
 
 @lru_cache(maxsize=None)
@@ -124,13 +133,14 @@ def load_torch_op_library() -> bool:
 
 
 @lru_cache(maxsize=None)
-def load_c_function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int) -> Callable | None:
-    """The ctypes function ``symbol`` of ``csrc/<name>.c``, or None when C kernels are off or
-    cannot be built."""
+def load_c_function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_int,
+                    march: str = "native") -> Callable | None:
+    """The ctypes function ``symbol`` of ``csrc/<name>.c`` built for ``march`` (see c_flags), or
+    None when C kernels are off or cannot be built."""
     if not c_kernels_enabled():
         return None
     try:
-        path = _build_c(name)
+        path = _build_c(name, march)
         if path is None:
             return None
         fn = getattr(ctypes.CDLL(str(path)), symbol)

@@ -1,7 +1,7 @@
 """Kernels that compute from GGUF's quantized blocks (``csrc/gguf_linear.c``).
 
-A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weight stays as its raw blocks (the bytes of the file, a quarter
-to a half of bf16's):
+A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K weight stays as its raw blocks (the bytes of the file, a
+sixth to a half of bf16's):
 
 every row count, a decode step's few rows as a prompt's hundreds, goes straight through the
 blocks, with one arithmetic per mode so that a row's result never depends on its batch, its chunk
@@ -29,7 +29,7 @@ from duoserve.kernels.build import load_c_function
 # GGUF type name -> (id in gguf_linear.c, values per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
                "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210),
-               "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24)}
+               "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q2_K": (8, 256, 84), "Q3_K": (9, 256, 110)}
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -49,13 +49,22 @@ _KERNELS: dict = {}  # filled by gguf_kernels(): name -> ctypes function (read o
 def gguf_kernels() -> dict | None:
     """The C functions of gguf_linear.c, or None without a compiler (or DUOSERVE_C_KERNELS=0)."""
     if not _KERNELS:
-        dequant = load_c_function("gguf_linear", "gguf_dequantize", (_P, _I, _L, _I, _P, _L, _P, _I, _I))
-        if dequant is None:
+        kernels = gguf_kernels_for("native")
+        if kernels is None:
             return None
-        matmul = (_P, _P, _I, _I, _I, _I, _P, _I, _I)
-        _KERNELS.update(dequantize=dequant, fast=load_c_function("gguf_linear", "gguf_linear_fast", matmul),
-                        exact=load_c_function("gguf_linear", "gguf_linear_exact", matmul))
+        _KERNELS.update(kernels)
     return _KERNELS
+
+
+def gguf_kernels_for(march: str) -> dict | None:
+    """gguf_linear.c's functions built for the instruction set ``march`` (build.c_flags): the
+    kernels use ``native``; the tests also build the AVX2 and portable paths."""
+    dequant = load_c_function("gguf_linear", "gguf_dequantize", (_P, _I, _L, _I, _P, _L, _P, _I, _I), march=march)
+    if dequant is None:
+        return None
+    matmul = (_P, _P, _I, _I, _I, _I, _P, _I, _I)
+    return dict(dequantize=dequant, fast=load_c_function("gguf_linear", "gguf_linear_fast", matmul, march=march),
+                exact=load_c_function("gguf_linear", "gguf_linear_exact", matmul, march=march))
 
 
 def type_id(weight: Blocks) -> int:

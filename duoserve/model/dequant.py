@@ -109,6 +109,40 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return d[:, :, None, None] * scales[:, :, :, None] * q  # [n, 2, 8, 16]
 
 
+def _two_bit_runs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's 64 bytes of two-bit values -> [n, 8, 32]: each half of 128 values takes 32 bytes,
+    whose bit pairs 0-1, 2-3, 4-5, 6-7 are its four runs of 32."""
+    shifts = torch.arange(0, 8, 2).reshape(1, 1, 4, 1)
+    return ((qs.long().reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    packed = blocks[:, 0:16].long()  # per 16 values: a four-bit scale (low nibble) and min (high)
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    scales, mins = d * (packed & 0x0F).float(), dmin * (packed >> 4).float()  # [n, 16]
+    q = _two_bit_runs(blocks[:, 16:80]).reshape(n, 16, 16).float()
+    return scales[:, :, None] * q - mins[:, :, None]  # [n, 16, 16]
+
+
+def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The 16 six-bit scales of a Q3_K super-block from 12 bytes -> [n, 16], signed: the low four
+    bits are the nibbles of bytes 0-7 (low nibbles first), the top two the bit pairs of bytes 8-11."""
+    p = packed.long()
+    low = torch.cat([p[:, 0:8] & 0x0F, p[:, 0:8] >> 4], dim=1)
+    high = ((p[:, None, 8:12] >> torch.arange(0, 8, 2).reshape(1, 4, 1)) & 3).reshape(-1, 16)
+    return (low | (high << 4)) - 32
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16(blocks, 108)
+    scales = d * _q3_k_scales(blocks[:, 96:108]).float()  # [n, 16]
+    high = (blocks[:, None, 0:32].long() >> torch.arange(8).reshape(1, 8, 1)) & 1  # [n, 8, 32]: bit j of run j
+    q = (_two_bit_runs(blocks[:, 32:96]) + 4 * high - 4).reshape(n, 16, 16).float()
+    return scales[:, :, None] * q  # [n, 16, 16]
+
+
 # type name -> (values per block, bytes per block, function)
 _QUANTIZED = {
     "Q8_0": (32, 34, _q8_0),
@@ -116,6 +150,8 @@ _QUANTIZED = {
     "Q4_1": (32, 20, _q4_1),
     "Q5_0": (32, 22, _q5_0),
     "Q5_1": (32, 24, _q5_1),
+    "Q2_K": (256, 84, _q2_k),
+    "Q3_K": (256, 110, _q3_k),
     "Q4_K": (256, 144, _q4_k),
     "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k),

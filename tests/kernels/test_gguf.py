@@ -3,6 +3,8 @@ files computed from their blocks, int8 linears, and the errors of the quantizati
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.kernels.build import load_torch_op_library
-from duoserve.kernels.gguf import BLOCK_TYPES, dequantize_rows, gguf_kernels, gguf_linear
+from duoserve.kernels import gguf as gguf_module
+from duoserve.kernels.gguf import BLOCK_TYPES, dequantize_rows, gguf_kernels, gguf_kernels_for, gguf_linear
 from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear, Int8Linear
 from duoserve.kernels.ops import define_ops
 from duoserve.model.fingerprint import describe_difference
@@ -65,12 +68,30 @@ def away_from_rounding_ties(x: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(x.shape)
 
 
+# the instruction sets whose paths of gguf_linear.c are tested on this machine: its own (AVX-512 and
+# VNNI where it has them), AVX2 without AVX-512 or VNNI (VEC_AVX2: 256-bit floats, vpmaddubsw), and
+# none (the portable C, with its own fp16 conversion)
+ISAS = ["native", "haswell", "x86-64"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch) -> str:
+    """The GGUF kernels built for one instruction set in place of this machine's, for one test."""
+    if request.param != "native":
+        kernels = gguf_kernels_for(request.param)
+        if kernels is None:
+            assert platform.machine() not in ("x86_64", "AMD64"), f"an x86-64 compiler builds for {request.param}"
+            pytest.skip(f"no {request.param} build on {platform.machine()}")
+        monkeypatch.setattr(gguf_module, "_KERNELS", kernels)
+    return request.param
+
+
 def test_c_kernels_are_built():
     assert gguf_kernels() is not None, "the CI machine has a C compiler: the GGUF kernels must build"
 
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
-def test_dequantize_rows_equal_gguf_reference(type_name):
+def test_dequantize_rows_equal_gguf_reference(type_name, isa):
     raw, ref = random_blocks(type_name, 24, 512)
     weight = blocks(raw, type_name, 512)
     assert torch.equal(dequantize_rows(weight, torch.float32), ref)
@@ -81,7 +102,7 @@ def test_dequantize_rows_equal_gguf_reference(type_name):
 
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_gguf_linear_against_dequantized_matmul(type_name, mode):
+def test_gguf_linear_against_dequantized_matmul(type_name, mode, isa):
     cols = 512
     raw, ref = random_blocks(type_name, 40, cols, seed=1)
     data = torch.from_numpy(np.ascontiguousarray(raw))
@@ -105,7 +126,7 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode):
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_its_batch(type_name, mode, dtype):
+def test_a_rows_result_does_not_depend_on_its_batch(type_name, mode, dtype, isa):
     """Bit for bit: a row computed alone, in a decode-sized batch or in a prompt-sized one, at
     any place in it, against 42 weight rows (not a multiple of the kernel's tile of 4)."""
     cols = 512
@@ -218,7 +239,8 @@ def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
         with pytest.raises(ModelLoadError) as err:
             load_model(ModelConfig(model=str(out), dtype="float32", quantization=quantization))
         assert str(err.value).startswith("GGUF tensor token_embd.weight has type MXFP4, which is not supported; "
-                                         "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K")
+                                         "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+                                         "Q4_K, Q5_K, Q6_K")
 
 
 # ---- the default model (SmolLM2-135M, Q4_1 layers, Q8_0 embedding), float32 ----

@@ -15,11 +15,13 @@ from duoserve.config import ModelConfig
 from duoserve.model.dequant import dequantize
 from duoserve.worker.backends import load_model
 from tests.helpers import forward_one
+from tests.model.kquants import QUANTIZERS
 
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 26, 43, 38, 32, 79, 50, 28, 8]
 
 # byte offsets of the float16 scale fields in each block, kept finite in random blocks
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+              "Q2_K": [80, 82], "Q3_K": [108]}
 
 
 @pytest.mark.parametrize("type_name", list(F16_FIELDS))
@@ -62,6 +64,12 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
 
 GEMMA_LAYER = {**GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def quantize(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """gguf's quantizer, or the tests' own for the types it lacks (Q2_K, Q3_K)."""
+    own = QUANTIZERS.get(qtype.name)
+    return own(w) if own else quants.quantize(w, qtype)
 
 
 def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[str, np.ndarray]:
@@ -116,7 +124,7 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
         expert = _stacked_expert(name)
         if expert is not None:   # the experts of a layer's projection go into one stacked tensor
             stacks.setdefault(expert[0], []).append((expert[1], w))
-            stored[name] = quants.dequantize(quants.quantize(w, qtype), qtype)
+            stored[name] = quants.dequantize(quantize(w, qtype), qtype)
             continue
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
@@ -136,13 +144,13 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
             continue
         if gemma and name.endswith("norm.weight"):
             w = w + 1.0
-        data = quants.quantize(w, t)
+        data = quantize(w, t)
         writer.add_tensor(gguf_name, data, raw_dtype=t)
         # Quantization blocks run along rows, so permuting rows commutes with it.
-        stored[name] = quants.dequantize(quants.quantize(original, t), t)
+        stored[name] = quants.dequantize(quantize(original, t), t)
     for gguf_name, weights in stacks.items():
         stacked = np.stack([w for _, w in sorted(weights, key=lambda item: item[0])])   # [experts, rows, cols]
-        writer.add_tensor(gguf_name, quants.quantize(stacked, qtype), raw_dtype=qtype)
+        writer.add_tensor(gguf_name, quantize(stacked, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

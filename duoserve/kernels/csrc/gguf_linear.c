@@ -1,7 +1,7 @@
 /* Linear layers computed straight from GGUF quantized blocks, and their dequantization.
  *
  * Weights stay in the file's own block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 values a block)
- * and Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
+ * and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
  * block. Every block type is read the same way, 32 consecutive values at a time: unsigned
  * integers q[32] (`sub_values`, or `sub_values_vec` in one 256-bit register) with a scale and
  * an offset for each half of 16 (`sub_scales`), so that
@@ -30,16 +30,25 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 6, Q5_1 = 7, LAST_TYPE = Q5_1 };
+#if !(defined(__AVX2__) && defined(__FMA__)) && defined(__GNUC__) && !defined(__clang__)
+/* The portable paths compute in plain C: -ffast-math's unsafe optimizations would let the compiler
+ * regroup a sum one way for a single row and another way for a tile of rows (the tests saw it), so
+ * that a row's result would depend on its batch. */
+#pragma GCC optimize("no-unsafe-math-optimizations")
+#endif
 
-static const int BLOCK_VALUES[] = {32, 32, 32, 256, 256, 256, 32, 32};
-static const int BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210, 22, 24};
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 6, Q5_1 = 7, Q2_K = 8, Q3_K = 9,
+       LAST_TYPE = Q3_K };
+
+static const int BLOCK_VALUES[] = {32, 32, 32, 256, 256, 256, 32, 32, 256, 256};
+static const int BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210, 22, 24, 84, 110};
 
 /* `switch (type)` over every block type, M(arg, T) the code for type T as a constant */
 #define EACH_TYPE(M, arg) switch (type) { \
     case Q4_0: M(arg, Q4_0) break; case Q4_1: M(arg, Q4_1) break; case Q8_0: M(arg, Q8_0) break; \
     case Q4_K: M(arg, Q4_K) break; case Q5_K: M(arg, Q5_K) break; case Q6_K: M(arg, Q6_K) break; \
-    case Q5_0: M(arg, Q5_0) break; default: M(arg, Q5_1) break; }
+    case Q5_0: M(arg, Q5_0) break; case Q5_1: M(arg, Q5_1) break; case Q2_K: M(arg, Q2_K) break; \
+    default: M(arg, Q3_K) break; }
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -72,6 +81,13 @@ static inline void k_scale_min(const uint8_t *p, int s, int *sc, int *mn) {
     }
 }
 
+/* the six-bit scale j (0..15) of a Q3_K super-block, unsigned (the stored value + 32): its low four
+ * bits are a nibble of bytes 0..7, its top two a pair of bits of bytes 8..11 */
+static inline int q3k_scale(const uint8_t *p, int j) {
+    int low = j < 8 ? p[j] & 0x0f : p[j - 8] >> 4;
+    return low | (((p[8 + (j & 3)] >> (2 * (j >> 2))) & 3) << 4);
+}
+
 /* the scale and offset of each half of 16 values of sub-block `sub` (32 values) of a block */
 static inline __attribute__((always_inline)) void sub_scales(int type, const uint8_t *b, int sub, float scale[2], float offset[2]) {
     switch (type) {
@@ -101,6 +117,22 @@ static inline __attribute__((always_inline)) void sub_scales(int type, const uin
         offset[0] = offset[1] = -(f16_to_f32(b + 2) * (float)mn);
         break;
     }
+    case Q2_K: {  /* per 16 values a byte: a four-bit scale (low nibble) and min (high) */
+        float d = f16_to_f32(b + 80), dmin = f16_to_f32(b + 82);
+        for (int h = 0; h < 2; h++) {
+            scale[h] = d * (float)(b[2 * sub + h] & 0x0f);
+            offset[h] = -(dmin * (float)(b[2 * sub + h] >> 4));
+        }
+        break;
+    }
+    case Q3_K: {  /* per 16 values a six-bit scale stored + 32; values stored + 4 */
+        float d = f16_to_f32(b + 108);
+        for (int h = 0; h < 2; h++) {
+            scale[h] = d * (float)(q3k_scale(b + 96, 2 * sub + h) - 32);
+            offset[h] = -4.0f * scale[h];
+        }
+        break;
+    }
     default: {  /* Q6_K: one int8 scale per 16 values */
         float d = f16_to_f32(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192) + sub * 2;
@@ -117,7 +149,10 @@ static inline __attribute__((always_inline)) void sub_scales(int type, const uin
  * Q5_0/Q5_1: the same, after 4 bytes qh whose bit j is value j's fifth bit.
  * Q8_0: 32 int8. Q4_K: 32 bytes shared by sub-blocks 2i (low nibbles) and 2i+1 (high).
  * Q5_K: the same plus bit `sub` of 32 bytes qh. Q6_K: each half of 128 values holds four runs
- * of 32, the low or high nibble of ql[0:32] or ql[32:64], topped with two bits of qh. */
+ * of 32, the low or high nibble of ql[0:32] or ql[32:64], topped with two bits of qh.
+ * Q2_K: each half of 128 values holds four runs of 32, the bit pairs 0-1, 2-3, 4-5, 6-7 of its 32
+ * bytes of qs (at 16). Q3_K: the same pairs (qs at 32), topped with bit `sub` of 32 bytes hmask (at 0). */
+#define TWO_BIT_RUN(type, b, sub) ((b) + ((type) == Q2_K ? 16 : 32) + ((sub) / 4) * 32)
 #define NIBBLES(type, b) ((b) + ((type) == Q4_0 ? 2 : (type) == Q4_1 ? 4 : (type) == Q5_0 ? 6 : 8))
 #define FIFTH_BITS(type, b) ((b) + ((type) == Q5_0 ? 2 : 4))
 
@@ -154,6 +189,13 @@ static inline __attribute__((always_inline)) void sub_values(int type, const uin
         int half = sub / 4, run = sub % 4;
         const uint8_t *ql = b + half * 64 + (run & 1) * 32, *qh = b + 128 + half * 32;
         for (int j = 0; j < 32; j++) q[j] = ((ql[j] >> ((run >> 1) * 4)) & 0x0f) | (((qh[j] >> (run * 2)) & 3) << 4);
+        break;
+    }
+    case Q2_K:
+    case Q3_K: {
+        const uint8_t *qs = TWO_BIT_RUN(type, b, sub);
+        for (int j = 0; j < 32; j++)
+            q[j] = ((qs[j] >> (2 * (sub % 4))) & 3) | (type == Q3_K ? ((b[j] >> sub) & 1) << 2 : 0);
         break;
     }
     }
@@ -210,6 +252,17 @@ static inline __attribute__((always_inline)) __m256i sub_values_vec(int type, co
             __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)), sub),
                                          _mm256_set1_epi8(1));
             q = _mm256_or_si256(q, _mm256_slli_epi16(h, 4));
+        }
+        return q;
+    }
+    case Q2_K:
+    case Q3_K: {
+        __m256i v = _mm256_loadu_si256((const __m256i *)TWO_BIT_RUN(type, b, sub));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (sub % 4)), _mm256_set1_epi8(3));
+        if (type == Q3_K) {
+            __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b), sub),
+                                         _mm256_set1_epi8(1));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(h, 2));
         }
         return q;
     }
@@ -461,15 +514,20 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 
 #ifdef VEC_AVX2
 #define FAST_VEC 1
-/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q5_0: q - 16, Q8_0, Q6_K: q - 32),
- * with no offset term; the others (Q4_1, Q5_1, Q4_K, Q5_K) are scale * q + offset, q unsigned. */
-#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q6_K)
+/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q5_0: q - 16, Q8_0, Q6_K: q - 32,
+ * Q3_K: q - 4), with no offset term; the others (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) are scale * q + offset,
+ * q unsigned. */
+#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q6_K || (t) == Q3_K)
+/* types with a scale per half of 16 values (the others' halves share one) */
+#define HALF_SCALES(t) ((t) == Q6_K || (t) == Q3_K || (t) == Q2_K)
+/* offsets kept per sub-block: Q2_K's two halves have their own min, the other types' share one */
+#define OFFSETS(t) ((t) == Q2_K ? 2 : 1)
 #define TILE_W 4       /* weight rows of a tile (a weight row's sums for TILE_X rows of x in registers) */
 #define TILE_X 2       /* rows of x of a tile */
 
 /* sub-block `sub` of block b as the fast kernel reads it: 32 integers (unsigned, or signed for
  * SIGNED_WEIGHT), the scale of each lane of a dot product (lanes 0-3 sum half 0, 4-7 half 1) and
- * the offset (unsigned types; both halves share it) */
+ * the OFFSETS(type) offsets (unsigned types) */
 static inline __attribute__((always_inline)) void sub_weight(int type, const uint8_t *b, int sub, __m256i *q,
                                                              __m256 *lane_scales, float *offset) {
     float scale[2], off[2];
@@ -479,8 +537,11 @@ static inline __attribute__((always_inline)) void sub_weight(int type, const uin
     if (type == Q4_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(8));
     if (type == Q5_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(16));
     if (type == Q6_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(32));
-    *lane_scales = type == Q6_K ? _mm256_set_m128(_mm_set1_ps(scale[1]), _mm_set1_ps(scale[0])) : _mm256_set1_ps(scale[0]);
-    *offset = off[0];
+    if (type == Q3_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(4));
+    *lane_scales = HALF_SCALES(type) ? _mm256_set_m128(_mm_set1_ps(scale[1]), _mm_set1_ps(scale[0]))
+                                     : _mm256_set1_ps(scale[0]);
+    offset[0] = off[0];
+    if (OFFSETS(type) == 2) offset[1] = off[1];
 }
 
 /* the 32 products of weight values q and int8 x, summed four at a time into 8 int32 lanes. Exact:
@@ -510,7 +571,7 @@ static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int rows,
             __m256i q;
             __m256 s;
             sub_weight(type, w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type], g % subs, &q, &s,
-                       d.offsets + (int64_t)r * xblocks + g);
+                       d.offsets + ((int64_t)r * xblocks + g) * OFFSETS(type));
             _mm256_storeu_si256((__m256i *)(d.q + ((int64_t)r * xblocks + g) * 32), q);
             _mm256_storeu_ps(d.lane_scales + ((int64_t)r * xblocks + g) * 8, s);
         }
@@ -541,7 +602,7 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
             } else {
                 const uint8_t *b = w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type];
                 if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
-                sub_weight(type, b, g % subs, &q, &s, offsets + (int64_t)r * xblocks + g);
+                sub_weight(type, b, g % subs, &q, &s, offsets + ((int64_t)r * xblocks + g) * OFFSETS(type));
             }
             for (int i = 0; i < X; i++) {
                 const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr.d + (int64_t)i * xr.xblocks + g));
@@ -553,16 +614,16 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
         for (int i = 0; i < X; i++) out[r][i] = hsum256(acc[r][i]);
 }
 
-/* sum over sub-blocks of offset * (dx * sum of x's 32 values): eight lanes, their sum, then the
- * sub-blocks left over, in that order wherever it is inlined */
-static inline __attribute__((always_inline)) float offset_sum(const float *offsets, const float *block_sums,
-                                                              int xblocks) {
+/* sum over the `count` offsets of offset * (dx * sum of x's values under it: a sub-block's 32, or a
+ * half's 16 for Q2_K): eight lanes, their sum, then the offsets left over, in that order wherever
+ * it is inlined */
+static inline __attribute__((always_inline)) float offset_sum(const float *offsets, const float *sums, int count) {
     __m256 acc = _mm256_setzero_ps();
     int g = 0;
-    for (; g + 8 <= xblocks; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(block_sums + g), acc);
+    for (; g + 8 <= count; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(sums + g), acc);
     float sum = hsum256(acc);
-    for (; g < xblocks; g++) sum = fmaf(offsets[g], block_sums[g], sum);
+    for (; g < count; g++) sum = fmaf(offsets[g], sums[g], sum);
     return sum;
 }
 
@@ -583,7 +644,7 @@ static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, 
     {
         int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
         float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
-        float *offsets = malloc(sizeof(float) * TILE_W * xblocks);
+        float *offsets = malloc(sizeof(float) * TILE_W * xblocks * OFFSETS(type));
         const int ready = !((decode_once && (!dq || !scales)) || !offsets);
         if (!ready) {
             #pragma omp atomic write
@@ -609,9 +670,11 @@ static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, 
                         for (int r = 0; r < W; r++)
                             for (int i = 0; i < X; i++) {
                                 float v = out[r][i];
-                                if (!SIGNED_WEIGHT(type))
-                                    v += offset_sum(offsets + (int64_t)r * xblocks, block_sums + (int64_t)(i0 + i) * xblocks,
-                                                    xblocks);
+                                if (!SIGNED_WEIGHT(type)) {
+                                    const int per = OFFSETS(type), count = xblocks * per;
+                                    const float *sums = per == 2 ? xr.half_sums : block_sums;
+                                    v += offset_sum(offsets + (int64_t)r * count, sums + (int64_t)(i0 + i) * count, count);
+                                }
                                 store_out(y, io_bf16, (int64_t)(i0 + i) * n + r1 + r, v);
                             }
                     }
