@@ -28,6 +28,7 @@ import os
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -55,6 +56,22 @@ def new_frontend_id() -> str:
 
 
 FRONTEND_ID = new_frontend_id()   # the default for clients made outside an AsyncEngine
+
+
+def process_running(process: multiprocessing.process.BaseProcess) -> bool:
+    """Whether a launched engine's process runs, asked of its pid: multiprocessing takes an
+    engine for ended once the fork server that reports its exit is gone (a SIGTERM to the
+    whole process group ends that server too), though the engine may still be draining."""
+    if process.pid is None:
+        return False
+    try:
+        os.kill(process.pid, 0)
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+    except ProcessLookupError:
+        return False
+    except OSError:   # no /proc here, or gone meanwhile: multiprocessing's view
+        return process.is_alive()
+    return stat.rpartition(")")[2].split()[0] != "Z"   # a zombie has ended
 
 
 class EngineDeadError(DuoserveError):
@@ -175,7 +192,7 @@ class EngineClient:
                     self._lost = f"the connection to {self.address} dropped"
         if self._lost is not None:
             return False
-        return not self.launched or (self.process is not None and self.process.is_alive())
+        return not self.launched or (self.process is not None and process_running(self.process))
 
     def is_up(self) -> bool:
         """Alive and past its EngineReady: it can take requests."""

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import tempfile
 import uuid
@@ -37,7 +38,7 @@ import msgspec
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.errors import ConfigError
 from duoserve.engine.process import launched_engine_main
-from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient
+from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient, process_running
 from duoserve.frontend.ray_cluster import plan_ray_engines
 from duoserve.transport.auth import AuthKey, check_listen, load_key
 
@@ -189,11 +190,19 @@ def spawn_engine(client: EngineClient) -> None:
     client.process = process
 
 
+def engine_running(client: EngineClient) -> bool:
+    return client.process is not None and process_running(client.process)
+
+
+def signal_engine(client: EngineClient, sig: int) -> None:
+    if engine_running(client):
+        os.kill(client.process.pid, sig)
+
+
 def kill_engine(client: EngineClient) -> None:
     """Kill a launched engine's process if it still runs, and reap it."""
     if client.process is not None:
-        if client.process.is_alive():
-            client.process.kill()
+        signal_engine(client, signal.SIGKILL)
         client.process.join(timeout=5)
 
 

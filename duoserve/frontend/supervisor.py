@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Callable
 from typing import Protocol
 
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
-from duoserve.frontend.launcher import kill_engine, remove_socket, spawn_engine
+from duoserve.frontend.launcher import engine_running, kill_engine, remove_socket, signal_engine, spawn_engine
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe_difference
 
@@ -63,14 +64,13 @@ async def stop_engine(client: EngineClient, timeout: float = 10.0) -> None:
     """Stop a launched engine (a remote one only aborts this frontend's requests) and close
     the connection; a launched engine still running after ``timeout`` seconds is killed."""
     client.say_shutdown()
-    process = client.process
-    if client.launched and process is not None and process.is_alive():
+    if client.launched and engine_running(client):
         if client.ready is None:   # still starting: it reads no message yet, but stops at once on SIGTERM
-            process.terminate()
+            signal_engine(client, signal.SIGTERM)
         deadline = asyncio.get_running_loop().time() + timeout
-        while process.is_alive() and asyncio.get_running_loop().time() < deadline:
+        while engine_running(client) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        if process.is_alive():
+        if engine_running(client):
             logger.warning("%s did not stop in %.0fs: killing it", client.name, timeout)
     elif client.connected:
         await asyncio.sleep(0.1)  # let the Shutdown leave before the socket closes

@@ -12,14 +12,31 @@ import time
 from duoserve.engine.lifecycle import STOP_GRACE_S, StopSignals
 
 PROGRAM = """
-import os, signal, sys, time
+import os, signal, sys, time, weakref
 from duoserve.engine.lifecycle import StopSignals
 
 signals = StopSignals().install()
 if sys.argv[1] == "serving":
     signals.start_serving(60.0)
-try:
+
+
+class Cached:
+    pass
+
+
+def callback(ref):   # the signal's handler runs in here, where Python drops what it raises
     os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(10000):
+        pass
+
+
+try:
+    if sys.argv[3] == "in-a-callback":
+        cached = Cached()
+        ref = weakref.ref(cached, callback)
+        del cached
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
     for _ in range(3):
         time.sleep(0.2)
         print("draining" if signals.draining else "running", flush=True)
@@ -33,9 +50,9 @@ finally:
 """
 
 
-def _run(stage: str, cleanup: str) -> tuple[int, list[str], float]:
+def _run(stage: str, cleanup: str, where: str = "plain") -> tuple[int, list[str], float]:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", PROGRAM, stage, cleanup], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", PROGRAM, stage, cleanup, where], capture_output=True, text=True,
                           timeout=60)
     return done.returncode, done.stdout.split(), time.monotonic() - start
 
@@ -44,6 +61,13 @@ def test_a_signal_while_starting_stops_at_once_through_the_clean_up():
     code, lines, _ = _run("starting", "quick")
     assert code == 128 + signal.SIGTERM
     assert lines == ["clean-up"], "stopped where it was, the clean-up run on the way out"
+
+
+def test_a_stop_python_drops_in_a_weakref_callback_is_raised_again_after_it():
+    """torch runs weakref callbacks all through a compile; a SystemExit raised in one is
+    printed and dropped by Python: the engine would go on until the hard exit (code 1)."""
+    code, lines, _ = _run("starting", "quick", "in-a-callback")
+    assert lines == ["clean-up"] and code == 128 + signal.SIGTERM
 
 
 def test_while_serving_the_first_signal_drains_and_a_second_stops_at_once():

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.chaos.harness import kv_segments
-from tests.server_helpers import Server, alive, descendants, engine_children, free_port
+from tests.server_helpers import Server, alive, descendants, engine_children
 
 GONE_WITHIN_S = 10.0
 BAD_LOG_LINES = ("Traceback", "KeyboardInterrupt", "relaunch")
@@ -73,59 +73,73 @@ def _assert_gone(tree: set[int], segments_before: set[str]) -> float:
 
 # ---- the server's SIGTERM while its engines start ---------------------------------------------
 
+def _send_sigterm(srv: Server, to: str) -> None:
+    """To the server alone, or to its whole process group, as systemd and `timeout` do: the
+    engines and the fork server get it too (the fork server dies of it)."""
+    if to == "group":
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+    else:
+        srv.proc.send_signal(signal.SIGTERM)
+
+
+def _stop_while_starting(srv: Server, to: str, log: Path, segments_before: set[str]) -> dict[int, str]:
+    """SIGTERM now: the engines are gone when the server has exited (by SIGTERM), the rest
+    within 10 s; no segment, no traceback. Returns the tree, by name."""
+    try:
+        names = _walk(srv.proc.pid, {})
+        _send_sigterm(srv, to)
+        running_at_exit = _tree_until_exit(srv.proc, names)
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert not [p for p in _engines(names) if p in running_at_exit], "an engine outlived the server's exit"
+    assert srv.proc.returncode == -signal.SIGTERM
+    seconds = _assert_gone(set(names), segments_before)
+    text = log.read_text()
+    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
+    if _engines(names):   # the engines had started: the server stopped them, they did not just notice its exit
+        assert "while the engines start: stopping them" in text
+    print(f"{sorted(names.values())} gone {seconds:.2f}s after the server's exit")
+    return names
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-@pytest.mark.parametrize("at", [1.0, 5.0], ids=["at-1s", "at-5s"])
-def test_sigterm_while_the_engines_start_stops_them_before_the_server_exits(tmp_path, monkeypatch, mode, at):
-    """SIGTERM to `duoserve serve` 1 s or 5 s into its start (its engines held before they
-    load): the engines are gone by the time the server has exited, which it does by SIGTERM;
-    the fork server and resource tracker follow within 10 s; no segment, no traceback."""
+@pytest.mark.parametrize("at,to", [(1.0, "server"), (5.0, "server"), (5.0, "group")],
+                         ids=["at-1s", "at-5s", "at-5s-to-the-group"])
+def test_sigterm_while_the_engines_start_stops_them_before_the_server_exits(tmp_path, monkeypatch, mode, at, to):
+    """SIGTERM 1 s or 5 s into `duoserve serve`'s start, its engines held before they load."""
     monkeypatch.setenv("DUOSERVE_FAULT_START_SLEEP", "600")
     segments_before = kv_segments()
     log = tmp_path / "log"
     started = time.monotonic()
-    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", log=log, wait_healthy=False, wait_port=False)
-    try:
-        time.sleep(max(0.0, at - (time.monotonic() - started)))
-        names = _walk(srv.proc.pid, {})
-        srv.proc.send_signal(signal.SIGTERM)
-        running_at_exit = _tree_until_exit(srv.proc, names)
-    finally:
-        srv.stop(signal.SIGKILL)
-    tree, engines = set(names), _engines(names)
-    assert not [p for p in engines if p in running_at_exit], "an engine outlived the server's exit"
-    assert srv.proc.returncode == -signal.SIGTERM
-    seconds = _assert_gone(tree, segments_before)
-    text = log.read_text()
-    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
-    if engines:   # the engines had started: they were stopped, not left to notice the exit
-        assert "while the engines start: stopping them" in text
-    print(f"{mode} at {at:g}s: {len(tree)} processes ({len(engines)} engines), gone {seconds:.2f}s after the exit")
+    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", log=log, wait_healthy=False, wait_port=False,
+                 new_session=to == "group")
+    time.sleep(max(0.0, at - (time.monotonic() - started)))
+    _stop_while_starting(srv, to, log, segments_before)
 
 
-def test_sigterm_while_an_engine_compiles_stops_it_before_the_server_exits(tmp_path, monkeypatch):
-    """The same while the engine compiles its model step (a cold compile cache: minutes of
-    work on 2 cores, so the signal lands inside it), Inductor's compile workers included."""
+COMPILERS = ("g++", "cc1plus", "gcc", "cc1")
+
+
+@pytest.mark.parametrize("to", ["server", "group"])
+def test_sigterm_while_an_engine_compiles_stops_it_before_the_server_exits(tmp_path, monkeypatch, to):
+    """The same while the engine compiles its model step (a cold compile cache: minutes of work
+    on 2 cores, so the signal lands inside it): to the server 1 s into the compile; to the
+    group once Inductor runs the C++ compiler, which must end too."""
     monkeypatch.setenv("DUOSERVE_ENFORCE_EAGER", "0")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     segments_before = kv_segments()
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "1024", log=log, wait_healthy=False, wait_port=False)
-    try:
-        _wait_for(lambda: "compiling the model step" in log.read_text(), 120, "the engine compiling")
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "1024", log=log, wait_healthy=False, wait_port=False,
+                 new_session=to == "group")
+    _wait_for(lambda: "compiling the model step" in log.read_text(), 120, "the engine compiling")
+    if to == "group":
+        _wait_for(lambda: any(n in COMPILERS for n in _walk(srv.proc.pid, {}).values()), 300, "a C++ compiler")
+    else:
         time.sleep(1.0)   # into the compile, past its first call
-        names = _walk(srv.proc.pid, {})
-        srv.proc.send_signal(signal.SIGTERM)
-        running_at_exit = _tree_until_exit(srv.proc, names)
-    finally:
-        srv.stop(signal.SIGKILL)
-    text = log.read_text()
-    assert "compiled the model step" not in text, "the signal came after the compile"
-    tree, engines = set(names), _engines(names)
-    assert len(engines) == 1 and engines[0] not in running_at_exit, "the engine outlived the server's exit"
-    assert srv.proc.returncode == -signal.SIGTERM
-    seconds = _assert_gone(tree, segments_before)
-    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
-    print(f"while compiling: {sorted(names.values())} gone {seconds:.2f}s after the exit")
+    names = _stop_while_starting(srv, to, log, segments_before)
+    assert "compiled the model step" not in log.read_text(), "the signal came after the compile"
+    assert len(_engines(names)) == 1
+    assert to == "server" or any(n in COMPILERS for n in names.values())
 
 
 # ---- SIGKILL: nobody cleans up, the pidfd watch does ------------------------------------------
@@ -222,6 +236,35 @@ def test_sigkill_to_a_standalone_engines_launcher_leaves_no_process(tmp_path):
     print(f"standalone engines' processes {trees} gone in {seconds:.2f}s")
 
 
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_sigterm_to_the_process_group_while_serving_drains_every_process(tmp_path, mode):
+    """systemd's stop (SIGTERM to every process of the service, the fork server included, which
+    dies of it): the stream in flight still finishes whole, every process exits, none is
+    relaunched, nothing is left."""
+    segments_before = kv_segments()
+    log = tmp_path / "log"
+    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "120",
+                 log=log, new_session=True)
+    try:
+        lines: list[str] = []
+        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 40,
+                                                                  "ignore_eos": True}, lines))
+        thread.start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        names = _walk(srv.proc.pid, {})
+        _send_sigterm(srv, "group")
+        thread.join(150)
+        _tree_until_exit(srv.proc, names, guard=150)
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert lines[-1] == "data: [DONE]" and len(lines) == 40 + 1, lines[-3:]
+    assert srv.proc.returncode == -signal.SIGTERM
+    _assert_gone(set(names), segments_before)
+    text = log.read_text()
+    assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
+    assert "the drain deadline passed" not in text and "ending 1 requests still running" not in text
+
+
 # ---- SIGTERM to a launched engine itself ----------------------------------------------------------
 
 def test_sigterm_to_a_serving_engine_drains_it_then_it_is_relaunched(tmp_path):
@@ -265,7 +308,7 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
         (engine_pid,) = engine_children(srv.proc.pid)
         lines: list[str] = []
         thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Tell me a long story",
-                                                                  "max_tokens": 150, "ignore_eos": True}, lines))
+                                                                  "max_tokens": 60, "ignore_eos": True}, lines))
         thread.start()
         _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
         os.kill(engine_pid, signal.SIGTERM)
@@ -277,7 +320,7 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
     finally:
         srv.stop(signal.SIGTERM)
     assert lines[-1] == "data: [DONE]" and not [ln for ln in lines if "error" in ln], lines[-3:]
-    assert len(lines) == 150 + 1, "the stream went on on the relaunched engine, every token once"
+    assert len(lines) == 60 + 1, "the stream went on on the relaunched engine, every token once"
     text = log.read_text()
     assert "SIGTERM while draining: stopping at once" in text and "moving the 1 requests it held" in text
     print(f"stopped {stopped_after:.2f}s after the second SIGTERM")
