@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import signal
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -131,11 +132,15 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.engine.begin_drain(self.drain_timeout)
         await super().shutdown(sockets)
+        if self.force_exit:   # uvicorn skipped the app's shutdown: the engines still stop before the exit
+            await self.engine.shutdown()
 
     def handle_exit(self, sig, frame) -> None:
         # in the signal handler, not at uvicorn's next tick: an engine the signal reached too
         # (Ctrl-C, kill -TERM -PGID) may drain and exit first, and must not be relaunched
         self.engine.stop_relaunching()
+        if self.should_exit and sig == signal.SIGTERM:   # a second SIGTERM forces, as a second Ctrl-C does
+            self.force_exit = True
         super().handle_exit(sig, frame)
 
 

@@ -123,6 +123,7 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task] = []
         self._started = False
         self._draining = False
+        self._shut_down = False
 
     async def start(self, wait: bool = True) -> None:
         """Start the engines this frontend launches or places (a failure is raised) and connect
@@ -378,6 +379,11 @@ class AsyncEngine:
         self._tasks.append(asyncio.create_task(deadline(), name="duoserve-drain-deadline"))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engines (once: a forced exit calls this after uvicorn skipped the app's
+        shutdown, which may have begun it)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.supervisor.begin_stop()
         for request_id in list(self.outputs.states):
             self._abort(request_id)

@@ -265,6 +265,33 @@ def test_sigterm_to_the_process_group_while_serving_drains_every_process(tmp_pat
     assert "the drain deadline passed" not in text and "ending 1 requests still running" not in text
 
 
+def test_a_second_sigterm_to_the_server_ends_its_drain_at_once(tmp_path):
+    """A drain of minutes (a long stream, --shutdown-timeout 300): the second SIGTERM ends it,
+    as a second Ctrl-C does; the engines are stopped before the server exits (uvicorn skips the
+    app's shutdown when forced) and nothing is left."""
+    segments_before = kv_segments()
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "300", log=log)
+    try:
+        lines: list[str] = []
+        threading.Thread(target=_stream, args=(srv.url, {"prompt": "Go", "max_tokens": 3000, "ignore_eos": True},
+                                               lines), daemon=True).start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        names = _walk(srv.proc.pid, {})
+        srv.proc.send_signal(signal.SIGTERM)
+        _wait_for(lambda: "draining: 1 requests in flight" in log.read_text(), 60, "the server draining")
+        srv.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        running_at_exit = _tree_until_exit(srv.proc, names, guard=60)   # a hang guard, far inside the 300 s drain
+        exited_after = time.monotonic() - start
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert srv.proc.returncode == -signal.SIGTERM
+    assert _engines(names) and not set(_engines(names)) & running_at_exit, "the engine outlived the server's exit"
+    _assert_gone(set(names), segments_before)
+    print(f"the server exited {exited_after:.2f}s after its second SIGTERM")
+
+
 # ---- SIGTERM to a launched engine itself ----------------------------------------------------------
 
 def test_sigterm_to_a_serving_engine_drains_it_then_it_is_relaunched(tmp_path):
