@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duoserve.errors import ConfigError
+from duoserve.model.rope_params import RopeConfig, check_rope, rope_from_hf  # noqa: F401 (RopeConfig: re-exported)
 
 # architecture name -> (has qkv bias by default, has q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -25,21 +26,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
 }
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
 # config.json's activation names -> ours (the MLP's gate activation)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: per-frequency divisors
 
 
 @dataclass(frozen=True)
@@ -100,9 +88,9 @@ class ModelArch:
                 "architecture", self.architecture,
                 f"supported architectures are {', '.join(SUPPORTED_ARCHITECTURES)}",
             )
-        if self.rope.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError("rope_scaling.rope_type", self.rope.rope_type,
-                              f"supported rope types are {', '.join(SUPPORTED_ROPE_TYPES)}")
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                check_rope(rope, self.head_dim)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -145,28 +133,6 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any] | None) ->
     merged = dict(config)
     merged.update(overrides)
     return merged
-
-
-def _rope_from_hf(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
-    # transformers >= 5 writes rope_parameters (per layer type where those differ: Gemma 3);
-    # older checkpoints rope_theta + rope_scaling (+ rope_local_base_freq for Gemma 3's local layers).
-    params = dict(config.get("rope_parameters") or {})
-    if layer_type in params and isinstance(params[layer_type], dict):
-        params = dict(params[layer_type])
-    elif layer_type == "sliding_attention":
-        return RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
-    scaling = config.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-    )
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -223,7 +189,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(config),
+        rope=rope_from_hf(config),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
         qkv_bias=bool(config.get("attention_bias", default_bias)),
@@ -234,7 +200,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         hidden_act=_ACTIVATIONS[activation],
         attention_scale=float(scalar) ** -0.5 if gemma and scalar else None,
         layer_windows=layer_windows,
-        local_rope=_rope_from_hf(config, "sliding_attention") if gemma3 else None,
+        local_rope=rope_from_hf(config, "sliding_attention") if gemma3 else None,
         attn_logit_softcap=_cap(config.get("attn_logit_softcapping")) if gemma else None,
         final_logit_softcap=_cap(config.get("final_logit_softcapping")) if gemma else None,
     )

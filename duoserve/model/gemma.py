@@ -16,7 +16,8 @@ from torch import nn
 
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata, PagedAttention
-from duoserve.model.layers import OffsetRMSNorm, Rotary, RotaryEmbedding, gate_activation
+from duoserve.model.layers import OffsetRMSNorm, Rotary, gate_activation
+from duoserve.model.rope import RotaryEmbedding
 from duoserve.model.llama import LlamaModel
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -23,6 +23,7 @@ import torch
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.model.arch import ModelArch, RopeConfig, apply_overrides, arch_from_hf_config
 from duoserve.model.dequant import dequantize
+from duoserve.model.rope_params import yarn_mscale
 from duoserve.model.gguf_file import GGUFFile, read_gguf
 
 
@@ -146,8 +147,9 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
                                                 or config["intermediate_size"]),
                       shared_expert_intermediate_size=int(meta.get(p + "expert_shared_feed_forward_length") or 0),
                       norm_topk_prob=bool(meta.get(p + "expert_weights_norm", gguf_arch != "qwen2moe")))
-    if meta.get(p + "rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+    scaling = _rope_scaling(meta, p)
+    if scaling:
+        config["rope_scaling"] = scaling
     if gguf_arch in ("gemma2", "gemma3"):
         # what llama.cpp fixes for Gemma rather than stores: the tanh GELU, the attention scale from
         # the head size (hidden / heads for the 27B models: 46 layers in Gemma 2, 62 in Gemma 3) unless
@@ -167,6 +169,31 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
             config.update(rope_local_base_freq=10000.0,
                           sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)))
     return config
+
+
+def _rope_scaling(meta: dict[str, Any], p: str) -> dict[str, Any] | None:
+    """config.json's rope_scaling from llama.cpp's keys (``{arch}.rope.scaling.*``); None without
+    scaling. llama.cpp scales YaRN's cos and sin by ``attn_factor`` times YaRN's own factor."""
+    kind = meta.get(p + "rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = meta.get(p + "rope.scaling.factor")
+    original = meta.get(p + "rope.scaling.original_context_length")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        for key in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor"):
+            if meta.get(p + "rope.scaling." + key) is not None:
+                raise ConfigError(p + "rope.scaling." + key, meta[p + "rope.scaling." + key],
+                                  "absent: duoserve computes YaRN as transformers does, without it")
+        scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if meta.get(p + "rope.scaling." + key) is not None:
+                scaling[name] = float(meta[p + "rope.scaling." + key])
+        if meta.get(p + "rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(meta[p + "rope.scaling.attn_factor"]) * yarn_mscale(float(factor))
+        return scaling
+    raise ConfigError(p + "rope.scaling.type", kind, "supported GGUF rope scalings are none, linear, yarn")
 
 
 class GGUFSource:

@@ -1,4 +1,5 @@
-"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, SiLU-and-multiply
+"""Small building blocks of the decoder: RMSNorm, applying rotary position embeddings (their tables
+are rope.py's), SiLU-and-multiply
 (and Gemma's variants: RMSNorm scaled by 1 + weight, tanh-GELU-and-multiply).
 
 Each piece of arithmetic between the linears is a module (``RMSNorm``, ``Rotary``,
@@ -7,13 +8,9 @@ one op call in eager and compiled steps alike, so both compute the same bits).""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from duoserve.model.arch import RopeConfig
 
 
 class RMSNorm(nn.Module):
@@ -49,46 +46,6 @@ class OffsetRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with llama3 or linear scaling applied."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)  # [head_dim // 2]
-    if rope.freq_factors is not None:
-        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type != "llama3":
-        return inv_freq
-    original = rope.original_max_position_embeddings or 8192
-    low_wavelen = original / rope.low_freq_factor
-    high_wavelen = original / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a cos/sin table indexed by position."""
-
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope)  # [head_dim // 2]
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)  # rotate-half's sign folded in
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", signed_sin, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].to(dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

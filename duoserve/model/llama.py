@@ -13,7 +13,8 @@ from torch import nn
 
 from duoserve.model.arch import ModelArch
 from duoserve.model.attention import AttentionMetadata, PagedAttention
-from duoserve.model.layers import RMSNorm, Rotary, RotaryEmbedding, gate_activation
+from duoserve.model.layers import RMSNorm, Rotary, gate_activation
+from duoserve.model.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

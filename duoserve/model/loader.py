@@ -32,14 +32,18 @@ class LoadedModel:
 
 
 def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
-    """The context length to serve: ``max_model_len`` if the model allows it, else its own maximum."""
+    """The context length to serve: ``max_model_len`` if the model allows it, else its own maximum
+    (max_position_embeddings; a YaRN or dynamic-NTK rope allows up to the original context times
+    its factor when asked)."""
+    limit = arch.rope.max_context(arch.max_position_embeddings)
     if max_model_len is None:
         max_model_len = arch.max_position_embeddings
-    elif max_model_len > arch.max_position_embeddings:
+    elif max_model_len > limit:
+        what = ("max_position_embeddings", "trained") if limit == arch.max_position_embeddings else (
+            f"{arch.rope.rope_type} rope's original context times its factor", "scaled")
         raise ConfigError(
             "max_model_len", max_model_len,
-            f"at most the model's max_position_embeddings ({arch.max_position_embeddings}), the context "
-            "it was trained for",
+            f"at most the model's {what[0]} ({limit}), the context it was {what[1]} for",
             "Lower --max-model-len, or leave it unset to serve the model's whole context",
         )
     return max_model_len

@@ -94,6 +94,7 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
     rope = config["rope_parameters"]
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
+    _add_rope_scaling(writer, arch, rope)
     if gemma:
         writer.add_sliding_window(config["sliding_window"])
     if arch == "gemma3":
@@ -156,6 +157,29 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def _add_rope_scaling(writer: GGUFWriter, arch: str, rope: dict) -> None:
+    """llama.cpp's keys for a YaRN rope: type, factor, original context, the ramp's ends, and the
+    attention factor as llama.cpp's multiplier of YaRN's own (0.1 ln(factor) + 1)."""
+    if rope.get("rope_type") != "yarn":
+        return
+    import math
+
+    from gguf import RopeScalingType
+
+    from duoserve.model.rope_params import rope_from_hf
+
+    resolved = rope_from_hf({"rope_parameters": rope})
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key in ("beta_fast", "beta_slow"):
+        if key in rope:
+            writer.add_float32(f"{arch}.rope.scaling.yarn_{key}", rope[key])
+    own = 0.1 * math.log(rope["factor"]) + 1.0
+    if abs(resolved.attention_factor - own) > 1e-12:
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", resolved.attention_factor / own)
 
 
 def _stacked_expert(name: str) -> tuple[str, int] | None:
