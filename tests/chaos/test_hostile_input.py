@@ -60,6 +60,33 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(server, tmp_
     assert httpx.get(f"{server.url}/health", timeout=HANG_TIMEOUT_S).json() == {"status": "ok"}
 
 
+def test_schemathesis_over_the_new_routes_finds_no_server_error(server, tmp_path):
+    """Anthropic's Messages, Responses and embeddings: their request schemas as the server itself
+    describes them (FastAPI's /openapi.json, filtered to these routes); bad input must get a 4xx,
+    never a 5xx (the routes declare no response schema to check). The examples and fuzzing
+    phases: the coverage phase's cases bypass the hooks that bound a request's work."""
+    from tests.conformance.schemathesis_hooks import NEW_ROUTES
+
+    spec = httpx.get(f"{server.url}/openapi.json", headers=server.headers, timeout=HANG_TIMEOUT_S).json()
+    spec["paths"] = {path: ops for path, ops in spec["paths"].items() if path in NEW_ROUTES}
+    assert sorted(spec["paths"]) == sorted(NEW_ROUTES)
+    (tmp_path / "new-routes.json").write_text(json.dumps(spec))
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.conformance.schemathesis_hooks",
+           "DUOSERVE_CONFORMANCE_MODEL": MODEL,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", str(tmp_path / "new-routes.json"), "--url", server.url,
+         "-H", f"Authorization: Bearer {KEY}", "--checks", "not_a_server_error", "--phases", "examples,fuzzing",
+         "--max-examples", "150" if FULL else "25", "--seed", "1", "--request-timeout", str(HANG_TIMEOUT_S),
+         "--workers", "1", "--no-color"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=6 * HANG_TIMEOUT_S * (5 if FULL else 1))
+    assert done.returncode == 0, done.stdout[-3000:]
+    cases = next((line for line in done.stdout.splitlines() if "generated" in line), "").strip()
+    report("schemathesis_new_routes", {"cases": cases})
+    assert httpx.get(f"{server.url}/health", timeout=HANG_TIMEOUT_S).json() == {"status": "ok"}
+
+
 def _post(server, body=None, raw: bytes | None = None, path="/v1/completions") -> httpx.Response:
     headers = {**server.headers, "content-type": "application/json"}
     if raw is None:

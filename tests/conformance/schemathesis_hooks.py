@@ -76,8 +76,31 @@ def _messages(messages):
     return bounded
 
 
+# duoserve's own routes past OpenAI's subset (their schemas: the server's /openapi.json)
+NEW_ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/embeddings")
+
+
+def _new_route(path: str, body: dict) -> dict:
+    """Anthropic's Messages, Responses and embeddings bodies bounded like the others."""
+    body["model"] = MODEL
+    body["stream"] = False
+    for name in ("max_tokens", "max_output_tokens"):
+        if path != "/v1/embeddings" and (name in body or path == "/v1/messages" and name == "max_tokens"):
+            body[name] = min(max(int(body[name]), 1), CAPS["max_tokens"]) if _is_number(body.get(name)) else 8
+    if path == "/v1/responses" and "max_output_tokens" not in body:
+        body["max_output_tokens"] = CAPS["max_tokens"]
+    if isinstance(body.get("messages"), list):
+        body["messages"] = body["messages"][:MAX_ITEMS]
+    if isinstance(body.get("input"), (list, str)):
+        body["input"] = _prompt(body["input"]) if path == "/v1/embeddings" else body["input"][:MAX_ITEMS]
+    return body
+
+
 @schemathesis.hook
 def map_body(ctx, body):
+    path = ctx.operation.path if ctx.operation is not None else ""
+    if isinstance(body, dict) and path in NEW_ROUTES:
+        return _new_route(path, body)
     if isinstance(body, dict):
         body["model"] = MODEL
         for name, cap in CAPS.items():
