@@ -4,7 +4,7 @@ chat request the engine path serves (``ChatCompletionRequest``).
 What maps: ``system`` (a string or text blocks), ``messages`` of text, ``tool_use`` and
 ``tool_result`` blocks (an assistant's calls and the results sent back, as the chat template shows
 them), a final assistant message (the answer goes on from it), ``max_tokens``, ``stop_sequences``,
-``temperature`` (the API's default 1.0), ``top_p``, ``top_k``, ``tools`` (``input_schema``) and
+``temperature`` (the API's default 1.0), ``top_p``, ``top_k`` (and vLLM's ``ignore_eos``), ``tools`` (``input_schema``) and
 ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, ``disable_parallel_tool_use``),
 ``output_config.format`` (a JSON schema, as ``response_format`` does), ``thinking`` (the server's
 reasoning parser). Accepted and changing nothing: ``metadata``, ``service_tier``, ``cache_control``
@@ -103,6 +103,7 @@ class MessagesRequest(_Strict):
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
     thinking: Thinking | None = None
+    ignore_eos: bool = False                   # vLLM's extra (benchmark clients send it)
 
     def to_chat(self, reasoning_parser: str | None, for_counting: bool = False) -> ChatCompletionRequest:
         """The same request as a chat completion (``for_counting``: count_tokens', no sampling)."""
@@ -114,7 +115,7 @@ class MessagesRequest(_Strict):
                                 "max_tokens": None if for_counting else self.max_tokens,
                                 "temperature": 1.0 if self.temperature is None else self.temperature,
                                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences,
-                                "include_stop_str_in_output": False}
+                                "include_stop_str_in_output": False, "ignore_eos": self.ignore_eos}
         if tools:
             body["tools"] = tools
             body.update(self._tool_choice())

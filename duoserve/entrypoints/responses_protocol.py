@@ -6,7 +6,7 @@ What maps: ``input`` (a string, or items: messages with text parts, ``function_c
 ``function_call_output`` items; ``reasoning`` items of an earlier turn are not shown to the model),
 ``instructions`` (a system message first), ``tools`` of type ``function`` and ``tool_choice``,
 ``text.format`` (``text``, ``json_object``, ``json_schema``), ``max_output_tokens``,
-``temperature``, ``top_p``, ``parallel_tool_calls``, ``reasoning`` (``effort: "none"`` turns a
+``temperature``, ``top_p`` (and vLLM's ``top_k``, ``seed``, ``ignore_eos``), ``parallel_tool_calls``, ``reasoning`` (``effort: "none"`` turns a
 reasoning model's thinking off; without ``--reasoning-parser`` the effort changes nothing). Accepted
 and changing nothing: ``metadata``, ``user``, ``safety_identifier``, ``service_tier``,
 ``prompt_cache_key``, ``prompt_cache_retention`` (the prefix cache is always on), ``stream_options``,
@@ -44,15 +44,17 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None      # vLLM's extra
+    top_k: int | None = None      # vLLM's extras
     seed: int | None = None
+    ignore_eos: bool = False
     stream: bool = False
 
     def to_chat(self, reasoning_parser: str | None) -> ChatCompletionRequest:
         self._refuse_fields()
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream,
                                 "max_tokens": self.max_output_tokens, "temperature": self.temperature,
-                                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+                                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                                "ignore_eos": self.ignore_eos}
         if self.tools:
             body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:

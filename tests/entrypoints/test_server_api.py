@@ -244,10 +244,16 @@ def _wait_idle(server) -> None:
     wait_gauges_idle(server.url, within=120, headers=server.headers)
 
 
-def test_disconnect_mid_stream_frees_blocks(server):
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2000}),
+    ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2000}),
+    ("/v1/responses", {"model": MODEL, "input": PROMPT, "max_output_tokens": 2000}),
+])
+def test_disconnect_mid_stream_frees_blocks(server, route, body):
+    """Whichever API the stream speaks, a client leaving aborts its request."""
     generated = _metric(server, "duoserve:generation_tokens_total")
-    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60) as r:
+    body = {**body, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}{route}", json=body, headers=server.headers, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break  # leave mid-stream
