@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -56,6 +57,27 @@ def test_a_greedy_request_answered_whole_then_streamed_gives_one_text(client):
     assert usage.completion_tokens == whole.usage.completion_tokens
     # every full block of the prompt came from the cache; its last token is always computed
     assert usage.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_every_api_gives_the_chat_routes_greedy_text(client):
+    """Anthropic's Messages and OpenAI's Responses are translations of the chat request at the
+    edge: the same conversation, greedy, is the same text through each SDK (and so is its
+    stream), colocated and disaggregated."""
+    model = model_of(client)
+    question = [{"role": "user", "content": "Why is the sky blue?"}]
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=32,
+                                          messages=[{"role": "system", "content": SYSTEM}, *question])
+    text = chat.choices[0].message.content
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    claude = anthropic.Anthropic(base_url=root, api_key="none", max_retries=0, timeout=600)
+    kw = dict(model=model, max_tokens=32, system=SYSTEM, messages=question, extra_body={"temperature": 0})
+    assert claude.messages.create(**kw).content[0].text == text
+    with claude.messages.stream(**kw) as stream:
+        assert "".join(stream.text_stream) == text
+    kw = dict(model=model, instructions=SYSTEM, input=question, max_output_tokens=32, temperature=0)
+    assert client.responses.create(**kw).output_text == text
+    events = client.responses.create(**kw, stream=True)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
 
 
 def test_structured_outputs_through_the_sdk(client):
