@@ -13,7 +13,7 @@ TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 
 def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int = 0,
                          tokenizer_dir: Path | None = None, **overrides: Any) -> None:
-    """Save a random transformers model of ``kind`` (llama, qwen2, qwen3, mistral, gemma3, gemma2, and the
+    """Save a random transformers model of ``kind`` (llama, qwen2, qwen3, mistral, gemma3, gemma2, phi3, and the
     mixtures of experts mixtral, qwen2_moe, qwen3_moe: 4 experts, 2 a token) as safetensors.
     gemma3: a local layer with a sliding window of 8 (shorter than most test prompts) then a global one;
     gemma2 the same, with soft-caps small enough to change the scores and logits."""
@@ -29,6 +29,7 @@ def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
     params = {**TINY_BASE, **overrides}
     if kind in ("qwen3", "gemma3", "gemma2", "qwen3_moe"):
@@ -42,6 +43,9 @@ def make_tiny_checkpoint(path: Path, kind: str, sharded: bool = False, seed: int
             params.setdefault("moe_intermediate_size", 32)
     if kind == "qwen2_moe":
         params.setdefault("shared_expert_intermediate_size", 64)
+    if kind == "phi3":   # special ids inside the tiny vocabulary (Phi-3's are 32000 and up)
+        params.update(bos_token_id=params.get("bos_token_id", 1), eos_token_id=params.get("eos_token_id", 2),
+                      pad_token_id=params.get("pad_token_id", 0))
     if kind == "qwen3_moe":
         params.setdefault("norm_topk_prob", True)
     if kind == "gemma2":

@@ -1,5 +1,5 @@
-"""The hyper-parameters of a decoder (the Llama family, Gemma 2 and 3, mixtures of experts), whatever file
-they came from.
+"""The hyper-parameters of a decoder (the Llama family with Phi-3, Gemma 2 and 3, mixtures of experts),
+whatever file they came from.
 
 Both loaders (a Hugging Face directory and a GGUF file) turn their metadata into
 one ``ModelArch``; the model is built from it alone (``family`` picks the model's file).
@@ -7,11 +7,12 @@ one ``ModelArch``; the model is built from it alone (``family`` picks the model'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from duoserve.errors import ConfigError
 from duoserve.model.rope_params import RopeConfig, check_rope, rope_from_hf  # noqa: F401 (RopeConfig: re-exported)
+from duoserve.model.rope_params import for_context as rope_for_context
 
 # architecture name -> (has qkv bias by default, has q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -24,7 +25,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MixtralForCausalLM": (False, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
+    "Phi3ForCausalLM": (False, False),
 }
+# architectures whose checkpoints store Q/K/V and gate/up fused (qkv_proj, gate_up_proj), as our layers do
+FUSED_CHECKPOINTS = frozenset({"Phi3ForCausalLM"})
 
 # config.json's activation names -> ours (the MLP's gate activation)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -69,7 +73,7 @@ class ModelArch:
     @property
     def family(self) -> str:
         """Which model file builds this decoder: ``gemma`` (Gemma 2, 3), ``moe`` (Mixtral, Qwen MoE) or
-        ``llama`` (Llama, Mistral, Qwen)."""
+        ``llama`` (Llama, Mistral, Qwen, Phi-3)."""
         if self.architecture.startswith("Gemma"):
             return "gemma"
         return "moe" if self.num_experts else "llama"
@@ -114,6 +118,18 @@ class ModelArch:
         for window in {self.sliding_window, *self.layer_windows} - {None}:
             if window <= 0:
                 raise ConfigError("sliding_window", window, "a positive integer, or null for full attention")
+
+    def for_context(self, max_model_len: int) -> ModelArch:
+        """This decoder as served with ``max_model_len`` tokens of context: longrope picks its factors
+        by it (the fingerprint then covers the choice), and a window no shorter than it is no window
+        (it hides no key; Phi-3.5's 262,144 tokens would only keep the C++ decode step away)."""
+        def binding(window: int | None) -> int | None:
+            return window if window is not None and window < max_model_len else None
+
+        local = rope_for_context(self.local_rope, max_model_len) if self.local_rope else None
+        return replace(self, rope=rope_for_context(self.rope, max_model_len), local_rope=local,
+                       sliding_window=binding(self.sliding_window),
+                       layer_windows=tuple(binding(w) for w in self.layer_windows))
 
     @property
     def q_size(self) -> int:

@@ -42,7 +42,7 @@ class GGUFBlocks:
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -76,6 +76,9 @@ _MOE_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# Phi-3 keeps its checkpoint's fused projections: attn_qkv, and ffn_up holding gate then up
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                     "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                     "ffn_down_exps.weight": "down_proj"}
 _MIXTRAL_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -89,7 +92,8 @@ def hf_names(gguf_name: str, gguf_arch: str = "llama", num_experts: int = 0,
     tensor (None for a tensor of its own); none for a tensor the model does not read."""
     if gguf_name in _GLOBAL_NAMES:
         return [(_GLOBAL_NAMES[gguf_name], None)]
-    names = _GEMMA_LAYER_NAMES if gguf_arch.startswith("gemma") else {**_LAYER_NAMES, **_MOE_NAMES}
+    names = (_GEMMA_LAYER_NAMES if gguf_arch.startswith("gemma") else _PHI3_LAYER_NAMES if gguf_arch == "phi3"
+             else {**_LAYER_NAMES, **_MOE_NAMES})
     parts = gguf_name.split(".", 2)
     if len(parts) != 3 or parts[0] != "blk":
         return []
@@ -147,9 +151,11 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
                                                 or config["intermediate_size"]),
                       shared_expert_intermediate_size=int(meta.get(p + "expert_shared_feed_forward_length") or 0),
                       norm_topk_prob=bool(meta.get(p + "expert_weights_norm", gguf_arch != "qwen2moe")))
-    scaling = _rope_scaling(meta, p)
+    scaling = _rope_scaling(meta, p, tensor_names)
     if scaling:
         config["rope_scaling"] = scaling
+    if gguf_arch == "phi3" and meta.get(p + "attention.sliding_window"):
+        config["sliding_window"] = int(meta[p + "attention.sliding_window"])
     if gguf_arch in ("gemma2", "gemma3"):
         # what llama.cpp fixes for Gemma rather than stores: the tanh GELU, the attention scale from
         # the head size (hidden / heads for the 27B models: 46 layers in Gemma 2, 62 in Gemma 3) unless
@@ -171,10 +177,18 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
     return config
 
 
-def _rope_scaling(meta: dict[str, Any], p: str) -> dict[str, Any] | None:
+def _rope_scaling(meta: dict[str, Any], p: str, tensor_names: set[str]) -> dict[str, Any] | None:
     """config.json's rope_scaling from llama.cpp's keys (``{arch}.rope.scaling.*``); None without
-    scaling. llama.cpp scales YaRN's cos and sin by ``attn_factor`` times YaRN's own factor."""
+    scaling. llama.cpp scales YaRN's cos and sin by ``attn_factor`` times YaRN's own factor;
+    longrope (Phi-3) is its factor tensors, read by ``_longrope``."""
     kind = meta.get(p + "rope.scaling.type")
+    if _LONGROPE_TENSORS[0] in tensor_names:
+        if kind not in (None, "none", "longrope"):
+            raise ConfigError(p + "rope.scaling.type", kind, "longrope, or absent, beside rope_factors_long")
+        return {"rope_type": "longrope", "original_max_position_embeddings":
+                meta.get(p + "rope.scaling.original_context_length"),
+                **({"attention_factor": float(meta[p + "rope.scaling.attn_factor"])}
+                   if meta.get(p + "rope.scaling.attn_factor") is not None else {})}
     if kind in (None, "none"):
         return None
     factor = meta.get(p + "rope.scaling.factor")
@@ -193,7 +207,22 @@ def _rope_scaling(meta: dict[str, Any], p: str) -> dict[str, Any] | None:
         if meta.get(p + "rope.scaling.attn_factor") is not None:
             scaling["attention_factor"] = float(meta[p + "rope.scaling.attn_factor"]) * yarn_mscale(float(factor))
         return scaling
-    raise ConfigError(p + "rope.scaling.type", kind, "supported GGUF rope scalings are none, linear, yarn")
+    raise ConfigError(p + "rope.scaling.type", kind,
+                      "supported GGUF rope scalings are none, linear, yarn, longrope (with its factor tensors)")
+
+
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _longrope(reader: GGUFFile, config: dict[str, Any]) -> None:
+    """Phi-3's long and short factors, stored as tensors, into config's rope_scaling."""
+    tensors = {t.name: t for t in reader.tensors}
+    if _LONGROPE_TENSORS[0] not in tensors or "rope_scaling" not in config:
+        return
+    if _LONGROPE_TENSORS[1] not in tensors:
+        raise ModelLoadError(f"GGUF tensor {_LONGROPE_TENSORS[1]} is missing beside {_LONGROPE_TENSORS[0]}")
+    for key, name in zip(("long_factor", "short_factor"), _LONGROPE_TENSORS):
+        config["rope_scaling"][key] = [float(x) for x in np.asarray(tensors[name].data).view(np.float32)]
 
 
 class GGUFSource:
@@ -265,7 +294,9 @@ def open_gguf(path: Path, hf_overrides: dict[str, Any] | None) -> tuple[GGUFFile
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     meta = reader.meta
     names = {t.name for t in reader.tensors}
-    config = apply_overrides(_hf_config_from_gguf(meta, names), hf_overrides)
+    config = _hf_config_from_gguf(meta, names)
+    _longrope(reader, config)
+    config = apply_overrides(config, hf_overrides)
     arch = arch_from_hf_config(config)
     if "rope_freqs.weight" in names:
         freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")

@@ -90,6 +90,7 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
     if tokenizer is None:
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
     max_model_len = check_max_model_len(arch, config.max_model_len)
+    arch = arch.for_context(max_model_len)
     model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization)
 

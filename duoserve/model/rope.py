@@ -7,13 +7,16 @@ alone (never of its batch, its chunk or who computed the rest of its sequence's 
   cos and sin by its attention factor);
 * dynamic (NTK): position p is rotated with the base transformers computes for a sequence of
   max(p + 1, max_position_embeddings) tokens;
-* longrope (Phi-3): the short factors below the original context, the long ones from it on,
-  cos and sin scaled by the attention factor.
+* longrope (Phi-3): the short factors, or the long ones where the served context passes the
+  original one (``rope_params.for_context``), cos and sin scaled by the attention factor.
 
-For dynamic and longrope this is transformers' arithmetic when a sequence is fed a token at a
-time: its generate() gives the same tokens whenever the prompt fits the original context (each
-decode step's length is p + 1); a longer prompt taken in one forward is rotated there with the
-prompt's length for every token instead, which no engine that caches KV per position can follow.
+For dynamic NTK this is transformers' arithmetic when a sequence is fed a token at a time: its
+generate() gives the same tokens whenever the prompt fits the original context (each decode step's
+length is p + 1); a longer prompt taken in one forward is rotated there with the prompt's length
+for every token instead, which no engine that caches KV per position can follow. For longrope it is
+transformers' for every sequence longer than the original context (Phi-3's generate() recomputes a
+sequence's KV with the long factors once it gets there) and for every sequence of a context served
+within the original one.
 The frequencies are computed with transformers' operations, in its order, so that the tables
 match its cos and sin to float32 rounding.
 """
@@ -33,8 +36,8 @@ def _exponents(head_dim: int) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] of the position-independent types (and the short
-    factors' of longrope, the original base's of dynamic)."""
+    """Inverse frequencies [head_dim // 2] of the position-independent types (and the original
+    base's of dynamic)."""
     inv_freq = 1.0 / (rope.theta ** _exponents(head_dim))  # [head_dim // 2]
     if rope.freq_factors is not None:
         return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
@@ -45,7 +48,7 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     if rope.rope_type == "yarn":
         return _yarn(head_dim, rope)
     if rope.rope_type == "longrope":
-        return _longrope(head_dim, rope, rope.short_factor)
+        return _longrope(head_dim, rope, rope.long_factor if rope.long_context else rope.short_factor)
     return inv_freq
 
 
@@ -101,11 +104,7 @@ def rope_freqs(head_dim: int, rope: RopeConfig, max_positions: int) -> torch.Ten
     positions = torch.arange(max_positions, dtype=torch.float32)
     if rope.rope_type == "dynamic":
         return _dynamic_freqs(head_dim, rope, positions)
-    short = torch.outer(positions, rope_inv_freq(head_dim, rope))  # [max_positions, head_dim // 2]
-    if rope.rope_type != "longrope":
-        return short
-    long = torch.outer(positions, _longrope(head_dim, rope, rope.long_factor))
-    return torch.where((positions < rope.original_max_position_embeddings)[:, None], short, long)
+    return torch.outer(positions, rope_inv_freq(head_dim, rope))  # [max_positions, head_dim // 2]
 
 
 class RotaryEmbedding(nn.Module):

@@ -9,7 +9,7 @@ fingerprint) without knowing the rules. The tables themselves are ``rope.py``'s.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from duoserve.errors import ConfigError
@@ -33,8 +33,9 @@ class RopeConfig:
     beta_fast: float = 32.0                        # yarn: the ramp's ends, in rotations over the
     beta_slow: float = 1.0                         # original context
     truncate: bool = True                          # yarn: the ramp's ends rounded outwards
-    short_factor: tuple[float, ...] | None = None  # longrope: frequency divisors below the original
-    long_factor: tuple[float, ...] | None = None   # context, and from it on
+    short_factor: tuple[float, ...] | None = None  # longrope: frequency divisors for a context within
+    long_factor: tuple[float, ...] | None = None   # the original one, and for a longer one
+    long_context: bool = False                     # longrope: the long factors in use (for_context)
 
     def max_context(self, max_position_embeddings: int) -> int:
         """The longest context the scaling is meant for: the original context times the factor for
@@ -42,6 +43,16 @@ class RopeConfig:
         if self.rope_type in ("yarn", "dynamic") and self.original_max_position_embeddings:
             return max(max_position_embeddings, int(self.original_max_position_embeddings * self.factor))
         return max_position_embeddings
+
+
+def for_context(rope: RopeConfig, max_model_len: int) -> RopeConfig:
+    """``rope`` as served with a context of ``max_model_len`` tokens: longrope takes its long factors
+    at every position when that passes the original context, its short ones otherwise. (Per
+    position, or per sequence length as transformers does, a token's KV would depend on how far
+    its sequence has got; llama.cpp and vLLM decide by the context served, as here.)"""
+    if rope.rope_type != "longrope":
+        return rope
+    return replace(rope, long_context=max_model_len > (rope.original_max_position_embeddings or 0))
 
 
 def rope_from_hf(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from duoserve.errors import ModelLoadError
-from duoserve.model.arch import ModelArch
+from duoserve.model.arch import FUSED_CHECKPOINTS, ModelArch
 from duoserve.model.gemma import GemmaModel
 from duoserve.model.gguf_loader import GGUFBlocks
 from duoserve.model.llama import LlamaModel
@@ -48,15 +48,16 @@ class BlockModules:
 def checkpoint_parts(arch: ModelArch) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Our parameter name -> the checkpoint tensors (HF names, shapes) it is made of, in order."""
     h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    fused = arch.architecture in FUSED_CHECKPOINTS
     parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {
         "embed.weight": [("model.embed_tokens.weight", (arch.vocab_size, h))],
     }
     for i in range(arch.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         parts[dst + "input_norm.weight"] = [(src + "input_layernorm.weight", (h,))]
-        parts[dst + "qkv.weight"] = [(src + "self_attn.q_proj.weight", (q, h)),
-                                     (src + "self_attn.k_proj.weight", (kv, h)),
-                                     (src + "self_attn.v_proj.weight", (kv, h))]
+        parts[dst + "qkv.weight"] = [(src + "self_attn.qkv_proj.weight", (q + 2 * kv, h))] if fused else [
+            (src + "self_attn.q_proj.weight", (q, h)), (src + "self_attn.k_proj.weight", (kv, h)),
+            (src + "self_attn.v_proj.weight", (kv, h))]
         if arch.qkv_bias:
             parts[dst + "qkv.bias"] = [(src + "self_attn.q_proj.bias", (q,)),
                                        (src + "self_attn.k_proj.bias", (kv,)),
@@ -70,8 +71,9 @@ def checkpoint_parts(arch: ModelArch) -> dict[str, list[tuple[str, tuple[int, ..
         if arch.routed(i):
             parts.update(_routed_mlp_parts(arch, src, dst + "moe."))
             continue
-        parts[dst + "gate_up.weight"] = [(src + "mlp.gate_proj.weight", (inter, h)),
-                                         (src + "mlp.up_proj.weight", (inter, h))]
+        # a fused checkpoint's gate_up_proj holds the gate rows, then the up rows: our layout
+        parts[dst + "gate_up.weight"] = [(src + "mlp.gate_up_proj.weight", (2 * inter, h))] if fused else [
+            (src + "mlp.gate_proj.weight", (inter, h)), (src + "mlp.up_proj.weight", (inter, h))]
         parts[dst + "down.weight"] = [(src + "mlp.down_proj.weight", (h, inter))]
     parts["norm.weight"] = [("model.norm.weight", (h,))]
     if not arch.tie_word_embeddings:

@@ -34,9 +34,9 @@ def hf_incremental(model, prompt: list[int], max_new_tokens: int = 1) -> tuple[t
 
 
 def greedy_equal_colocated(path: Path, prompts: list[list[int]], want: list[tuple[list[int], list]],
-                           max_new_tokens: int, max_model_len: int) -> None:
+                           max_new_tokens: int, max_model_len: int, expect_hits: bool = True) -> None:
     """Colocated, prompts chunked by a budget of 16 tokens, each prompt run twice (the second time
-    from the prefix cache): transformers' greedy tokens every time."""
+    from the prefix cache, where a prompt fills a block of 16): transformers' greedy tokens every time."""
     llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=16,
               max_model_len=max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
@@ -44,7 +44,7 @@ def greedy_equal_colocated(path: Path, prompts: list[list[int]], want: list[tupl
         outs = llm.generate(prompts, params, use_tqdm=False)
         for prompt, out, (tokens, scores) in zip(prompts, outs, want):
             assert_same_greedy(out.outputs[0].token_ids, tokens, scores, f"{attempt}, prompt of {len(prompt)}")
-    assert llm.engine.kv.num_hits > 0, "the second run must hit the prefix cache"
+    assert llm.engine.kv.num_hits > 0 or not expect_hits, "the second run must hit the prefix cache"
     assert_pool_whole(llm)
 
 

@@ -62,6 +62,10 @@ GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
+# Phi-3's fused projections, as llama.cpp's converter names them (ffn_up holds gate then up)
+PHI3_LAYER = {**GGUF_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
 GEMMA_LAYER = {**GGUF_LAYER, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -79,9 +83,10 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
     config = json.loads((hf_dir / "config.json").read_text())
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             "Gemma3ForCausalLM": "gemma3", "Gemma2ForCausalLM": "gemma2", "MixtralForCausalLM": "llama",
-            "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}[config["architectures"][0]]
+            "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+            "Phi3ForCausalLM": "phi3"}[config["architectures"][0]]
     gemma = arch.startswith("gemma")
-    layer_names = GEMMA_LAYER if gemma else GGUF_LAYER
+    layer_names = GEMMA_LAYER if gemma else PHI3_LAYER if arch == "phi3" else GGUF_LAYER
     writer = GGUFWriter(str(out), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -95,6 +100,8 @@ def write_gguf(hf_dir: Path, out: Path, type_name: str, tokenizer=None) -> dict[
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
     _add_rope_scaling(writer, arch, rope)
+    if arch == "phi3":
+        _add_phi3(writer, config)
     if gemma:
         writer.add_sliding_window(config["sliding_window"])
     if arch == "gemma3":
@@ -180,6 +187,23 @@ def _add_rope_scaling(writer: GGUFWriter, arch: str, rope: dict) -> None:
     own = 0.1 * math.log(rope["factor"]) + 1.0
     if abs(resolved.attention_factor - own) > 1e-12:
         writer.add_float32(f"{arch}.rope.scaling.attn_factor", resolved.attention_factor / own)
+
+
+def _add_phi3(writer: GGUFWriter, config: dict) -> None:
+    """Phi-3's window, and its longrope as llama.cpp's converter writes it: the factors as F32 tensors,
+    the original context and the attention factor as keys."""
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    rope = config["rope_parameters"]
+    if rope.get("rope_type") != "longrope":
+        return
+    from duoserve.model.rope_params import rope_from_hf
+
+    resolved = rope_from_hf(config)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    writer.add_rope_scaling_orig_ctx_len(resolved.original_max_position_embeddings)
+    writer.add_float32("phi3.rope.scaling.attn_factor", resolved.attention_factor)
 
 
 def _stacked_expert(name: str) -> tuple[str, int] | None:

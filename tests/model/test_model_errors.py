@@ -48,7 +48,8 @@ def test_unsupported_architecture(tiny_dir, tmp_path):
         load_model(ModelConfig(model=str(path)))
     assert str(err.value) == ("architecture='GPT2LMHeadModel' is not allowed: supported architectures are "
                               "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
-                              "Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM")
+                              "Gemma3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+                              "Phi3ForCausalLM")
 
 
 def test_missing_tensor(tiny_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""Scaled rotary embeddings (YaRN, dynamic NTK) against transformers, on tiny seeded checkpoints whose
+"""Scaled rotary embeddings (YaRN, dynamic NTK; longrope in test_phi3.py) against transformers, on tiny seeded checkpoints whose
 original context (16 tokens) is shorter than the prompts."""
 
 from __future__ import annotations
@@ -21,18 +21,15 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 YARN_QWEN2 = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIGINAL, "beta_fast": 8.0,
               "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5, "rope_theta": 1000000.0}
 DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
-# factor (max_position_embeddings 64 / 16) and attention factor left to their defaults
-LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": ORIGINAL, "rope_theta": 10000.0,
-            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.5, 11.0, 14.0]}
 
 CASES = {
     "yarn-llama": dict(kind="llama", rope_parameters=YARN),
     "yarn-qwen2": dict(kind="qwen2", rope_parameters=YARN_QWEN2),
     "dynamic-llama": dict(kind="llama", rope_parameters=DYNAMIC, max_position_embeddings=ORIGINAL),
-    "longrope-llama": dict(kind="llama", rope_parameters=LONGROPE, max_position_embeddings=64),
 }
-# transformers computes these from each forward's length: the reference is fed a token at a time
-LENGTH_DEPENDENT = ("dynamic-llama", "longrope-llama")
+# transformers computes this one from each forward's length: the reference is fed a token at a time
+# (longrope, the other such type, is Phi-3's: tests/model/test_phi3.py)
+LENGTH_DEPENDENT = ("dynamic-llama",)
 MAX_MODEL_LEN = 64   # dynamic: the original 16 times its factor 4, all it may serve
 
 
@@ -45,7 +42,7 @@ def prompts() -> list[list[int]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_equal_transformers_past_the_original_context(tiny_dir, case):
     """Every position of a 40-token prompt (2.5x the original context): transformers' logits within
-    1e-4. Dynamic NTK and longrope against transformers fed a token at a time (see rope.py); at once within
+    1e-4. Dynamic NTK against transformers fed a token at a time (see rope.py); at once within
     the original context too. And the scaling is not vacuous: the unscaled model differs."""
     path = tiny_dir(**CASES[case])
     ours = load_model(ModelConfig(model=str(path), dtype="float32", max_model_len=MAX_MODEL_LEN))
@@ -73,8 +70,7 @@ def test_logits_equal_transformers_past_the_original_context(tiny_dir, case):
 @pytest.fixture(scope="module")
 def greedy_references(tiny_dir):
     """case -> transformers' 20 greedy tokens (and step logits) for each prompt: generate() for
-    YaRN; a token at a time for dynamic NTK and longrope, whose generate() agrees within the original
-    context."""
+    YaRN; a token at a time for dynamic NTK, whose generate() agrees within the original context."""
     refs = {}
     for case, spec in CASES.items():
         hf = hf_model(tiny_dir(**spec))
