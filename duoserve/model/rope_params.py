@@ -91,14 +91,18 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_params(params: dict[str, Any], original: Any, max_positions: int) -> dict[str, Any]:
-    """factor (else max_position_embeddings / the original context), the attention factor (else
-    from the factor and DeepSeek's mscale / mscale_all_dim), the ramp's ends (32 and 1 rotations)."""
+def _factor(params: dict[str, Any], original: Any, max_positions: int, why: str) -> float:
+    """The config's factor, else max_position_embeddings / the original context (which must be given)."""
     if not original:
-        raise ConfigError("rope_scaling.original_max_position_embeddings", original,
-                          "a positive integer: YaRN scales from the context the model was trained for")
+        raise ConfigError("rope_scaling.original_max_position_embeddings", original, f"a positive integer: {why}")
     factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_positions / int(original)
+    return float(factor) if factor is not None else max_positions / int(original)
+
+
+def _yarn_params(params: dict[str, Any], original: Any, max_positions: int) -> dict[str, Any]:
+    """factor, the attention factor (else from the factor and DeepSeek's mscale / mscale_all_dim),
+    the ramp's ends (32 and 1 rotations)."""
+    factor = _factor(params, original, max_positions, "YaRN scales from the context the model was trained for")
     attention = params.get("attention_factor")
     if attention is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
@@ -111,13 +115,10 @@ def _yarn_params(params: dict[str, Any], original: Any, max_positions: int) -> d
 
 
 def _longrope_params(params: dict[str, Any], original: Any, max_positions: int) -> dict[str, Any]:
-    """The short and long factors, the factor (else max_position_embeddings / the original context)
-    and the attention factor (else sqrt(1 + ln(factor) / ln(original)), 1 without scaling)."""
-    if not original:
-        raise ConfigError("rope_scaling.original_max_position_embeddings", original,
-                          "a positive integer: longrope switches factors at the context the model was trained for")
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_positions / int(original)
+    """The short and long factors, the factor and the attention factor (else
+    sqrt(1 + ln(factor) / ln(original)), 1 without scaling)."""
+    factor = _factor(params, original, max_positions,
+                     "longrope switches factors at the context the model was trained for")
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(int(original)))
