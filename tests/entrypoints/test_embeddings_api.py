@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import API_KEY
-from tests.server_helpers import Server, metric
+from tests.server_helpers import Server, metric, wait_metric
 
 MODEL = "smollm2-135m"
 TEXTS = ["The quick brown fox jumps over the lazy dog", "Hello",
@@ -81,5 +81,8 @@ def test_disaggregated_gives_the_colocated_vectors(client, disaggregated):
     placed = metric(disaggregated.url, *series, headers=disaggregated.headers)
     assert np.abs(vectors(remote, TEXTS) - vectors(client, TEXTS)).max() < 1e-4
     assert metric(disaggregated.url, *series, headers=disaggregated.headers) == placed + len(TEXTS)
-    # and its generation still works after the embeddings (nothing left held)
+    # finished on the prefill engine: no KV handed to the decode engine
+    assert metric(disaggregated.url, "duoserve:kv_transfer_bytes_total", headers=disaggregated.headers) == 0
+    # and its generation still works after the embeddings (nothing left held), its KV handed over
     assert remote.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
+    wait_metric(disaggregated.url, "duoserve:kv_transfer_bytes_total", lambda v: v > 0, headers=disaggregated.headers)
