@@ -78,3 +78,23 @@ def greedy_equal_disaggregated(path: Path, prompts: list[list[int]], want: list[
         assert_same_greedy(tokens[f"r{i}"], want_tokens, scores, f"disaggregated, prompt of {len(prompt)}")
     for engine_core in (prefill, decode):
         assert_pool_whole(engine_core)
+
+
+def speculation_and_prompt_logprobs_equal(path: Path, prompts: list[list[int]], want: list[tuple[list[int], list]],
+                                          reference_logits: list[torch.Tensor], max_new_tokens: int,
+                                          max_model_len: int) -> None:
+    """With n-gram speculation (guesses from the sequence's own tokens, verified by the target) the
+    greedy tokens are transformers'; the prompt log-probabilities are transformers' log-softmax at
+    every prompt position (within 1e-4), ``reference_logits`` [n, vocab] per prompt."""
+    spec = dict(method="ngram", ngram_min=1, num_speculative_tokens=3, disable_batch_size=64)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=max_model_len, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.speculation.num_accepted_tokens > 0
+    for prompt, out, (tokens, scores), logits in zip(prompts, outs, want, reference_logits):
+        assert_same_greedy(out.outputs[0].token_ids, tokens, scores, f"speculative, prompt of {len(prompt)}")
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        got = [entry.logprob for entry in out.prompt_logprobs[1:]]
+        expected = [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+        assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+    assert_pool_whole(llm)

@@ -19,7 +19,8 @@ from duoserve.config import ModelConfig
 from duoserve.kernels.linear import GGUFLinear
 from duoserve.worker.backends import load_model
 from tests.helpers import forward_one, hf_greedy, hf_model
-from tests.model.family_checks import greedy_equal_colocated, greedy_equal_disaggregated
+from tests.model.family_checks import (greedy_equal_colocated, greedy_equal_disaggregated,
+                                       speculation_and_prompt_logprobs_equal)
 
 ORIGINAL = 16
 SHORT = [1.0, 1.05, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7]
@@ -130,6 +131,14 @@ def test_greedy_tokens_equal_transformers_chunked_and_prefix_cached(tiny_dir, gr
 def test_greedy_tokens_equal_transformers_disaggregated(tiny_dir, greedy_references, case):
     greedy_equal_disaggregated(tiny_dir(**CASES[case]), long_prompts(case), greedy_references[case], 20,
                                MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_decoding_and_prompt_logprobs_equal_transformers(tiny_dir, greedy_references, case):
+    path = tiny_dir(**CASES[case])
+    hf = hf_model(path)
+    logits = [reference_logits(hf, p) for p in long_prompts(case)]
+    speculation_and_prompt_logprobs_equal(path, long_prompts(case), greedy_references[case], logits, 20, MAX_MODEL_LEN)
 
 
 @pytest.mark.parametrize("case", ["phi3-mini-4k", "phi3.5-mini"])

@@ -13,7 +13,8 @@ from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError
 from duoserve.worker.backends import load_model
 from tests.helpers import forward_one, hf_greedy, hf_model
-from tests.model.family_checks import greedy_equal_colocated, greedy_equal_disaggregated, hf_incremental
+from tests.model.family_checks import (greedy_equal_colocated, greedy_equal_disaggregated, hf_incremental,
+                                       speculation_and_prompt_logprobs_equal)
 
 ORIGINAL = 16
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 10000.0}
@@ -92,6 +93,16 @@ def test_greedy_tokens_equal_transformers_chunked_and_prefix_cached(tiny_dir, gr
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_equal_transformers_disaggregated(tiny_dir, greedy_references, case):
     greedy_equal_disaggregated(tiny_dir(**CASES[case]), prompts(), greedy_references[case], 20, MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_decoding_and_prompt_logprobs_equal_transformers(tiny_dir, greedy_references, case):
+    path = tiny_dir(**CASES[case])
+    hf = hf_model(path)
+    with torch.no_grad():
+        logits = [hf_incremental(hf, p)[0] if case in LENGTH_DEPENDENT else hf(torch.tensor([p])).logits[0]
+                  for p in prompts()]
+    speculation_and_prompt_logprobs_equal(path, prompts(), greedy_references[case], logits, 20, MAX_MODEL_LEN)
 
 
 def test_context_limits_of_scaled_ropes(tiny_dir):
