@@ -357,6 +357,30 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
     print(f"stopped {stopped_after:.2f}s after the second SIGTERM")
 
 
+def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_path):
+    """SIGTERM to an engine whose stream outlasts --shutdown-timeout (3 s): it serves on until
+    the deadline, exits then, and the stream goes on on the relaunched engine, every token once."""
+    log = tmp_path / "log"
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "3", log=log)
+    try:
+        (engine_pid,) = engine_children(srv.proc.pid)
+        lines: list[str] = []
+        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Tell me a long story",
+                                                                  "max_tokens": 300, "ignore_eos": True}, lines))
+        thread.start()
+        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        os.kill(engine_pid, signal.SIGTERM)
+        exited_after = _wait_for(lambda: not alive(engine_pid), 60, "the engine exiting at its deadline")
+        thread.join(600)
+    finally:
+        srv.stop(signal.SIGTERM)
+    text = log.read_text()
+    assert "the drain deadline passed: stopping with 1 requests unfinished" in text
+    assert exited_after >= 3 - 0.5, f"it exited {exited_after:.2f}s after SIGTERM, before its deadline"
+    assert lines[-1] == "data: [DONE]" and not [ln for ln in lines if "error" in ln], lines[-3:]
+    assert len(lines) == 300 + 1 and "moving the 1 requests it held" in text
+
+
 def test_sigterm_to_a_starting_engine_stops_it_at_once(tmp_path, monkeypatch):
     """SIGTERM to an engine held in its start: it stops at once (not after its 600 s hold), the
     server reports the engine gone and exits, and nothing it started remains."""
