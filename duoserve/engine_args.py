@@ -73,8 +73,9 @@ class EngineArgs:
     block_size: int = flag(CacheConfig.block_size, "tokens per KV block, a power of two", parse=int)
     kv_cache_memory: float | None = flag(
         CacheConfig.kv_cache_memory, "KV cache budget in GiB", parse=float,
-        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, reserved as blocks are first written; on GPU "
-                     "--gpu-memory-utilization of free memory")
+        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, raised to hold one sequence of the whole context where "
+                     "half of the available memory allows it (else, without --max-model-len, the context is capped "
+                     "at what the pool holds, said at start); on GPU --gpu-memory-utilization of free memory")
     kv_cache_dtype: str = flag(
         CacheConfig.kv_cache_dtype, "KV cache element type; auto = the model dtype. bfloat16 halves the KV memory "
         "and the bytes decode attention reads", choices=DTYPES)

@@ -26,13 +26,23 @@ def test_budget_below_context_without_chunking():
     assert SchedulerConfig().token_budget(8192) == 512
 
 
-def test_kv_budget_too_small(tiny_dir):
+def test_kv_budget_too_small_for_an_asked_context(tiny_dir):
     with pytest.raises(ConfigError) as err:
-        LLM(str(tiny_dir()), dtype="float32", kv_cache_memory=0.0001)
-    # tiny llama: 512 bytes a token, 512 tokens -> 32 blocks of 16 tokens = 262144 bytes
+        LLM(str(tiny_dir()), dtype="float32", kv_cache_memory=0.0001, max_model_len=512)
+    # tiny llama: 512 bytes a token, 512 tokens -> 32 blocks of 16 tokens = 262144 bytes; 0.0001 GiB holds 13 blocks
     assert str(err.value) == (
-        "kv_cache_memory=0.0001 is not allowed: at least 0.0002 GiB to hold one sequence of max_model_len=512 "
-        "tokens (32 blocks of 8192 bytes). Raise --kv-cache-memory or lower --max-model-len")
+        "kv_cache_memory=0.0001 is not allowed: a context whose KV cache fits: one 512-token sequence needs "
+        "0.0002441 GiB of KV cache, more than the 0.0001 GiB given. Give --max-model-len 208 or "
+        "--kv-cache-memory 0.0003")
+
+
+def test_the_models_context_is_capped_at_what_a_given_pool_holds(tiny_dir):
+    """No --max-model-len: the engine starts with the context its pool holds, as llama.cpp would."""
+    llm = LLM(str(tiny_dir()), dtype="float32", kv_cache_memory=0.0001)
+    assert llm.engine.max_model_len == 208 and llm.engine.memory["kv_pool"]["sizing"].startswith(
+        "max_model_len capped at 208 tokens")
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 4
 
 
 def test_max_model_len_over_model_limit(tiny_dir):

@@ -35,7 +35,7 @@ from duoserve.structured.grammar import GrammarCompiler
 from duoserve.worker.backends import load_model
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.grammar_masks import GrammarMasks
-from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
+from duoserve.worker.kv_cache import bytes_per_token, plan_kv_pool
 from duoserve.worker.memory import (estimate_prefill_scratch, measure_prefill_scratch, rss_bytes, scratch_measured,
                                     tensor_resident_bytes)
 from duoserve.worker.model_runner import ModelRunner
@@ -72,8 +72,12 @@ class EngineBuilder:
         draft = None  # speculative decoding's draft model
         if spec is not None and spec.method == "draft":
             draft = load_draft(spec, config.model, loaded, self.max_model_len)
-        num_blocks = num_kv_blocks(loaded.arch, cache, self.kv_dtype, self.device, self.max_model_len,
-                                   draft.arch if draft else None)
+        pool = plan_kv_pool(loaded.arch, cache, self.kv_dtype, self.device, self.max_model_len,
+                            config.model.max_model_len is not None, draft.arch if draft else None)
+        if pool.note:
+            logger.info("%s", pool.note)
+        num_blocks, self.max_model_len, self.kv_sizing = pool.num_blocks, pool.max_model_len, pool.note
+        self.budget = config.scheduler.token_budget(self.max_model_len)
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         store = self._open_store(kv) if config.kv_store is not None else None
         swap = SwapSource(SwapSpace(self.num_swap_blocks), SwapCost(self.block_bytes)) if self.num_swap_blocks else None
@@ -157,7 +161,8 @@ class EngineBuilder:
             "weights_bytes": {kind: size for kind, size in self.weights.items() if size},
             "kv_pool": {"blocks": num_blocks, "block_size": block_size, "tokens": num_blocks * block_size,
                         "dtype": str(self.kv_dtype).removeprefix("torch."), "bytes": num_blocks * per_block,
-                        "resident_bytes": tensor_resident_bytes(kv_buffer) if on_cpu else None},
+                        "resident_bytes": tensor_resident_bytes(kv_buffer) if on_cpu else None,
+                        "max_model_len": self.max_model_len, "sizing": self.kv_sizing},
             "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
             "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": scratch_tokens,
             "prefill_scratch_measured": measured and scratch is not None,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from duoserve.config import DEFAULT_CPU_KV_CACHE_GIB, CacheConfig
 from duoserve.errors import ConfigError
 from duoserve.model.arch import ModelArch
+from duoserve.worker.memory import available_bytes
 
 GIB = 1 << 30
 
@@ -25,23 +29,68 @@ def kv_budget_bytes(cache: CacheConfig, device: str) -> int:
     return int(free * cache.gpu_memory_utilization)
 
 
-def num_kv_blocks(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int,
-                  draft_arch: ModelArch | None = None) -> int:
-    """How many blocks the budget holds; refuses a budget too small for one full-length sequence.
-    With a draft model, a block holds the draft's KV of its tokens too (same block ids)."""
+@dataclass(frozen=True)
+class KVPoolPlan:
+    num_blocks: int
+    max_model_len: int            # the context served: the asked or model's one, or capped to the pool
+    note: str | None = None       # what a default became, for the start-up log and the memory report
+
+
+def plan_kv_pool(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int,
+                 asked_max_model_len: bool, draft_arch: ModelArch | None = None,
+                 available: int | None = None) -> KVPoolPlan:
+    """The KV pool's size and the context it lets the engine serve.
+
+    The pool must hold one sequence of the full context. On CPU with no ``--kv-cache-memory``
+    the 1 GiB default grows to that when half of the memory available allows it; when it
+    does not (or a given ``--kv-cache-memory`` is too small) and ``--max-model-len`` was not
+    given, the context is capped at what the pool holds, as llama.cpp starts any file with
+    a context it can hold; an asked context that cannot be held is refused, naming both ways
+    out. With a draft model a block holds the draft's KV of its tokens too (same block ids).
+    """
     per_token = bytes_per_token(arch, dtype) + (bytes_per_token(draft_arch, dtype) if draft_arch else 0)
     per_block = per_token * cache.block_size
-    num_blocks = kv_budget_bytes(cache, device) // per_block
-    needed_blocks = -(-max_model_len // cache.block_size)
-    if num_blocks < needed_blocks:
-        needed_gib = needed_blocks * per_block / GIB
-        raise ConfigError(
-            "kv_cache_memory", cache.kv_cache_memory,
-            f"at least {needed_gib:.4f} GiB to hold one sequence of max_model_len={max_model_len} tokens "
-            f"({needed_blocks} blocks of {per_block} bytes)",
-            "Raise --kv-cache-memory or lower --max-model-len",
-        )
-    return int(num_blocks)
+    needed = -(-max_model_len // cache.block_size) * per_block   # one full-length sequence
+    budget = kv_budget_bytes(cache, device)
+    default_on_cpu = cache.kv_cache_memory is None and device == "cpu"
+    if budget >= needed:
+        return KVPoolPlan(budget // per_block, max_model_len)
+    limit = budget
+    if default_on_cpu:
+        available = available_bytes() if available is None else available
+        limit = max(budget, (available or 0) // 2)
+        if limit >= needed:
+            return KVPoolPlan(needed // per_block, max_model_len,
+                              f"KV pool raised from the {DEFAULT_CPU_KV_CACHE_GIB:g} GiB default to "
+                              f"{needed / GIB:.2f} GiB to hold one {max_model_len:,}-token sequence")
+    fits = limit // per_block * cache.block_size
+    if asked_max_model_len or fits < cache.block_size:
+        raise _too_small(cache, max_model_len, needed, fits, limit, default_on_cpu)
+    return KVPoolPlan(limit // per_block, fits,
+                      f"max_model_len capped at {fits:,} tokens, what a KV pool of {limit / GIB:.2f} GiB holds "
+                      f"(the model's {max_model_len:,} would need {needed / GIB:.2f} GiB): give --max-model-len "
+                      "and --kv-cache-memory to choose")
+
+
+def _too_small(cache: CacheConfig, max_model_len: int, needed: int, fits: int, limit: int,
+               default_on_cpu: bool) -> ConfigError:
+    """A context the pool cannot hold, worded for a person: what it needs, and two ways out."""
+    ask_gib = math.ceil(needed / GIB * 10) / 10 if needed >= GIB / 10 else math.ceil(needed / GIB * 1e4) / 1e4
+    shorter = 2 ** int(math.log2(fits)) if fits >= 256 else fits
+    ways = (f"give --max-model-len {shorter}" if fits >= cache.block_size else "lower --max-model-len") + \
+        f" or --kv-cache-memory {ask_gib:g}"
+    where = (f"more than the {limit / GIB:.2f} GiB the pool may take here (half of the memory available, at "
+             f"least the {DEFAULT_CPU_KV_CACHE_GIB:g} GiB default)" if default_on_cpu
+             else f"more than the {limit / GIB:.4g} GiB given")
+    field, value = ("max_model_len", max_model_len) if default_on_cpu else ("kv_cache_memory", cache.kv_cache_memory)
+    return ConfigError(field, value, f"a context whose KV cache fits: one {max_model_len:,}-token sequence needs "
+                       f"{needed / GIB:.4g} GiB of KV cache, {where}", ways[0].upper() + ways[1:])
+
+
+def num_kv_blocks(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int,
+                  draft_arch: ModelArch | None = None) -> int:
+    """How many blocks the budget holds for an asked context (refused when too small)."""
+    return plan_kv_pool(arch, cache, dtype, device, max_model_len, True, draft_arch).num_blocks
 
 
 def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,

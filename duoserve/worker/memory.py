@@ -126,7 +126,7 @@ def plan(config) -> dict:
     from duoserve.model.loader import check_max_model_len, resolve_model_path
     from duoserve.platform import resolve_device, resolve_dtype
     from duoserve.worker.backends import choose_quantization
-    from duoserve.worker.kv_cache import bytes_per_token, num_kv_blocks
+    from duoserve.worker.kv_cache import bytes_per_token, plan_kv_pool
 
     path = resolve_model_path(config.model.model)
     device = resolve_device(config.model)
@@ -140,10 +140,12 @@ def plan(config) -> dict:
         arch = read_hf_arch(path, config.model.hf_overrides)
     dtype = getattr(torch, resolve_dtype(config.model))
     kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
-    max_model_len = check_max_model_len(arch, config.model.max_model_len)
     quantization = choose_quantization(config.model, path, device)
     weights = _checkpoint_weights(path, quantization, torch.tensor([], dtype=dtype).element_size())
-    blocks = num_kv_blocks(arch, config.cache, kv_dtype, device, max_model_len)  # refuses a pool too small
+    # refuses a pool too small for an asked context; caps the model's own to what the pool holds
+    pool = plan_kv_pool(arch, config.cache, kv_dtype, device, check_max_model_len(arch, config.model.max_model_len),
+                        config.model.max_model_len is not None)
+    blocks, max_model_len = pool.num_blocks, pool.max_model_len
     per_token = bytes_per_token(arch, kv_dtype)
     block_bytes = per_token * config.cache.block_size
     budget = config.scheduler.token_budget(max_model_len)
@@ -154,7 +156,7 @@ def plan(config) -> dict:
         "model": str(path), "quantization": quantization, "dtype": str(dtype).removeprefix("torch."),
         "weights_bytes": weights, "kv_pool": {"blocks": blocks, "tokens": blocks * config.cache.block_size,
                                               "bytes": blocks * block_bytes, "bytes_per_token": per_token,
-                                              "dtype": str(kv_dtype).removeprefix("torch.")},
+                                              "dtype": str(kv_dtype).removeprefix("torch."), "sizing": pool.note},
         "max_model_len": max_model_len, "sequences_at_full_context": blocks * config.cache.block_size // max_model_len,
         "step_token_budget": budget, "swap_bytes": swap, "prefill_scratch_estimate_bytes": scratch,
         "runtime_estimate_bytes": RUNTIME_ESTIMATE, "total_bytes": total, "available_bytes": available_bytes(),
@@ -176,7 +178,7 @@ def describe_plan(result: dict) -> str:
         f"model          {result['model']} ({result['quantization']}, {result['dtype']})",
         f"weights        {result['weights_bytes'] / mb:,.0f} MB",
         f"KV pool        {pool['bytes'] / mb:,.0f} MB: {pool['blocks']} blocks, {pool['tokens']:,} tokens of "
-        f"{pool['dtype']} ({pool['bytes_per_token']:,} bytes a token)",
+        f"{pool['dtype']} ({pool['bytes_per_token']:,} bytes a token)" + (f"; {pool['sizing']}" if pool["sizing"] else ""),
         f"largest batch  {result['sequences_at_full_context']} sequences at the full context of "
         f"{result['max_model_len']:,} tokens; {result['step_token_budget']} tokens a step",
         f"swap space     {result['swap_bytes'] / mb:,.0f} MB",
