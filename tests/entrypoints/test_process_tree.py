@@ -103,10 +103,14 @@ def _stop_while_starting(srv: Server, to: str, log: Path, segments_before: set[s
     return names
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-@pytest.mark.parametrize("at,to,sig", [(1.0, "server", signal.SIGTERM), (5.0, "server", signal.SIGTERM),
-                                       (5.0, "group", signal.SIGTERM), (5.0, "server", signal.SIGINT)],
-                         ids=["at-1s", "at-5s", "at-5s-to-the-group", "at-5s-SIGINT"])
+START_CASES = [(mode, 1.0, "server", signal.SIGTERM) for mode in ("colocated", "disaggregated")] + \
+    [(mode, 5.0, "server", signal.SIGTERM) for mode in ("colocated", "disaggregated")] + \
+    [("disaggregated", 5.0, "group", signal.SIGTERM), ("colocated", 5.0, "server", signal.SIGINT)]
+
+
+@pytest.mark.parametrize("mode,at,to,sig", START_CASES,
+                         ids=["at-1s-colocated", "at-1s-disaggregated", "at-5s-colocated", "at-5s-disaggregated",
+                              "at-5s-to-the-group-disaggregated", "at-5s-SIGINT-colocated"])
 def test_sigterm_while_the_engines_start_stops_them_before_the_server_exits(tmp_path, monkeypatch, mode, at, to,
                                                                              sig):
     """SIGTERM 1 s or 5 s into `duoserve serve`'s start, its engines held before they load (at
@@ -149,11 +153,10 @@ def test_sigterm_while_an_engine_compiles_stops_it_before_the_server_exits(tmp_p
 # ---- SIGKILL: nobody cleans up, the pidfd watch does ------------------------------------------
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_server_stopped_while_its_engines_start_leaves_no_process(tmp_path, monkeypatch, mode, how):
-    """SIGKILL or SIGTERM to `duoserve serve` while its engines are still starting (held there by
-    fault injection, as a first start building kernels would be): every process it started (the
-    fork server, the engines, the resource tracker), walked from the tree recorded then, is gone
+def test_a_server_killed_while_its_engines_start_leaves_no_process(tmp_path, monkeypatch, mode):
+    """SIGKILL to `duoserve serve` while its engines are still starting (held there by fault
+    injection, as a first start building kernels would be): every process it started (the fork
+    server, the engines, the resource tracker), walked from the tree recorded then, is gone
     within 10 s, and so is every shared-memory segment it made."""
     monkeypatch.setenv("DUOSERVE_FAULT_START_SLEEP", "600")
     segments_before = kv_segments()
@@ -164,7 +167,7 @@ def test_a_server_stopped_while_its_engines_start_leaves_no_process(tmp_path, mo
         _wait_for(lambda: len(engine_children(srv.proc.pid)) == want, 120, "the engines started")
         tree = set(descendants(srv.proc.pid))
         assert len(tree) >= want + 1, tree   # the engines and the fork server at least
-        os.kill(srv.proc.pid, getattr(signal, how))
+        srv.proc.kill()
         srv.proc.wait(30)
     finally:
         srv.stop(signal.SIGKILL)
@@ -240,15 +243,14 @@ def test_sigkill_to_a_standalone_engines_launcher_leaves_no_process(tmp_path):
     print(f"standalone engines' processes {trees} gone in {seconds:.2f}s")
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_sigterm_to_the_process_group_while_serving_drains_every_process(tmp_path, mode):
+def test_sigterm_to_the_process_group_while_serving_drains_every_process(tmp_path):
     """systemd's stop (SIGTERM to every process of the service, the fork server included, which
     dies of it): the stream in flight still finishes whole, every process exits, none is
     relaunched, nothing is left."""
     segments_before = kv_segments()
     log = tmp_path / "log"
-    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "120",
-                 log=log, new_session=True)
+    srv = Server("--mode", "disaggregated", "--kv-cache-memory", "0.2", "--max-model-len", "4096",
+                 "--shutdown-timeout", "120", log=log, new_session=True)
     try:
         lines: list[str] = []
         thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 40,
@@ -358,10 +360,10 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
 
 
 def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_path):
-    """SIGTERM to an engine whose stream outlasts --shutdown-timeout (3 s): it serves on until
+    """SIGTERM to an engine whose stream outlasts --shutdown-timeout (2 s): it serves on until
     the deadline, exits then, and the stream goes on on the relaunched engine, every token once."""
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "3", log=log)
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "2", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
         lines: list[str] = []
@@ -376,7 +378,7 @@ def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_pat
         srv.stop(signal.SIGTERM)
     text = log.read_text()
     assert "the drain deadline passed: stopping with 1 requests unfinished" in text
-    assert exited_after >= 3 - 0.5, f"it exited {exited_after:.2f}s after SIGTERM, before its deadline"
+    assert exited_after >= 2 - 0.5, f"it exited {exited_after:.2f}s after SIGTERM, before its deadline"
     assert lines[-1] == "data: [DONE]" and not [ln for ln in lines if "error" in ln], lines[-3:]
     assert len(lines) == 300 + 1 and "moving the 1 requests it held" in text
 
