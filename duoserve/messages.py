@@ -139,6 +139,7 @@ class EngineReady(msgspec.Struct, tag=True):
     add_bos_token: bool
     chat_template: str | None
     memory: dict = {}              # where the engine's memory goes (EngineCore.memory)
+    pooling: str | None = None     # how the model file says to pool an embedding (model/pooling.py)
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

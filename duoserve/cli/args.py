@@ -217,9 +217,10 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
                         "(vLLM's names)")
-    g.add_argument("--pooling", default="last", choices=POOLINGS,
+    g.add_argument("--pooling", default=None, choices=POOLINGS,
                    help="how /v1/embeddings pools a prompt's final hidden states: the last token's, or the "
-                        "mean of all (default: last, as for a causal model)")
+                        "mean of all (default: what the model file says (GGUF pooling_type, sentence-transformers' "
+                        "Pooling config), else last, as for a causal model)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
     g.add_argument("--uvicorn-log-level", default="info",

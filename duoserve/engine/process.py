@@ -424,6 +424,7 @@ class EngineServer:
 
 def _ready(core, fingerprint: dict, instance_id: str):
     from duoserve.messages import EngineReady
+    from duoserve.model.pooling import declared_pooling
 
     tok = core.tokenizer
     return EngineReady(
@@ -434,4 +435,5 @@ def _ready(core, fingerprint: dict, instance_id: str):
         bos_token_id=None if tok is None else tok.bos_token_id,
         add_bos_token=False if tok is None else tok.add_bos_token,
         chat_template=None if tok is None else tok.chat_template, memory=core.memory,
+        pooling=declared_pooling(core.loaded.path),
     )

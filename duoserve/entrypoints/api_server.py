@@ -51,7 +51,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None      # how the model writes tool calls (tool_choice "auto")
     reasoning_parser: str | None = None      # how a reasoning model marks its thinking
-    pooling: str = "last"                    # how /v1/embeddings pools a prompt's hidden states
+    pooling: str | None = None               # /v1/embeddings' pooling; None: the model file's, else last
 
 
 class BodyLimit:

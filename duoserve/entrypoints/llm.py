@@ -13,6 +13,7 @@ from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.engine_args import EngineArgs
 from duoserve.frontend.frontend import Frontend
+from duoserve.model.pooling import declared_pooling
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
@@ -58,9 +59,11 @@ class LLM:
         self.engine = engine
         self.frontend = Frontend(engine)
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last") -> list[list[float]]:
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None) -> list[list[float]]:
         """One L2-normalised vector per prompt: its final hidden states pooled, the ``last`` token's
-        or the ``mean`` of all (vLLM's ``LLM.embed``; what /v1/embeddings returns)."""
+        or the ``mean`` of all (vLLM's ``LLM.embed``; what /v1/embeddings returns). ``None``: what
+        the model file says, else last."""
+        pooling = pooling or declared_pooling(self.engine.loaded.path) or "last"
         outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling), use_tqdm=False)
         return [out.embedding for out in outputs]
 

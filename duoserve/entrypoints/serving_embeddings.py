@@ -5,6 +5,7 @@ is admitted, batched, chunked and placed like any other (on a prefill engine whe
 and its vector comes back with its finish. ``last`` pooling reads the last token's state (a
 prefix-cache hit still computes that token); ``mean`` averages every position's, so it takes no
 hit. The vector is never kept: only its prompt's KV blocks stay cached, as any prompt's do.
+The pooling is ``--pooling``'s, else what the model file says (``model/pooling.py``), else last.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ def encoded(values: np.ndarray, encoding_format: str) -> list[float] | str:
 
 
 class EmbeddingServing:
-    def __init__(self, base: OpenAIServing, pooling: str) -> None:
+    def __init__(self, base: OpenAIServing, pooling: str | None) -> None:
         self.base = base
-        self.pooling = pooling
+        self.pooling = pooling   # --pooling; None: the model file's, else last
+
+    @property
+    def chosen_pooling(self) -> str:
+        return self.pooling or self.base.engine.declared_pooling or "last"
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request) -> dict:
         self.base.check_model(body.model)
@@ -41,7 +46,7 @@ class EmbeddingServing:
         inputs = body.inputs()
         if not inputs:
             raise APIError(400, "input must not be empty", param="input")
-        params = _params(lambda: SamplingParams(max_tokens=0, pooling=self.pooling))
+        params = _params(lambda: SamplingParams(max_tokens=0, pooling=self.chosen_pooling))
         streams = Streams(self.base.engine, inputs, params, f"embd-{uuid.uuid4().hex}", prompt_param="input")
         await streams.start()
         finals = await run_until_disconnect(raw, self.base._collect(streams, len(inputs)))

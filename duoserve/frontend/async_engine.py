@@ -201,6 +201,11 @@ class AsyncEngine:
         return None if self.group is None else self.group.tokenizer
 
     @property
+    def declared_pooling(self) -> str | None:
+        """How the model file says to pool an embedding (None: it does not say)."""
+        return None if self.group is None else self.group.reference.pooling
+
+    @property
     def max_model_len(self) -> int | None:
         return None if self.group is None else self.group.max_model_len
 

@@ -58,3 +58,37 @@ def test_pooling_is_refused_where_it_cannot_apply():
         SamplingParams(max_tokens=4, pooling="last")
     with pytest.raises(ConfigError, match="pooling"):
         SamplingParams(max_tokens=0, pooling="cls")
+
+
+def test_the_model_files_pooling_is_read(tmp_path, tiny_dir):
+    """GGUF's pooling_type and sentence-transformers' Pooling config; a file that says nothing: None."""
+    import json
+    import shutil
+
+    import gguf
+
+    from duoserve import LLM
+    from duoserve.model.pooling import declared_pooling
+
+    for value, expected in ((1, "mean"), (3, "last"), (2, None)):
+        path = tmp_path / f"pool{value}.gguf"
+        writer = gguf.GGUFWriter(str(path), "qwen3")
+        writer.add_uint32("qwen3.pooling_type", value)
+        writer.add_tensor("t", torch.zeros(4).numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert declared_pooling(path) == expected
+    directory = tmp_path / "st"
+    shutil.copytree(tiny_dir(), directory)
+    assert declared_pooling(directory) is None
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert declared_pooling(directory) == "mean"
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory=0.01)
+    ids = [[5, 6, 7, 8], [9, 10]]
+    assert llm.embed(ids) == llm.embed(ids, pooling="mean") != llm.embed(ids, pooling="last")

@@ -86,3 +86,31 @@ def test_disaggregated_gives_the_colocated_vectors(client, disaggregated):
     # and its generation still works after the embeddings (nothing left held), its KV handed over
     assert remote.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).choices[0].text
     wait_metric(disaggregated.url, "duoserve:kv_transfer_bytes_total", lambda v: v > 0, headers=disaggregated.headers)
+
+
+def test_the_model_files_pooling_is_the_servers_default(tiny_dir, tmp_path):
+    """A checkpoint whose sentence-transformers config says mean: the server pools by the mean
+    unless --pooling says otherwise (the model's answer reaches the API process in EngineReady)."""
+    import json
+    import shutil
+
+    from duoserve import LLM
+
+    directory = tmp_path / "st"
+    shutil.copytree(tiny_dir(), directory)
+    (directory / "modules.json").write_text(json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling",
+                                                         "type": "sentence_transformers.models.Pooling"}]))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    offline = LLM(str(directory), dtype="float32", kv_cache_memory=0.01)
+    mean, last = np.array(offline.embed(ids, pooling="mean")), np.array(offline.embed(ids, pooling="last"))
+    for flags, want in (((), mean), (("--pooling", "last"), last)):
+        srv = Server("--model", str(directory), "--dtype", "float32", "--kv-cache-memory", "0.01", *flags,
+                     log=tmp_path / "log")
+        try:
+            remote = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=600)
+            got = np.array([d.embedding for d in remote.embeddings.create(model=str(directory), input=ids).data])
+        finally:
+            srv.stop()
+        assert np.abs(got - want).max() < 1e-4
