@@ -26,6 +26,9 @@ from duoserve.entrypoints.serving_chat import ChatAnswer, ChatServing
 from duoserve.entrypoints.tools import ToolPlan
 
 
+ENDED_EARLY = ("error", "abort")   # finish reasons with no answer to render
+
+
 def event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
@@ -75,6 +78,8 @@ class AnthropicServing:
             return StreamingResponse(self._stream(streams, plan, body, rid), media_type="text/event-stream")
         (final,) = await run_until_disconnect(raw, self.chat.base._collect(streams, 1))
         c = final.outputs[0]
+        if c.finish_reason in ENDED_EARLY:   # e.g. the server's drain deadline: no message to give
+            raise APIError(500, f"the request ended early: {c.error or c.finish_reason}")
         answer = self.chat.answer(c, plan)
         reason, sequence = stop_reason(answer.finish_reason, c.stop_reason, body.stop_sequences, bool(answer.calls))
         return JSONResponse({"id": rid, "type": "message", "role": "assistant", "model": body.model,
@@ -105,7 +110,10 @@ class AnthropicServing:
             async for piece in self.chat.pieces(streams, plan):
                 for item in blocks.feed(piece.deltas) + (blocks.close() if piece.finish_reason else []):
                     yield self._block_event(item.kind, item.block, item.piece)
-                if piece.finish_reason is not None:
+                if piece.finish_reason in ENDED_EARLY:
+                    c = piece.choice
+                    yield event("error", anthropic_error_body(500, f"the request ended early: {c.error or c.finish_reason}"))
+                elif piece.finish_reason is not None:
                     c = piece.choice
                     has_calls = any(b.kind is BlockKind.TOOL_CALL for b in blocks.blocks)
                     reason, sequence = stop_reason(piece.finish_reason, c.stop_reason, body.stop_sequences, has_calls)

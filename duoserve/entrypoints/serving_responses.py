@@ -8,7 +8,7 @@ with its ``sequence_number``: ``response.created``, ``response.in_progress``, pe
 ``response.output_item.added`` ... ``response.output_item.done`` (a message's
 ``response.content_part.added`` / ``response.output_text.delta`` / ``.done``, a call's
 ``response.function_call_arguments.delta`` / ``.done``, reasoning's ``response.reasoning_text.delta``
-/ ``.done``), then ``response.completed`` or ``response.incomplete``.
+/ ``.done``), then ``response.completed``, ``response.incomplete`` or ``response.failed``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from duoserve.entrypoints.responses_protocol import ResponsesRequest
 from duoserve.entrypoints.serving import Streams, run_until_disconnect
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.tools import ToolPlan
+from duoserve.outputs import CompletionOutput
 
 
 def _item_id(prefix: str) -> str:
@@ -64,8 +65,7 @@ class ResponsesServing:
             if text:
                 blocks.append(Block(kind, len(blocks), text))
         blocks += [Block(BlockKind.TOOL_CALL, len(blocks), call.arguments, call.id, call.name) for call in answer.calls]
-        return JSONResponse(self._finished(head, blocks, c.finish_reason, len(final.prompt_token_ids),
-                                           final.num_cached_tokens, len(c.token_ids)))
+        return JSONResponse(self._finished(head, blocks, c, len(final.prompt_token_ids), final.num_cached_tokens))
 
     def _head(self, body: ResponsesRequest, rid: str, plan: ToolPlan) -> dict:
         """The response object's fields known before the answer."""
@@ -80,13 +80,17 @@ class ResponsesServing:
                 "truncation": "disabled", "usage": None}
 
     @staticmethod
-    def _finished(head: dict, blocks: list[Block], finish_reason: str | None, num_prompt: int, num_cached: int,
-                  num_output: int) -> dict:
+    def _finished(head: dict, blocks: list[Block], c: CompletionOutput, num_prompt: int, num_cached: int) -> dict:
+        """The response once its answer ended: completed, incomplete (max_output_tokens), or failed
+        (the request ended early: an engine's error, the server's drain deadline)."""
         for block in blocks:
             block.item_id = block.item_id or _ids(block)
-        incomplete = finish_reason == "length"
-        return {**head, "status": "incomplete" if incomplete else "completed",
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        status = {"length": "incomplete", "error": "failed", "abort": "failed"}.get(c.finish_reason, "completed")
+        num_output = len(c.token_ids)
+        return {**head, "status": status,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": {"code": "server_error", "message": f"the request ended early: {c.error or c.finish_reason}"}
+                if status == "failed" else None,
                 "output": [item_of(b, done=True) for b in blocks],
                 "usage": {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": num_cached},
                           "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
@@ -110,8 +114,7 @@ class ResponsesServing:
                         yield event(name, **data)
                 if piece.finish_reason is not None:
                     c, out = piece.choice, piece.out
-                    response = self._finished(head, blocks.blocks, piece.finish_reason, len(out.prompt_token_ids),
-                                              out.num_cached_tokens, len(c.token_ids))
+                    response = self._finished(head, blocks.blocks, c, len(out.prompt_token_ids), out.num_cached_tokens)
                     yield event(f"response.{response['status']}", response=response)
         except APIError as exc:
             yield event("error", code=str(exc.status), message=exc.message, param=exc.param)

@@ -39,7 +39,7 @@ def test_text_and_usage_match_chat_completions(claude, client):
 
 
 def test_stream_reassembles_to_the_message(claude):
-    kw = dict(model=MODEL, max_tokens=24, system="You are terse.",
+    kw = dict(model=MODEL, max_tokens=12, system="You are terse.",
               messages=[{"role": "user", "content": "Describe the sea."}], extra_body=GREEDY)
     whole = claude.messages.create(**kw)
     kinds = []

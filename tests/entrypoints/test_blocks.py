@@ -42,3 +42,21 @@ def test_errors_take_the_shape_of_the_callers_api(status, kind):
     assert anthropic == {"type": "error", "error": {"type": kind, "message": "why (p)"}}
     openai = json.loads(error_response(status, "why", param="p", path="/v1/responses").body)
     assert set(openai["error"]) == {"message", "type", "param", "code"} and openai["error"]["param"] == "p"
+
+
+def test_how_each_api_says_an_answer_ended():
+    from duoserve.entrypoints.serving_anthropic import stop_reason
+    from duoserve.entrypoints.serving_responses import ResponsesServing
+    from duoserve.outputs import CompletionOutput
+
+    assert stop_reason("stop", 2, ["END"], has_calls=False) == ("end_turn", None)   # the eos token
+    assert stop_reason("stop", "END", ["END"], has_calls=False) == ("stop_sequence", "END")
+    assert stop_reason("length", None, None, has_calls=False) == ("max_tokens", None)
+    assert stop_reason("stop", None, None, has_calls=True) == ("tool_use", None)      # a named call
+    assert stop_reason("tool_calls", None, None, has_calls=True) == ("tool_use", None)
+    for reason, status in (("stop", "completed"), ("length", "incomplete"), ("error", "failed"), ("abort", "failed")):
+        done = ResponsesServing._finished({"id": "resp_1"}, [], CompletionOutput(0, token_ids=[1, 2], finish_reason=reason,
+                                                                                 error="drained"), 5, 2)
+        assert done["status"] == status and done["usage"]["output_tokens"] == 2
+        assert (done["error"] is not None) == (status == "failed")
+        assert (done["incomplete_details"] == {"reason": "max_output_tokens"}) == (status == "incomplete")

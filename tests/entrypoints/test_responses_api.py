@@ -44,7 +44,7 @@ def test_items_input_equals_the_chat_conversation(client):
 
 
 def test_stream_events_in_the_apis_order_and_reassembled(client):
-    kw = dict(model=MODEL, input="Describe the sea.", max_output_tokens=16, temperature=0)
+    kw = dict(model=MODEL, input="Describe the sea.", max_output_tokens=10, temperature=0)
     whole = client.responses.create(**kw)
     events = list(client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
@@ -59,7 +59,7 @@ def test_stream_events_in_the_apis_order_and_reassembled(client):
     item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
     assert item_ids == {events[-1].response.output[0].id}
     # the SDK's own accumulator agrees (it reads a response.completed event: an answer that ends)
-    kw = dict(model=MODEL, input="Name a fruit.", max_output_tokens=40, temperature=0)
+    kw = dict(model=MODEL, input="Name a fruit.", max_output_tokens=16, temperature=0)
     whole = client.responses.create(**kw)
     assert whole.status == "completed"
     with client.responses.stream(**kw) as stream:
