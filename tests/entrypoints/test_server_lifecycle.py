@@ -94,7 +94,8 @@ def test_a_dead_engine_is_relaunched_and_its_stream_goes_on_there(tmp_path):
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
         for i in range(3):  # traffic the old engine counts (prefix-cache lookups, tokens)
-            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": f"Count to {i} " * 20, "max_tokens": 4})
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": f"Count to {i} " * 20, "max_tokens": 4},
+                           timeout=120)   # a hang guard: httpx's 5 s default failed it on a busy machine
             assert r.status_code == 200
         body = {"prompt": "Tell me a long story", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
         want = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
