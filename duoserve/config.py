@@ -43,6 +43,7 @@ class ModelConfig:
     seed: int = 0
     quantization: str = "auto"        # auto = gguf for a quantized GGUF file on CPU, else none
     gguf_mode: str = "fast"           # fast: 8-bit activations, integer dots; exact: float32 products
+    chat_template: str | None = None  # a Jinja chat template or a file holding one; None = the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -69,6 +69,9 @@ class EngineArgs:
     hf_overrides: dict[str, Any] = flag(
         help='JSON object of config values to mend, e.g. \'{"eos_token_id": [2, 32000]}\'', parse=json.loads,
         factory=dict, default_help="none")
+    chat_template: str | None = flag(
+        ModelConfig.chat_template, "the chat template (Jinja) for chats, or a file holding it: for a model file "
+        "without one, or to replace its own (vLLM's flag)", default_help="the model file's")
     # the KV cache, the step's budget and the engine process
     block_size: int = flag(CacheConfig.block_size, "tokens per KV block, a power of two", parse=int)
     kv_cache_memory: float | None = flag(
@@ -174,7 +177,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, device=self.device, hf_overrides=self.hf_overrides,
                               max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
-                              gguf_mode=self.gguf_mode),
+                              gguf_mode=self.gguf_mode, chat_template=self.chat_template),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               gpu_memory_utilization=self.gpu_memory_utilization,
                               kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,

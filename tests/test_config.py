@@ -130,3 +130,19 @@ def test_a_missing_gpu_is_a_config_error():
         with pytest.raises(ConfigError, match=r"^device='cuda' is not allowed: cpu or auto: no CUDA device"):
             resolve_device(ModelConfig(device="cuda"))
     assert resolve_device(ModelConfig(device="cpu")) == "cpu"
+
+
+def test_chat_template_given_as_text_or_file_and_refused_by_name(tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    chat = [{"role": "user", "content": "hi"}]
+    for given in (template, str(tmp_path / "chat.jinja")):
+        tokenizer = LLM(kv_cache_memory=0.25, max_model_len=1024, chat_template=given).get_tokenizer()
+        assert tokenizer.apply_chat_template(chat) == "[user] hi\n[assistant] "
+    from duoserve.model.loader import read_chat_template
+
+    assert read_chat_template(str(tmp_path / "chat.jinja")) == template
+    with pytest.raises(ConfigError, match=r"^chat_template='/no/such.jinja' is not allowed: .*no such file"):
+        read_chat_template("/no/such.jinja")
+    with pytest.raises(ConfigError, match=r"^chat_template='\{% for %\}' is not allowed: a Jinja template"):
+        read_chat_template("{% for %}")

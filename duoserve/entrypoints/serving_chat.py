@@ -63,7 +63,8 @@ class ChatServing:
             raise APIError(503, f"the engine is unavailable: {self.engine.not_ready_reason()}")
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+            raise APIError(400, "this model has no chat template: start the server with --chat-template (a Jinja "
+                           "template or a file holding one), or use /v1/completions", param="messages")
         messages = for_template([m.for_template() for m in body.messages])
         final = body.messages[-1]
         if body.continue_final_message and (final.role != "assistant" or not final.text()):

@@ -67,6 +67,26 @@ def resolve_quantization(config: ModelConfig, path: Path, device: str, gguf_kern
     return wanted
 
 
+def read_chat_template(given: str) -> str:
+    """--chat-template: a file's text, else the text given; refused by name when Jinja cannot parse it."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = given
+    if "{" not in given:   # no Jinja in it: the name of a file
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise ConfigError("chat_template", given, "a Jinja template, or the path of a file holding one "
+                              "(there is no such file)")
+        template = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as exc:
+        raise ConfigError("chat_template", given if len(given) < 80 else given[:77] + "...",
+                          f"a Jinja template, or a file holding one ({exc})") from exc
+    return template
+
+
 def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, quantization: str = "none") -> LoadedModel:
     """The model of ``config`` in plain torch modules, a GGUF file's weights dequantized; with
     ``blocks`` (the caller's modules for ``--quantization gguf``) the weights they compute from stay
@@ -89,6 +109,8 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
         source = SafetensorsSource(path)
     if tokenizer is None:
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
+    elif config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     max_model_len = check_max_model_len(arch, config.max_model_len)
     arch = arch.for_context(max_model_len)
     model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
