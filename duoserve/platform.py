@@ -8,6 +8,8 @@ never imports torch.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from duoserve.config import ModelConfig
@@ -49,3 +51,11 @@ def resolve_dtype(model: ModelConfig) -> str:
     if resolve_device(model) != "cpu":
         return "bfloat16"
     return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def available_bytes() -> int | None:
+    """The memory the kernel says can be had now without swapping (Linux's MemAvailable), else None."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None

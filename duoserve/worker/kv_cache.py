@@ -10,7 +10,7 @@ import torch
 from duoserve.config import DEFAULT_CPU_KV_CACHE_GIB, CacheConfig
 from duoserve.errors import ConfigError
 from duoserve.model.arch import ModelArch
-from duoserve.worker.memory import available_bytes
+from duoserve.platform import available_bytes
 
 GIB = 1 << 30
 

@@ -105,13 +105,6 @@ def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:
     return elements * (1 if quantization == "int8" else dtype_bytes)
 
 
-def available_bytes() -> int | None:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
 RUNTIME_ESTIMATE = 250 * 2**20   # python, torch and the libraries of an engine process, measured here
 
 
@@ -124,7 +117,7 @@ def plan(config) -> dict:
 
     from duoserve.errors import ConfigError
     from duoserve.model.loader import check_max_model_len, resolve_model_path
-    from duoserve.platform import resolve_device, resolve_dtype
+    from duoserve.platform import available_bytes, resolve_device, resolve_dtype
     from duoserve.worker.backends import choose_quantization
     from duoserve.worker.kv_cache import bytes_per_token, plan_kv_pool
 
