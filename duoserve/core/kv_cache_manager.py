@@ -1,11 +1,23 @@
 """Which KV blocks each request holds: allocation, prefix-cache lookup, forks and frees.
 
 Pure Python bookkeeping over a ``BlockPool``; the tensors live in the model runner.
+
+Sliding windows (``sliding_window``, set only when every layer is windowed: see
+``window_to_free``): a token at position p sees keys p - window + 1 ... p, so once the next
+token to compute is p, every block wholly before p - window + 1 is never read again and goes
+back to the pool. Its place in the request's table stays (None), so positions still map to
+table slots; the runner is handed the request's first live block there, which the window
+masks (it is only read, never written: writes land at new positions)::
+
+    positions  0..3   4..7   8..11  12..15  16        window 8, blocks of 4, next token p = 16
+    table      None   None   b7     b2      b9        sees 9..16: blocks 0 and 1 freed
+    block_ids  b7     b7     b7     b2      b9        what the runner reads
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from duoserve.core.block_pool import Block, BlockPool, hash_block
 from duoserve.core.request import Request
@@ -16,12 +28,37 @@ def salt_root(salt: str | None) -> bytes | None:
     return None if salt is None else hashlib.sha256(b"duoserve-cache-salt:" + salt.encode()).digest()
 
 
+def window_to_free(layer_windows: Sequence[int | None], role: str, has_draft: bool) -> tuple[int | None, str]:
+    """The window past which a request's blocks go back to the pool (None: never), and why, in
+    words for the memory report. Every layer reads the same block table, so a block can go only
+    when every layer's window has passed it."""
+    windows = set(layer_windows)
+    if windows == {None}:
+        return None, "off: no layer has a sliding window shorter than the context"
+    if None in windows:
+        num_full = sum(1 for w in layer_windows if w is None)
+        return None, (f"off: {num_full} of {len(layer_windows)} layers attend over the whole context and every layer "
+                      "shares one block table, so no block falls outside every layer's view (the local layers' "
+                      "blocks would need tables of their own)")
+    if role == "prefill":
+        return None, "off on a prefill engine: it hands the whole prompt's KV over; the decode engine frees it"
+    if has_draft:
+        return None, ("off with a draft model: its KV shares the blocks and catches up from behind (from the first "
+                      "token after a preemption)")
+    window = max(w for w in windows if w is not None)
+    return window, f"on: blocks wholly before a sequence's last {window} tokens go back to the pool as it decodes"
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window   # every layer's window (window_to_free), or None: keep all
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[Block]] = {}
+        # a request's table: None where the window freed a block (always a prefix of the table)
+        self.req_blocks: dict[str, list[Block | None]] = {}
+        self.num_window_freed = 0   # blocks given back by the window
         self.num_queries = 0   # prompt tokens looked up in the prefix cache
         self.num_hits = 0      # of which found
         # with a KV store: blocks published since the last drain, to be written there once computed
@@ -29,7 +66,28 @@ class KVCacheManager:
         self.published: list[tuple[int, bytes, list[int]]] = []  # (block id, hash, token ids)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's table for the runner; a slot the window freed reads as its first live block."""
+        blocks = self.req_blocks.get(request_id, ())
+        live = next((b.block_id for b in blocks if b is not None), None)
+        return [live if b is None else b.block_id for b in blocks]
+
+    def has_window_freed(self, request: Request) -> bool:
+        blocks = self.req_blocks.get(request.request_id)
+        return bool(blocks) and blocks[0] is None
+
+    def free_outside_window(self, request: Request) -> list[int]:
+        """Give back the request's blocks wholly before the window of its next token (at
+        ``num_computed_tokens``); their ids, last first. The last block is always kept."""
+        blocks = self.req_blocks.get(request.request_id)
+        if self.sliding_window is None or not blocks:
+            return []
+        first_seen = request.num_computed_tokens - self.sliding_window + 1
+        num_outside = min(max(first_seen, 0) // self.block_size, len(blocks) - 1)
+        freed = [block for block in reversed(blocks[:num_outside]) if block is not None]
+        blocks[:num_outside] = [None] * num_outside
+        self.pool.release(freed)   # last first, as free() does: the prefix others share is evicted last
+        self.num_window_freed += len(freed)
+        return [block.block_id for block in freed]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -94,7 +152,7 @@ class KVCacheManager:
         self._extend_hashes(request, num_tokens)
         blocks = self.req_blocks[request.request_id]
         for i, (block, block_hash) in enumerate(zip(blocks[: num_tokens // self.block_size], request.block_hashes)):
-            if self.pool.cache(block, block_hash) and self.record_published:
+            if block is not None and self.pool.cache(block, block_hash) and self.record_published:
                 self.published.append((block.block_id, block_hash, request.token_ids(i * self.block_size,
                                                                                     (i + 1) * self.block_size)))
 
@@ -116,7 +174,7 @@ class KVCacheManager:
         has_tail = num_prompt % self.block_size != 0
         if has_tail and self.pool.num_free_blocks < 1:
             return None
-        self.pool.touch(shared)
+        self.pool.touch(block for block in shared if block is not None)   # the window's frees stay freed
         blocks = list(shared)
         copies = []
         if has_tail:
@@ -131,4 +189,4 @@ class KVCacheManager:
         """Release every block the request holds, last block first."""
         blocks = self.req_blocks.pop(request.request_id, None)
         if blocks:
-            self.pool.release(reversed(blocks))
+            self.pool.release(block for block in reversed(blocks) if block is not None)

@@ -177,6 +177,7 @@ class Scheduler:
             guesses, num_spec = [], 0
             if speculate and num_new == 1 and request.status is S.RUNNING:
                 guesses, num_spec = self.speculation.guesses(request, budget)
+            self.kv.free_outside_window(request)   # before it asks for more: its own frees may serve it
             while self.kv.allocate_slots(request, num_new + num_spec) is None:
                 if num_spec:  # short of blocks: fewer guesses before anyone is preempted
                     num_spec -= 1
@@ -271,7 +272,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Swap the request's KV out when that is cheaper and there is room, else drop it to be
         recomputed: either way it leaves the running set and its KV blocks are free."""
-        if self.swap is not None and request.status is S.RUNNING:
+        # one whose window freed blocks is recomputed (freeing as it goes): its table lacks KV to swap
+        if self.swap is not None and request.status is S.RUNNING and not self.kv.has_window_freed(request):
             num_blocks = self.kv.num_blocks_for(request.num_computed_tokens)
             copies = self.swap.swap_out(request, self.kv.block_ids(request.request_id), num_blocks)
             if copies is not None:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from duoserve.config import EngineConfig
-from duoserve.core.kv_cache_manager import KVCacheManager
+from duoserve.core.kv_cache_manager import KVCacheManager, window_to_free
 from duoserve.core.kv_sources import KVSource, PrefixCacheSource, SwapSource, TransferSource
 from duoserve.core.roles import PrefillOnly, RolePolicy
 from duoserve.core.scheduler import Scheduler, SchedulerSetup
@@ -78,7 +78,9 @@ class EngineBuilder:
             logger.info("%s", pool.note)
         num_blocks, self.max_model_len, self.kv_sizing = pool.num_blocks, pool.max_model_len, pool.note
         self.budget = config.scheduler.token_budget(self.max_model_len)
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        window, self.window_freeing = window_to_free([loaded.arch.window(i) for i in range(loaded.arch.num_layers)],
+                                                     config.role, draft is not None)
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         store = self._open_store(kv) if config.kv_store is not None else None
         swap = SwapSource(SwapSpace(self.num_swap_blocks), SwapCost(self.block_bytes)) if self.num_swap_blocks else None
         grammars = self._grammars()
@@ -162,7 +164,8 @@ class EngineBuilder:
             "kv_pool": {"blocks": num_blocks, "block_size": block_size, "tokens": num_blocks * block_size,
                         "dtype": str(self.kv_dtype).removeprefix("torch."), "bytes": num_blocks * per_block,
                         "resident_bytes": tensor_resident_bytes(kv_buffer) if on_cpu else None,
-                        "max_model_len": self.max_model_len, "sizing": self.kv_sizing},
+                        "max_model_len": self.max_model_len, "sizing": self.kv_sizing,
+                        "window_freeing": self.window_freeing},
             "swap": {"blocks": self.num_swap_blocks, "bytes": self.num_swap_blocks * per_block},
             "prefill_scratch_bytes": scratch, "prefill_scratch_tokens": scratch_tokens,
             "prefill_scratch_measured": measured and scratch is not None,
