@@ -44,6 +44,8 @@ def load_draft(spec: SpeculativeConfig, target_config: ModelConfig, target: Load
                                  dtype=str(target.dtype).removeprefix("torch."))
     draft = load_model(config)
     check_compatible(target, draft, max_model_len)
+    if max_model_len > draft.arch.max_position_embeddings:   # YaRN/dynamic past its trained context: longer tables
+        draft = load_model(dataclasses.replace(config, max_model_len=max_model_len))
     logger.info("speculative decoding with draft model %s (%s), %d tokens a step", draft.path.name,
                 draft.quantization, spec.num_speculative_tokens)
     return draft
@@ -80,10 +82,11 @@ def check_compatible(target: LoadedModel, draft: LoadedModel, max_model_len: int
         if want != got:
             raise ConfigError("speculative_model", str(draft.path),
                               f"a draft with the target's {name} (target {want!r}, draft {got!r})")
-    if draft.arch.max_position_embeddings < max_model_len:
+    draft_context = draft.arch.rope.max_context(draft.arch.max_position_embeddings)   # the target's rule
+    if draft_context < max_model_len:
         raise ConfigError("speculative_model", str(draft.path),
                           f"a draft whose context covers the target's max_model_len (target {max_model_len}, "
-                          f"draft {draft.arch.max_position_embeddings})", "Lower --max-model-len")
+                          f"draft {draft_context})", "Lower --max-model-len")
     target_size, draft_size = approximate_parameters(target.arch), approximate_parameters(draft.arch)
     if draft_size > target_size:
         logger.warning("the draft model (~%.0fM parameters) is larger than the target (~%.0fM): speculation "

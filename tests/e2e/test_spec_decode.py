@@ -272,6 +272,22 @@ def test_an_incompatible_draft_is_a_config_error(tiny_dir, overrides, names):
         assert name in message
 
 
+def test_a_scaled_rope_draft_serves_the_targets_context(tiny_dir):
+    """A dynamic-NTK draft (16 positions trained, factor 4) covers a 64-token context as its target
+    does (the target's rule, not max_position_embeddings alone), with rope tables that long: the
+    target's tokens past position 16, and the draft (the target's own file) guessing them."""
+    path = tiny_dir(kind="llama", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+                    max_position_embeddings=16)
+    prompt, params = [[5, 17, 200, 3, 99, 42, 42, 7, 128, 255, 0, 64, 31, 8, 150, 77, 23, 11, 90, 4]], \
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, (want,) = generate(path, prompt, params, max_model_len=64)
+    llm, (got,) = generate(path, prompt, params, max_model_len=64,
+                           speculative_config=dict(method="draft", model=str(path), disable_batch_size=ALWAYS))
+    assert got[0].token_ids == want[0].token_ids and len(want[0].token_ids) == 40
+    spec = llm.engine.speculation
+    assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens > 0
+
+
 def test_a_draft_larger_than_the_target_is_only_a_warning(tiny_dir, caplog):
     target = tiny_dir(kind="llama")
     draft = tiny_dir(kind="llama", num_hidden_layers=4)
