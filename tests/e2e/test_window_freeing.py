@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from duoserve import LLM, SamplingParams
@@ -51,7 +50,7 @@ def test_decoding_four_windows_holds_a_windows_blocks_and_equals_transformers(ti
     assert_pool_whole(engine)
 
 
-def test_chunked_prefix_cached_and_a_tight_pool_equal_transformers(tiny_dir, monkeypatch):
+def test_chunked_prefix_cached_and_a_tight_pool_equal_transformers(tiny_dir):
     """Prompts longer than the window, chunked by 16 tokens, each run twice (the second time from the
     prefix cache, blocks the window freed included) in a pool of 52 blocks of 4 that reuses freed
     blocks for other requests: transformers' tokens every time."""
@@ -105,10 +104,10 @@ def test_a_mixed_model_says_why_its_blocks_stay(tiny_dir):
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("role", ["prefill"])
-def test_a_prefill_engine_keeps_the_whole_prompt(tiny_dir, role):
+def test_a_prefill_engine_keeps_the_whole_prompt(tiny_dir):
+    """It hands the whole prompt's KV over: nothing of it may be freed there."""
     engine = build_engine(EngineConfig(model=ModelConfig(model=str(tiny_dir(**MISTRAL)), dtype="float32"),
-                                       cache=CacheConfig(kv_cache_memory=0.01), role=role,
+                                       cache=CacheConfig(kv_cache_memory=0.01), role="prefill",
                                        scheduler=SchedulerConfig(max_num_batched_tokens=16)))
     assert engine.kv.sliding_window is None
     assert engine.memory["kv_pool"]["window_freeing"].startswith("off on a prefill engine")
