@@ -28,13 +28,16 @@ def salt_root(salt: str | None) -> bytes | None:
     return None if salt is None else hashlib.sha256(b"duoserve-cache-salt:" + salt.encode()).digest()
 
 
+NO_WINDOW = "off: no layer has a sliding window shorter than the context"
+
+
 def window_to_free(layer_windows: Sequence[int | None], role: str, has_draft: bool) -> tuple[int | None, str]:
     """The window past which a request's blocks go back to the pool (None: never), and why, in
     words for the memory report. Every layer reads the same block table, so a block can go only
     when every layer's window has passed it."""
     windows = set(layer_windows)
     if windows == {None}:
-        return None, "off: no layer has a sliding window shorter than the context"
+        return None, NO_WINDOW
     if None in windows:
         num_full = sum(1 for w in layer_windows if w is None)
         return None, (f"off: {num_full} of {len(layer_windows)} layers attend over the whole context and every layer "

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from duoserve.core.kv_cache_manager import NO_WINDOW, window_to_free
+
 if TYPE_CHECKING:  # torch-free at import: the API process reads its own size with rss_bytes
     import torch
 
@@ -139,6 +141,9 @@ def plan(config) -> dict:
     pool = plan_kv_pool(arch, config.cache, kv_dtype, device, check_max_model_len(arch, config.model.max_model_len),
                         config.model.max_model_len is not None)
     blocks, max_model_len = pool.num_blocks, pool.max_model_len
+    served = arch.for_context(max_model_len)   # a window no shorter than the context is none
+    windows = window_to_free([served.window(i) for i in range(served.num_layers)], config.role,
+                             config.speculative is not None and config.speculative.method == "draft")[1]
     per_token = bytes_per_token(arch, kv_dtype)
     block_bytes = per_token * config.cache.block_size
     budget = config.scheduler.token_budget(max_model_len)
@@ -149,7 +154,8 @@ def plan(config) -> dict:
         "model": str(path), "quantization": quantization, "dtype": str(dtype).removeprefix("torch."),
         "weights_bytes": weights, "kv_pool": {"blocks": blocks, "tokens": blocks * config.cache.block_size,
                                               "bytes": blocks * block_bytes, "bytes_per_token": per_token,
-                                              "dtype": str(kv_dtype).removeprefix("torch."), "sizing": pool.note},
+                                              "dtype": str(kv_dtype).removeprefix("torch."), "sizing": pool.note,
+                                              "window_freeing": windows},
         "max_model_len": max_model_len, "sequences_at_full_context": blocks * config.cache.block_size // max_model_len,
         "step_token_budget": budget, "swap_bytes": swap, "prefill_scratch_estimate_bytes": scratch,
         "runtime_estimate_bytes": RUNTIME_ESTIMATE, "total_bytes": total, "available_bytes": available_bytes(),
@@ -174,6 +180,7 @@ def describe_plan(result: dict) -> str:
         f"{pool['dtype']} ({pool['bytes_per_token']:,} bytes a token)" + (f"; {pool['sizing']}" if pool["sizing"] else ""),
         f"largest batch  {result['sequences_at_full_context']} sequences at the full context of "
         f"{result['max_model_len']:,} tokens; {result['step_token_budget']} tokens a step",
+        *([f"windows        {pool['window_freeing']}"] if pool["window_freeing"] != NO_WINDOW else []),
         f"swap space     {result['swap_bytes'] / mb:,.0f} MB",
         f"prefill chunk  ~{result['prefill_scratch_estimate_bytes'] / mb:,.0f} MB of temporaries (estimate)",
         f"runtime        ~{result['runtime_estimate_bytes'] / mb:,.0f} MB",

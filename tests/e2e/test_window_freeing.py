@@ -13,7 +13,7 @@ from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.request import Request
 from duoserve.engine.builder import build_engine
 from tests.helpers import assert_pool_whole, assert_same_greedy, hf_greedy, hf_model
-from tests.model.family_checks import greedy_equal_disaggregated
+from tests.model.family_checks import greedy_equal_disaggregated, speculation_and_prompt_logprobs_equal
 
 WINDOW = 16
 MISTRAL = dict(kind="mistral", sliding_window=WINDOW)
@@ -72,9 +72,8 @@ def test_chunked_prefix_cached_and_a_tight_pool_equal_transformers(tiny_dir):
     assert_pool_whole(llm)
 
 
-def test_the_decode_engine_frees_what_the_prefill_engine_handed_over(tiny_dir, monkeypatch):
-    """Disaggregated: the prefill engine keeps the prompt whole (it hands all of it over), the decode
-    engine (blocks of 32) frees behind the window; transformers' tokens."""
+def spy_on_frees(monkeypatch) -> list[int]:
+    """The ids of every block the window frees from now on, in any engine of this process."""
     freed: list[int] = []
     original = KVCacheManager.free_outside_window
 
@@ -84,6 +83,13 @@ def test_the_decode_engine_frees_what_the_prefill_engine_handed_over(tiny_dir, m
         return ids
 
     monkeypatch.setattr(KVCacheManager, "free_outside_window", counting)
+    return freed
+
+
+def test_the_decode_engine_frees_what_the_prefill_engine_handed_over(tiny_dir, monkeypatch):
+    """Disaggregated: the prefill engine keeps the prompt whole (it hands all of it over), the decode
+    engine (blocks of 32) frees behind the window; transformers' tokens."""
+    freed = spy_on_frees(monkeypatch)
     path = tiny_dir(**MISTRAL)
     prompts = [prompt_of(n) for n in (9, 40)]
     with torch.no_grad():
@@ -91,6 +97,21 @@ def test_the_decode_engine_frees_what_the_prefill_engine_handed_over(tiny_dir, m
         want = [hf_greedy(ref, prompt, 48) for prompt in prompts]
     greedy_equal_disaggregated(path, prompts, want, 48, 128)
     assert len(freed) >= 2   # the decode engine's blocks of 32: the 40-token prompt passes p = 47 and 79
+
+
+def test_ngram_speculation_and_prompt_logprobs_with_the_window_freeing(tiny_dir, monkeypatch):
+    """Guesses verified past the window (their positions all after the next token's) and prompt
+    log-probabilities (every prompt position run, whatever is freed): transformers' tokens and
+    log-softmax."""
+    freed = spy_on_frees(monkeypatch)
+    path = tiny_dir(**MISTRAL)
+    prompts = [prompt_of(n) for n in (9, 40)]
+    with torch.no_grad():
+        ref = hf_model(path)
+        want = [hf_greedy(ref, prompt, 48) for prompt in prompts]
+        logits = [ref(torch.tensor([prompt])).logits[0] for prompt in prompts]
+    speculation_and_prompt_logprobs_equal(path, prompts, want, logits, 48, 128)
+    assert len(freed) >= 4   # blocks of 16: p = 31, 47, 63, 79 pass blocks 0 ... 3 of the longer one
 
 
 def test_a_mixed_model_says_why_its_blocks_stay(tiny_dir):
@@ -111,3 +132,19 @@ def test_a_prefill_engine_keeps_the_whole_prompt(tiny_dir):
                                        scheduler=SchedulerConfig(max_num_batched_tokens=16)))
     assert engine.kv.sliding_window is None
     assert engine.memory["kv_pool"]["window_freeing"].startswith("off on a prefill engine")
+
+
+def test_the_dry_run_says_whether_windows_free(tiny_dir):
+    """--dry-run's plan (no model loaded) has the same line, for a model that has a window."""
+    from duoserve.worker.memory import describe_plan, plan
+
+    def windows_line(path, **model) -> list[str]:
+        result = plan(EngineConfig(model=ModelConfig(model=str(path), dtype="float32", **model),
+                                   cache=CacheConfig(kv_cache_memory=0.01)))
+        return [line for line in describe_plan(result).splitlines() if line.startswith("windows ")]
+
+    assert windows_line(tiny_dir(**MISTRAL)) == [
+        "windows        on: blocks wholly before a sequence's last 16 tokens go back to the pool as it decodes"]
+    assert windows_line(tiny_dir(kind="gemma3"))[0].startswith("windows        off: 1 of 2 layers attend")
+    assert windows_line(tiny_dir(**MISTRAL), max_model_len=16) == []   # a window as long as the context is none
+    assert windows_line(tiny_dir(kind="llama")) == []
