@@ -8,11 +8,11 @@ import random
 import torch
 
 from duoserve import LLM, SamplingParams
-from duoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from duoserve.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.request import Request
 from duoserve.engine.builder import build_engine
-from tests.helpers import assert_pool_whole, assert_same_greedy, hf_greedy, hf_model
+from tests.helpers import assert_pool_whole, assert_same_greedy, hf_greedy, hf_model, wait_for_store_writes
 from tests.model.family_checks import greedy_equal_disaggregated, speculation_and_prompt_logprobs_equal
 
 WINDOW = 16
@@ -112,6 +112,35 @@ def test_ngram_speculation_and_prompt_logprobs_with_the_window_freeing(tiny_dir,
         logits = [ref(torch.tensor([prompt])).logits[0] for prompt in prompts]
     speculation_and_prompt_logprobs_equal(path, prompts, want, logits, 48, 128)
     assert len(freed) >= 4   # blocks of 16: p = 31, 47, 63, 79 pass blocks 0 ... 3 of the longer one
+
+
+def test_the_store_holds_the_blocks_a_windowed_engine_freed(tiny_dir, redis_server):
+    """Every full block goes to the shared KV store after the step that computed it, before the window
+    frees it: a second engine takes the prompt's 17 full blocks from the store, computes only the
+    last 2 tokens, and both give transformers' tokens."""
+    path = tiny_dir(**MISTRAL)
+    prompt, params = prompt_of(70), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with torch.no_grad():
+        want, scores = hf_greedy(hf_model(path), prompt, 40)
+
+    def engine() -> LLM:
+        return LLM.from_engine(build_engine(EngineConfig(
+            model=ModelConfig(model=str(path), dtype="float32", max_model_len=128),
+            cache=CacheConfig(block_size=4, kv_cache_memory=0.01), scheduler=SchedulerConfig(max_num_batched_tokens=16),
+            kv_store=KVStoreConfig(redis_server.url))))
+
+    first = engine()
+    (out,) = first.generate([prompt], params, use_tqdm=False)
+    assert_same_greedy(out.outputs[0].token_ids, want, scores, "computed, written to the store")
+    wait_for_store_writes(first.engine)
+    assert first.engine.kv.num_window_freed > 15
+    second = engine()
+    (again,) = second.generate([prompt], params, use_tqdm=False)
+    assert_same_greedy(again.outputs[0].token_ids, want, scores, "from the store")
+    assert second.engine.kv_store.stats()["kv_store_hits"] == 17 and second.engine.num_prompt_tokens == 2
+    for llm in (first, second):
+        llm.engine.close()
+        assert_pool_whole(llm)
 
 
 def test_a_mixed_model_says_why_its_blocks_stay(tiny_dir):
