@@ -64,11 +64,15 @@ def _engines(names: dict[int, str]) -> list[int]:
     return [p for p, name in names.items() if name.startswith("duoserve-")]
 
 
-def _assert_gone(tree: set[int], segments_before: set[str]) -> float:
+def _assert_gone(tree: set[int] | dict[int, str], segments_before: set[str]) -> float:
     """Seconds until no process of ``tree`` runs (at most 10); then no new KV segment."""
-    seconds = _wait_for(lambda: not any(alive(p) for p in tree), GONE_WITHIN_S, "processes outlived their launcher")
-    assert kv_segments() <= segments_before, "a shared-memory segment was left"
-    return seconds
+    start = time.monotonic()
+    while any(alive(p) for p in tree):
+        left = {p: tree.get(p, "") if isinstance(tree, dict) else "" for p in tree if alive(p)}
+        assert time.monotonic() - start < GONE_WITHIN_S, f"processes outlived their launcher by 10 s: {left}"
+        time.sleep(0.02)
+    assert kv_segments() <= segments_before, f"a shared-memory segment was left: {kv_segments() - segments_before}"
+    return time.monotonic() - start
 
 
 # ---- the server's SIGTERM while its engines start ---------------------------------------------
@@ -94,7 +98,7 @@ def _stop_while_starting(srv: Server, to: str, log: Path, segments_before: set[s
         srv.stop(signal.SIGKILL)
     assert not [p for p in _engines(names) if p in running_at_exit], "an engine outlived the server's exit"
     assert srv.proc.returncode == (-signal.SIGTERM if sig == signal.SIGTERM else 0)
-    seconds = _assert_gone(set(names), segments_before)
+    seconds = _assert_gone(names, segments_before)
     text = log.read_text()
     assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
     if _engines(names):   # the engines had started: the server stopped them, they did not just notice its exit
@@ -232,7 +236,7 @@ def test_sigkill_to_a_standalone_engines_launcher_leaves_no_process(tmp_path):
         for proc in engines.values():
             proc.kill()
             proc.wait(30)
-        seconds = _assert_gone(set(trees["prefill"]) | set(trees["decode"]), segments_before)
+        seconds = _assert_gone({**trees["prefill"], **trees["decode"]}, segments_before)
     finally:
         for proc in engines.values():
             proc.kill()
@@ -265,7 +269,7 @@ def test_sigterm_to_the_process_group_while_serving_drains_every_process(tmp_pat
         srv.stop(signal.SIGKILL)
     assert lines[-1] == "data: [DONE]" and len(lines) == 40 + 1, lines[-3:]
     assert srv.proc.returncode == -signal.SIGTERM
-    _assert_gone(set(names), segments_before)
+    _assert_gone(names, segments_before)
     text = log.read_text()
     assert not [bad for bad in BAD_LOG_LINES if bad in text], text[-3000:]
     assert "the drain deadline passed" not in text and "ending 1 requests still running" not in text
@@ -294,7 +298,7 @@ def test_a_second_sigterm_to_the_server_ends_its_drain_at_once(tmp_path):
         srv.stop(signal.SIGKILL)
     assert srv.proc.returncode == -signal.SIGTERM
     assert _engines(names) and not set(_engines(names)) & running_at_exit, "the engine outlived the server's exit"
-    _assert_gone(set(names), segments_before)
+    _assert_gone(names, segments_before)
     print(f"the server exited {exited_after:.2f}s after its second SIGTERM")
 
 
