@@ -3,6 +3,7 @@ files computed from their blocks, int8 linears, and the errors of the quantizati
 
 from __future__ import annotations
 
+import ctypes
 import platform
 
 import numpy as np
@@ -12,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
-from duoserve.kernels.build import load_torch_op_library
+from duoserve.kernels.build import load_c_function, load_torch_op_library
 from duoserve.kernels import gguf as gguf_module
 from duoserve.kernels.gguf import BLOCK_TYPES, dequantize_rows, gguf_kernels, gguf_kernels_for, gguf_linear
 from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear, Int8Linear
@@ -354,3 +355,54 @@ def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
         got = gguf_linear(x, data, BLOCK_TYPES[type_name][0], 96, "fast")
         emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
         torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())
+
+
+class _Rows(ctypes.Structure):
+    """gguf_team.h's struct gguf_rows"""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("f", "q", "d", "half_sums", "block_sums")]
+
+
+def _team_functions(isa: str) -> dict:
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    signatures = {"gguf_rows_alloc": (P, I, I, I, I), "gguf_rows_free": (P,), "gguf_rows_team": (P, I, I, I, I, P),
+                  "gguf_matmul_team": (P, P, I, I, P, I, I, I, I, P, L, I, P),
+                  "gguf_dequantize_row": (I, P, I, P, I)}
+    return {name: load_c_function("gguf_linear", name, args, march=isa) for name, args in signatures.items()}
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_team_entries_write_a_fused_projections_parts_with_the_entries_bits(mode, dtype, isa):
+    """The decode step's use of gguf_linear.c (gguf_team.h): x's rows prepared once, then three
+    runs of different block types each into its columns of one wide output, equal bit for bit to
+    the entries' outputs (their own parallel region around the same body) joined; a row of a
+    block table dequantized alone equals dequantize_rows."""
+    fns = _team_functions(isa)
+    cols, m, exact = 512, 5, int(mode == "exact")
+    parts = [(name, *random_blocks(name, rows, cols, seed=20 + i))
+             for i, (name, rows) in enumerate([("Q4_K", 12), ("Q8_0", 8), ("Q6_K", 9)])]
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(21)).to(dtype)
+    bf16 = int(dtype == torch.bfloat16)
+    width = sum(raw.shape[0] for _, raw, _ in parts)
+    y = torch.full((m, width), float("nan")).to(dtype)
+    rows, failed = _Rows(), ctypes.c_int(0)
+    assert fns["gguf_rows_alloc"](ctypes.byref(rows), m, cols, 1, 1) == 0
+    try:
+        fns["gguf_rows_team"](x.data_ptr(), bf16, m, cols, exact, ctypes.byref(rows))
+        col = 0
+        for name, raw, _ in parts:
+            data = np.ascontiguousarray(raw)
+            fns["gguf_matmul_team"](ctypes.byref(rows), x.data_ptr(), bf16, exact, data.ctypes.data,
+                                    BLOCK_TYPES[name][0], m, raw.shape[0], cols, y.data_ptr(), width, col,
+                                    ctypes.byref(failed))
+            col += raw.shape[0]
+    finally:
+        fns["gguf_rows_free"](ctypes.byref(rows))
+    assert failed.value == 0
+    want = torch.cat([gguf_linear(x, torch.from_numpy(np.ascontiguousarray(raw)), BLOCK_TYPES[name][0], cols, mode)
+                      for name, raw, _ in parts], dim=-1)
+    assert torch.equal(y, want)
+    name, raw, _ = parts[2]
+    row = torch.empty(cols, dtype=dtype)
+    fns["gguf_dequantize_row"](BLOCK_TYPES[name][0], np.ascontiguousarray(raw[3]).ctypes.data, cols, row.data_ptr(), bf16)
+    assert torch.equal(row, dequantize_rows(blocks(raw, name, cols), dtype, ids=torch.tensor([3]))[0])

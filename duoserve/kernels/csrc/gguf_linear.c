@@ -16,7 +16,10 @@
  *                       round to nearest) and integer dot products (vpmaddubsw with AVX2,
  *                       vpdpbusd with VNNI: the same integers), as llama.cpp computes.
  * Both matmuls take any number of rows of x with one arithmetic: a row's result does not
- * depend on the other rows of its call. A CPU without AVX-512 but with AVX2 (VEC_AVX2) takes
+ * depend on the other rows of its call. Each also has a team entry (gguf_rows_team, then
+ * gguf_matmul_team), the same body run by the threads of the caller's parallel region: the C++
+ * decode step (decode_step.c) computes its projections with it, and the entries above open their
+ * own region around it, so both give the same bits. A CPU without AVX-512 but with AVX2 (VEC_AVX2) takes
  * the float steps in 256-bit registers. The work is split over threads by output rows. x [m, k]
  * and y [m, n] are float32, or bfloat16 (io_bf16); products and sums are float32.
  */
@@ -38,6 +41,7 @@
 #endif
 
 #include "gguf_blocks.h"
+#include "gguf_team.h"
 
 #ifdef VECTOR
 /* 16 floats -> 16 bfloat16, rounded to nearest even like f32_to_bf16 (NaN aside) */
@@ -127,6 +131,13 @@ int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t 
     return 0;
 }
 
+/* one row of w -> k values, float32 or bfloat16: the decode step's embedding rows, as
+ * gguf_dequantize computes them */
+void gguf_dequantize_row(int type, const uint8_t *row, int k, void *out, int out_bf16) {
+#define ROW_TYPE(unused, T) dequantize_row(T, row, k, out, out_bf16);
+    EACH_TYPE(ROW_TYPE, 0)
+}
+
 #define MAX_ROWS 8  /* rows of x held against one weight row in registers */
 
 /* Both matmuls split the output rows over the threads; each weight row is read once for up
@@ -200,39 +211,25 @@ static inline __attribute__((always_inline)) void exact_tile(const float *x, con
     }
 }
 
-/* x [m, k] as float32: itself, or (io_bf16) a converted copy to free with release_rows */
-static const float *float_rows(const void *x, int io_bf16, int64_t count) {
-    if (!io_bf16) return (const float *)x;
-    float *copy = malloc(sizeof(float) * count);
-    if (copy)
-        for (int64_t j = 0; j < count; j++) copy[j] = bf16_to_f32(((const uint16_t *)x)[j]);
-    return copy;
-}
-
 static inline void store_out(void *y, int io_bf16, int64_t at, float v) {
     if (io_bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
     else ((float *)y)[at] = v;
 }
 
-/* x [m, k] and y [m, n]: float32, or bfloat16 with io_bf16 (sums are float32 either way) */
-int gguf_linear_exact(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
-                      int num_threads) {
-    if (type < 0 || type > LAST_TYPE) return -1;
-    const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
-    if (!x) return -2;
+/* the team's share of y[:, col0:col0 + n] (rows ldy apart) = x @ w^T, x float32 rows */
+static void exact_matmul_team(const float *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
+                              int64_t ldy, int col0) {
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp for schedule(static)
     for (int r = 0; r < n; r++) {
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
             int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
             float out[MAX_ROWS] = {0};
 #define EXACT(T, R) exact_tile(x + (int64_t)i0 * k, w + r * row_bytes, T, k, R, out)
             DISPATCH(EXACT)
-            for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
+            for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * ldy + col0 + r, out[i]);
         }
     }
-    if (io_bf16) free((void *)x);
-    return 0;
 }
 
 /* ---- fast mode: x quantized to int8 per block of 32, integer dot products ---- */
@@ -392,15 +389,14 @@ static inline __attribute__((always_inline)) float offset_sum(const float *offse
 #define W_CASES(call, T) if (W == TILE_W) { X_CASES(call, T, TILE_W) } else { X_CASES(call, T, 1) }
 #define TILE_DISPATCH(call) EACH_TYPE(W_CASES, call)
 
-/* y = x @ w^T over quantized rows xr, the weight rows split over the threads in tiles of TILE_W;
- * with more than one tile of x rows the tile's weight rows are decoded once into a buffer */
-static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, int type, int m, int n, int k,
-                           void *y, int io_bf16, int num_threads) {
+/* the team's share of y[:, col0:col0 + n] (rows ldy apart) = x @ w^T over quantized rows xr, the
+ * weight rows split over the threads in tiles of TILE_W; with more than one tile of x rows the
+ * tile's weight rows are decoded once into a buffer of the thread's */
+static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w, int type, int m, int n, int k,
+                             void *y, int io_bf16, int64_t ldy, int col0, int *failed) {
     const int xblocks = k / 32;
     const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     const int tiles = (n + TILE_W - 1) / TILE_W, decode_once = m > TILE_X;
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads)
     {
         int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
         float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
@@ -408,7 +404,7 @@ static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, 
         const int ready = !((decode_once && (!dq || !scales)) || !offsets);
         if (!ready) {
             #pragma omp atomic write
-            failed = 1;
+            *failed = 1;
         }
         {   /* every thread meets the loop (a worksharing construct), one without buffers skips its tiles */
             #pragma omp for schedule(static)
@@ -435,7 +431,7 @@ static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, 
                                     const float *sums = per == 2 ? xr.half_sums : block_sums;
                                     v += offset_sum(offsets + (int64_t)r * count, sums + (int64_t)(i0 + i) * count, count);
                                 }
-                                store_out(y, io_bf16, (int64_t)(i0 + i) * n + r1 + r, v);
+                                store_out(y, io_bf16, (int64_t)(i0 + i) * ldy + col0 + r1 + r, v);
                             }
                     }
                 }
@@ -443,7 +439,6 @@ static int fast_matmul_vec(QRows xr, const float *block_sums, const uint8_t *w, 
         }
         free(dq); free(scales); free(offsets);
     }
-    return failed ? -2 : 0;
 }
 #endif
 
@@ -468,39 +463,104 @@ static inline __attribute__((always_inline)) void fast_tile(QRows xr, const uint
     for (int i = 0; i < rows; i++) out[i] = acc[i];
 }
 
-int gguf_linear_fast(const void *x_in, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
-                     int num_threads) {
-    if (type < 0 || type > LAST_TYPE) return -1;
-    const float *x = float_rows(x_in, io_bf16, (int64_t)m * k);
-    if (!x) return -2;
-    int xblocks = k / 32, status = 0;
-    int8_t *xq = malloc((size_t)m * k);
-    float *dx = malloc(sizeof(float) * m * xblocks), *hs = malloc(sizeof(float) * m * xblocks * 2);
-    float *bs = malloc(sizeof(float) * m * xblocks);
-    if (!xq || !dx || !hs || !bs) {
-        free(xq); free(dx); free(hs); free(bs);
-        if (io_bf16) free((void *)x);
-        return -2;
-    }
-    for (int i = 0; i < m; i++)
-        quantize_row(x + (int64_t)i * k, k, xq + (int64_t)i * k, dx + i * xblocks, hs + i * xblocks * 2, bs + i * xblocks);
-    if (io_bf16) free((void *)x);
-#ifdef FAST_VEC
-    status = fast_matmul_vec((QRows){xq, dx, hs, xblocks}, bs, w, type, m, n, k, y, io_bf16, num_threads);
-#else
+#ifndef FAST_VEC
+/* the team's share of y[:, col0:col0 + n] over quantized rows, in plain C */
+static void fast_matmul_portable_team(QRows xr, const uint8_t *w, int type, int m, int n, int k, void *y,
+                                      int io_bf16, int64_t ldy, int col0) {
+    const int xblocks = k / 32;
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp for schedule(static)
     for (int r = 0; r < n; r++) {
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
             int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
             float out[MAX_ROWS] = {0};
-            QRows xi = {xq + (int64_t)i0 * k, dx + i0 * xblocks, hs + i0 * xblocks * 2, xblocks};
+            QRows xi = {xr.q + (int64_t)i0 * k, xr.d + i0 * xblocks, xr.half_sums + i0 * xblocks * 2, xblocks};
 #define FAST(T, R) fast_tile(xi, w + r * row_bytes, T, k, R, out)
             DISPATCH(FAST)
-            for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * n + r, out[i]);
+            for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * ldy + col0 + r, out[i]);
         }
     }
+}
 #endif
-    free(xq); free(dx); free(hs); free(bs);
-    return status;
+
+/* ---- the team entries (gguf_team.h) and the entries that open their own region ---- */
+
+int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized) {
+    const size_t values = (size_t)m * k, blocks = values / 32;
+    *r = (struct gguf_rows){NULL, NULL, NULL, NULL, NULL};
+    int ok = 1;
+    if (floats) ok = (r->f = malloc(sizeof(float) * (values ? values : 1))) != NULL;
+    if (ok && quantized) {
+        r->q = malloc(values ? values : 1);
+        r->d = malloc(sizeof(float) * (blocks ? blocks : 1));
+        r->half_sums = malloc(sizeof(float) * 2 * (blocks ? blocks : 1));
+        r->block_sums = malloc(sizeof(float) * (blocks ? blocks : 1));
+        ok = r->q && r->d && r->half_sums && r->block_sums;
+    }
+    if (!ok) gguf_rows_free(r);
+    return ok ? 0 : -2;
+}
+
+void gguf_rows_free(struct gguf_rows *r) {
+    free(r->f); free(r->q); free(r->d); free(r->half_sums); free(r->block_sums);
+    *r = (struct gguf_rows){NULL, NULL, NULL, NULL, NULL};
+}
+
+void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, const struct gguf_rows *r) {
+    const int xblocks = k / 32;
+    if (exact && !io_bf16) return;   /* float32 rows are read in place */
+    #pragma omp for schedule(static)
+    for (int i = 0; i < m; i++) {
+        const float *row = (const float *)x + (int64_t)i * k;
+        if (io_bf16) {
+            float *f = r->f + (int64_t)i * k;
+            for (int j = 0; j < k; j++) f[j] = bf16_to_f32(((const uint16_t *)x)[(int64_t)i * k + j]);
+            row = f;
+        }
+        if (!exact)
+            quantize_row(row, k, r->q + (int64_t)i * k, r->d + (int64_t)i * xblocks,
+                         r->half_sums + (int64_t)i * xblocks * 2, r->block_sums + (int64_t)i * xblocks);
+    }
+}
+
+void gguf_matmul_team(const struct gguf_rows *r, const void *x, int io_bf16, int exact, const uint8_t *w, int type,
+                      int m, int n, int k, void *y, int64_t ldy, int col0, int *failed) {
+    if (exact) {
+        exact_matmul_team(io_bf16 ? r->f : (const float *)x, w, type, m, n, k, y, io_bf16, ldy, col0);
+        return;
+    }
+    const QRows xr = {r->q, r->d, r->half_sums, k / 32};
+#ifdef FAST_VEC
+    fast_matmul_team(xr, r->block_sums, w, type, m, n, k, y, io_bf16, ldy, col0, failed);
+#else
+    (void)failed;
+    fast_matmul_portable_team(xr, w, type, m, n, k, y, io_bf16, ldy, col0);
+#endif
+}
+
+/* x [m, k] @ w^T -> y [m, n], in a region of num_threads threads around the team entries */
+static int linear_entry(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
+                        int exact, int num_threads) {
+    if (type < 0 || type > LAST_TYPE) return -1;
+    struct gguf_rows rows;
+    if (gguf_rows_alloc(&rows, m, k, io_bf16, !exact) != 0) return -2;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        gguf_rows_team(x, io_bf16, m, k, exact, &rows);
+        gguf_matmul_team(&rows, x, io_bf16, exact, w, type, m, n, k, y, n, 0, &failed);
+    }
+    gguf_rows_free(&rows);
+    return failed ? -2 : 0;
+}
+
+/* x [m, k] and y [m, n]: float32, or bfloat16 with io_bf16 (sums are float32 either way) */
+int gguf_linear_exact(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
+                      int num_threads) {
+    return linear_entry(x, w, type, m, n, k, y, io_bf16, 1, num_threads);
+}
+
+int gguf_linear_fast(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
+                     int num_threads) {
+    return linear_entry(x, w, type, m, n, k, y, io_bf16, 0, num_threads);
 }
