@@ -188,17 +188,24 @@ def _stream(url: str, body: dict, lines: list, timeout: float = 300) -> None:
         lines.append(f"error: {exc}")
 
 
+def _streaming(url: str, prompt: str, max_tokens: int) -> tuple[list[str], threading.Thread]:
+    """A stream of exactly ``max_tokens`` tokens, returned once its first tokens came back (in
+    flight, however loaded the machine): its lines so far, and the thread reading the rest."""
+    lines: list[str] = []
+    thread = threading.Thread(target=_stream, args=(url, {"prompt": prompt, "max_tokens": max_tokens,
+                                                          "ignore_eos": True}, lines), daemon=True)
+    thread.start()
+    _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+    return lines, thread
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_sigkill_while_serving_leaves_no_process(tmp_path, mode):
     """SIGKILL to `duoserve serve` while a stream runs through its engines."""
     segments_before = kv_segments()
     srv = Server("--mode", mode, "--kv-cache-memory", "0.2", "--max-model-len", "4096", log=tmp_path / "log")
     try:
-        lines: list[str] = []
-        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 3000,
-                                                                  "ignore_eos": True}, lines), daemon=True)
-        thread.start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        _streaming(srv.url, "Once upon a time", 3000)
         tree = set(descendants(srv.proc.pid))
         assert len(engine_children(srv.proc.pid)) == (2 if mode == "disaggregated" else 1)
         srv.proc.kill()
@@ -227,10 +234,7 @@ def test_sigkill_to_a_standalone_engines_launcher_leaves_no_process(tmp_path):
         for i in range(3):   # KV handed over in shared memory
             r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": f"Count to {i}", "max_tokens": 4}, timeout=120)
             assert r.status_code == 200
-        lines: list[str] = []
-        threading.Thread(target=_stream, args=(srv.url, {"prompt": "Go", "max_tokens": 1500, "ignore_eos": True},
-                                               lines), daemon=True).start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        lines, _ = _streaming(srv.url, "Go", 1500)
         trees = {role: _walk(proc.pid, {}) for role, proc in engines.items()}
         assert all(trees.values()), f"each engine started a process of its own: {trees}"
         for proc in engines.values():
@@ -256,11 +260,7 @@ def test_sigterm_to_the_process_group_while_serving_drains_every_process(tmp_pat
     srv = Server("--mode", "disaggregated", "--kv-cache-memory", "0.2", "--max-model-len", "4096",
                  "--shutdown-timeout", "120", log=log, new_session=True)
     try:
-        lines: list[str] = []
-        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 40,
-                                                                  "ignore_eos": True}, lines))
-        thread.start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        lines, thread = _streaming(srv.url, "Once upon a time", 40)
         names = _walk(srv.proc.pid, {})
         _send(srv, "group")
         thread.join(150)
@@ -283,10 +283,7 @@ def test_a_second_sigterm_to_the_server_ends_its_drain_at_once(tmp_path):
     log = tmp_path / "log"
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "300", log=log)
     try:
-        lines: list[str] = []
-        threading.Thread(target=_stream, args=(srv.url, {"prompt": "Go", "max_tokens": 3000, "ignore_eos": True},
-                                               lines), daemon=True).start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        _streaming(srv.url, "Go", 3000)   # in flight: the drain would last minutes
         names = _walk(srv.proc.pid, {})
         srv.proc.send_signal(signal.SIGTERM)
         _wait_for(lambda: "draining: 1 requests in flight" in log.read_text(), 60, "the server draining")
@@ -313,11 +310,7 @@ def test_sigterm_to_a_serving_engine_drains_it_then_it_is_relaunched(tmp_path):
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "120", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
-        lines: list[str] = []
-        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Once upon a time", "max_tokens": 30,
-                                                                  "ignore_eos": True}, lines))
-        thread.start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        lines, thread = _streaming(srv.url, "Once upon a time", 30)
         os.kill(engine_pid, signal.SIGTERM)
         thread.join(120)
         assert lines[-1] == "data: [DONE]" and len(lines) == 30 + 1, lines[-3:]
@@ -343,11 +336,7 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
     srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "300", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
-        lines: list[str] = []
-        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Tell me a long story",
-                                                                  "max_tokens": 60, "ignore_eos": True}, lines))
-        thread.start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        lines, thread = _streaming(srv.url, "Tell me a long story", 60)
         os.kill(engine_pid, signal.SIGTERM)
         _wait_for(lambda: "SIGTERM: draining" in log.read_text(), 60, "the engine draining")
         assert alive(engine_pid), "one SIGTERM drains: the engine still runs its stream"
@@ -364,17 +353,14 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
 
 
 def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_path):
-    """SIGTERM to an engine whose stream outlasts --shutdown-timeout (1 s): it serves on until
-    the deadline, exits then, and the stream goes on on the relaunched engine, every token once."""
+    """SIGTERM to an engine whose stream outlasts --shutdown-timeout (half a second): it serves on
+    until the deadline, exits then, and the stream goes on on the relaunched engine, every token
+    once."""
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "1", log=log)
+    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "0.5", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
-        lines: list[str] = []
-        thread = threading.Thread(target=_stream, args=(srv.url, {"prompt": "Tell me a long story",
-                                                                  "max_tokens": 400, "ignore_eos": True}, lines))
-        thread.start()
-        _wait_for(lambda: len(lines) >= 3, 120, "the stream's first tokens")
+        lines, thread = _streaming(srv.url, "Tell me a long story", 120)
         os.kill(engine_pid, signal.SIGTERM)
         exited_after = _wait_for(lambda: not alive(engine_pid), 60, "the engine exiting at its deadline")
         thread.join(600)
@@ -382,9 +368,9 @@ def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_pat
         srv.stop(signal.SIGTERM)
     text = log.read_text()
     assert "the drain deadline passed: stopping with 1 requests unfinished" in text
-    assert exited_after >= 1 - 0.5, f"it exited {exited_after:.2f}s after SIGTERM, before its deadline"
+    assert exited_after >= 0.5 - 0.1, f"it exited {exited_after:.2f}s after SIGTERM, before its deadline"
     assert lines[-1] == "data: [DONE]" and not [ln for ln in lines if "error" in ln], lines[-3:]
-    assert len(lines) == 400 + 1 and "moving the 1 requests it held" in text
+    assert len(lines) == 120 + 1 and "moving the 1 requests it held" in text
 
 
 def test_sigterm_to_a_starting_engine_stops_it_at_once(tmp_path, monkeypatch):
