@@ -5,6 +5,7 @@
     python benchmarks/step_ab.py --dtype float32 --change native-attention # attention op in C++
     python benchmarks/step_ab.py --dtype float32 --change cpp-wrapper      # Inductor's C++ wrapper
     python benchmarks/step_ab.py --dtype float32 --change decode-step --batches 1,4,8,16,32
+    python benchmarks/step_ab.py --dtype bfloat16 --change decode-step --quantization gguf --batches 1,16
 
 Two engines in one process (the default model's dense weights, compiled, 2 threads), their
 steps alternated so that the machine's drift hits both alike; "after" is the default engine.
@@ -17,7 +18,9 @@ attention goes through its Python kernel (then ``duoserve::decode_attention``). 
 "before" compiles its step with Inductor's Python wrapper (``TORCHINDUCTOR_CPP_WRAPPER=0``).
 ``decode-step``: "before" runs every step through the compiled graph, "after" runs steps of
 decodes whole in C++ (``worker/fused_decode.py``) up to the largest batch given, whatever its
-``MAX_ROWS``. Batch 1 and 32 (and
+``MAX_ROWS``; with ``--quantization gguf`` (the default model's blocks, fast mode) "after" takes the
+C++ step, which computes from the blocks, although the engine keeps GGUF models in the graph
+(``fused_decode.GGUF_GLUE``): what it would give. Batch 1 and 32 (and
 ``--batches``), prompts of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
 """
 
@@ -38,6 +41,8 @@ def main() -> None:
                         choices=["guard-free-step", "packed-linear", "native-attention", "cpp-wrapper",
                                  "decode-step"])
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf"],
+                        help="none: the default model's dense weights; gguf: its blocks (fast mode)")
     args = parser.parse_args()
     from duoserve import LLM, SamplingParams
     from duoserve.core.request import Request
@@ -54,7 +59,14 @@ def main() -> None:
             os.environ.pop(variable, None)
         elif variable:
             os.environ[variable] = value
-        engines[name] = LLM(dtype=args.dtype, quantization="none", kv_cache_memory=0.5, num_threads=2).engine
+        if args.change == "decode-step" and args.quantization == "gguf" and name == "after":
+            from duoserve.worker import compiled, fused_decode
+
+            compiled.why_not = fused_decode.why_not_takes   # the step whatever GGUF_GLUE says
+        engines[name] = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=0.5,
+                            num_threads=2).engine
+        if args.change == "decode-step" and name == "after":
+            assert engines[name].runner.forward.fused is not None, "the C++ decode step must take the model"
         if args.change == "native-attention" and name == "before":
             engines[name].runner.forward.context.native = False   # its CompiledModel's StepContext
         if args.change == "decode-step" and name == "before":
@@ -65,7 +77,7 @@ def main() -> None:
         fused_decode.MAX_ROWS = max(int(b) for b in args.batches.split(","))
     python_attention_before = args.change == "guard-free-step"
     rng = random.Random(0)
-    result = {"dtype": args.dtype}
+    result = {"dtype": args.dtype, "quantization": args.quantization}
     for batch in (int(b) for b in args.batches.split(",")):
         times: dict[str, list[float]] = {name: [] for name in engines}
         params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)

@@ -168,9 +168,12 @@ def define_ops() -> torch.library.Library:
     # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
     # per layer its input norm, post norm, q and k norms (or empty tensors), packed qkv, qkv bias
     # (or an empty tensor), packed o, gate_up and down, K and V caches; its embedding table packed
-    # (PackedEmbedding); shape: hidden, heads, KV heads, head dim, intermediate
+    # (PackedEmbedding); shape: hidden, heads, KV heads, head dim, intermediate. From GGUF blocks:
+    # a projection's packed slot empty, its runs' blocks in `blocks` with their type ids, `runs` the
+    # number of runs of each layer's qkv, o, gate_up and down; the embedding's blocks of embed_type
     lib.define("decode_model(int context, Tensor[] layers, Tensor final_norm, Tensor cos, Tensor sin, "
-               "Tensor embedding, int vocab, int[] shape, float eps, float[] scales) -> ()")
+               "Tensor embedding, int vocab, int[] shape, float eps, float[] scales, Tensor[] blocks, "
+               "int[] block_types, int[] runs, int gguf_exact, int embed_type) -> ()")
     # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
     lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
                "Tensor block_tables, Tensor seq_lens) -> Tensor")

@@ -4,10 +4,11 @@ At a few sequences a compiled step spends a good part of its time outside its we
 graph's op calls through the dispatcher, their tensors allocated and freed, its small kernels
 each forking the threads, all on the main thread while the others wait (BENCHMARKS.md).
 ``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
-step (the embedding rows included), over the same packed weights, caches and kernels; the
+step (the embedding rows included), over the same packed weights or GGUF blocks (GGUFLinear's
+runs, GGUFEmbedding's rows, the same arithmetic), caches and kernels; the
 output projection after it stays as it is. It serves steps in which every sequence decodes one
 token and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and
-a model it cannot take (a weight not packed, a cache in another dtype, no C++ compiler) runs
+a model it cannot take (a weight neither packed nor in blocks, a cache in another dtype, no C++ compiler) runs
 the compiled graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
 """
 
@@ -26,6 +27,14 @@ from duoserve.model.attention import AttentionMetadata
 # the most sequences a step may have to run here: it beat the compiled graph at every batch
 # measured up to this (``benchmarks/step_ab.py --change decode-step``); larger steps are left to the graph
 MAX_ROWS = 64
+MAX_RUNS = 4   # block runs of one projection (decode_step.c)
+
+# Why a GGUF model's steps stay in the graph although the step reads its blocks: a GGUF model's
+# answers are held to one arithmetic on every path (its activations are quantized, so a moved
+# last bit can move a token), and the step's glue is not yet the ops' arithmetic
+GGUF_GLUE = ("the model computes from GGUF blocks, whose answers are bit-identical on every path, and the C++ "
+             "decode step's norms and SiLU round differently from the ops' ATen arithmetic (its sum order, "
+             "Sleef's exp)")
 
 
 def _packed(linear: nn.Module, dtype: torch.dtype, bias_allowed: bool) -> bool:
@@ -33,10 +42,54 @@ def _packed(linear: nn.Module, dtype: torch.dtype, bias_allowed: bool) -> bool:
             and (linear.bias is None or (bias_allowed and linear.bias.dtype == dtype)))
 
 
+def _blocks(linear: nn.Module, mode: str) -> bool:
+    return isinstance(linear, GGUFLinear) and linear.mode == mode and len(linear.runs) <= MAX_RUNS
+
+
+def _linears_why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why the layers' projections cannot be read here: each packed in the model dtype, or GGUF
+    blocks (one mode for the whole model)."""
+    modes = {m.mode for m in model.modules() if isinstance(m, GGUFLinear)}
+    if len(modes) > 1:
+        return "GGUF projections in both modes"
+    mode = modes.pop() if modes else None
+    packed = False
+    for layer in model.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            linear = getattr(layer, name)
+            if _packed(linear, dtype, name == "qkv"):
+                packed = True
+            elif not (mode and _blocks(linear, mode)):
+                return "a linear layer neither packed in the model's dtype nor in GGUF blocks (at most 4 block types)"
+    if packed and not packed_linear_supported(dtype):
+        return f"packed dense {str(dtype)[6:]} weights need AVX-512 on this CPU"
+    return None
+
+
+def _embedding_why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
+    embed, arch = model.embed, model.arch
+    if isinstance(embed, GGUFEmbedding):
+        if embed.dtype != dtype or embed.cols != arch.hidden_size or embed.blocks.shape[0] < arch.vocab_size:
+            return "GGUF embedding rows in another dtype or shape"
+        return None
+    if not (isinstance(embed, PackedEmbedding) and embed.packed.dtype == dtype
+            and embed.num_embeddings == arch.vocab_size):
+        return "an embedding table neither packed in the model's dtype nor in GGUF blocks"
+    return None
+
+
 def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    """Why this model's decode steps cannot run in ``decode_step``, or None when they can."""
+    """Why this model's decode steps do not run in ``decode_step``, or None when they do."""
     if os.environ.get("DUOSERVE_DECODE_STEP", "1") == "0":
         return "DUOSERVE_DECODE_STEP=0"
+    reason = why_not_takes(model, kv_caches)
+    if reason is None and any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules()):
+        return GGUF_GLUE
+    return reason
+
+
+def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Why ``FusedDecodeStep`` cannot compute this model's decode steps, or None when it can."""
     if not decode_step_available():
         return "csrc/cpu_ops.cpp is not built"
     arch = getattr(model, "arch", None)
@@ -55,19 +108,13 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         return f"heads of {arch.head_dim} (at most 512)"
     if dtype not in (torch.float32, torch.bfloat16) or model.norm.weight.dtype != dtype:
         return f"activations in {dtype}"
-    if any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules()):
-        return ("the model computes from GGUF blocks, and the C++ decode step reads packed dense weights only "
-                "(--quantization none)")
-    if not packed_linear_supported(dtype):
-        return f"packed dense {str(dtype)[6:]} weights need AVX-512 on this CPU"
-    embed = model.embed
-    if not (isinstance(embed, PackedEmbedding) and embed.packed.dtype == dtype
-            and embed.num_embeddings == arch.vocab_size):
-        return "an embedding table not packed in the model's dtype"
+    reason = _linears_why_not(model, dtype) or _embedding_why_not(model, dtype)
+    if reason:
+        return reason
     for layer in model.layers:
-        if not (_packed(layer.qkv, dtype, True) and all(_packed(m, dtype, False)
-                                                         for m in (layer.o_proj, layer.gate_up, layer.down))):
-            return "a linear layer without packed weights of the model's dtype"
+        bias = layer.qkv.bias
+        if isinstance(layer.qkv, GGUFLinear) and bias is not None and not bias.dtype.is_floating_point:
+            return f"a q/k/v bias in {bias.dtype}"
         norms = [layer.input_norm, layer.post_norm, *((layer.q_norm, layer.k_norm) if arch.qk_norm else ())]
         if any(norm.weight.dtype != dtype for norm in norms):
             return "a norm weight in another dtype"
@@ -82,17 +129,38 @@ class FusedDecodeStep:
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], context: int,
                  scales: list[float]) -> None:
-        arch = model.arch
+        arch, dtype = model.arch, model.dtype
         tensors: list[torch.Tensor] = []
-        empty = torch.empty(0, dtype=model.dtype)
+        blocks: list[torch.Tensor] = []
+        block_types: list[int] = []
+        runs: list[int] = []
+        empty = torch.empty(0, dtype=dtype)
+
+        def weight(linear: nn.Module) -> torch.Tensor:
+            """The packed weight, or an empty tensor with the runs' blocks appended to ``blocks``."""
+            if not isinstance(linear, GGUFLinear):
+                runs.append(0)
+                return linear.packed
+            runs.append(len(linear.runs))
+            for name, type_id, _ in linear.runs:
+                blocks.append(getattr(linear, name))
+                block_types.append(type_id)
+            return empty
+
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             qk_norms = [layer.q_norm.weight, layer.k_norm.weight] if arch.qk_norm else [empty, empty]
-            tensors += [layer.input_norm.weight, layer.post_norm.weight, *qk_norms, layer.qkv.packed,
-                        empty if layer.qkv.bias is None else layer.qkv.bias, layer.o_proj.packed,
-                        layer.gate_up.packed, layer.down.packed, k_cache, v_cache]
+            # GGUFLinear adds bias.to(y.dtype): the rounding made once here
+            bias = empty if layer.qkv.bias is None else layer.qkv.bias.to(dtype).contiguous()
+            tensors += [layer.input_norm.weight, layer.post_norm.weight, *qk_norms, weight(layer.qkv), bias,
+                        weight(layer.o_proj), weight(layer.gate_up), weight(layer.down), k_cache, v_cache]
         shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
+        embed = model.embed
+        gguf_embed = isinstance(embed, GGUFEmbedding)
+        modes = {m.mode for m in model.modules() if isinstance(m, GGUFLinear)}
         torch.ops.duoserve.decode_model(context, tensors, model.norm.weight, model.rotary.cos, model.rotary.sin,
-                                        model.embed.packed, arch.vocab_size, shape, arch.rms_norm_eps, scales)
+                                        embed.blocks if gguf_embed else embed.packed, arch.vocab_size, shape,
+                                        arch.rms_norm_eps, scales, blocks, block_types, runs,
+                                        int("exact" in modes), embed.type_id if gguf_embed else -1)
         self.context = context
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:

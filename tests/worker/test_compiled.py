@@ -233,7 +233,8 @@ def test_models_the_decode_step_cannot_take_say_why(compiled_llm, monkeypatch):
     bf16_caches = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in runner.kv_caches[:1]]
     assert why_not(runner.model, bf16_caches) == "a KV cache in torch.bfloat16 (the model runs torch.float32)"
     monkeypatch.setattr(runner.model.layers[1].o_proj, "packed", None)
-    assert why_not(runner.model, runner.kv_caches) == "a linear layer without packed weights of the model's dtype"
+    assert why_not(runner.model, runner.kv_caches) == ("a linear layer neither packed in the model's dtype nor in "
+                                                        "GGUF blocks (at most 4 block types)")
 
 
 def test_compiled_gemma3_with_windows_equals_eager(tiny_dir):
@@ -363,19 +364,20 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
 
 
 def test_a_gguf_model_says_why_it_takes_the_compiled_graph(tiny_dir, tmp_path):
-    """The default model's case: GGUF blocks, which the C++ decode step does not read, said plainly."""
+    """The default model's case: GGUF blocks, which the C++ decode step reads but whose answers its
+    glue would move by last bits, said plainly."""
     from duoserve.config import ModelConfig
     from duoserve.kernels.ops import decode_step_available
     from duoserve.worker.backends import load_model
-    from duoserve.worker.fused_decode import why_not
+    from duoserve.worker.fused_decode import GGUF_GLUE, why_not, why_not_takes
 
     gguf = tmp_path / "tiny-Q4_1.gguf"
     write_gguf(tiny_dir(kind="llama"), gguf, "Q4_1")
     loaded = load_model(ModelConfig(model=str(gguf), dtype="float32", quantization="gguf"))
     assert loaded.quantization == "gguf-fast"
     assert decode_step_available(), "CI has a C++ compiler: csrc/cpu_ops.cpp builds (else that is the reason given)"
-    assert why_not(loaded.model, []) == ("the model computes from GGUF blocks, and the C++ decode step reads "
-                                         "packed dense weights only (--quantization none)")
+    assert why_not_takes(loaded.model, []) is None
+    assert why_not(loaded.model, []) == GGUF_GLUE
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

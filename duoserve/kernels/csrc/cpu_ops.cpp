@@ -37,6 +37,7 @@ int gguf_linear_exact(const void *x, const uint8_t *w, int type, int m, int n, i
                       int num_threads);
 int gguf_linear_fast(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
                      int num_threads);
+int64_t gguf_row_bytes(int type, int k);
 int small_m_linear(const void *x, const void *w, const void *bias, void *y, int is_bf16, int m, int n, int k,
                    int num_threads);
 int packed_linear(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n, int k,
@@ -45,16 +46,26 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                            float scale, int num_threads);
-struct decode_layer {  // as in decode_step.c
+#define MAX_RUNS 4
+struct decode_linear {  // as in decode_step.c
+    const void *packed;
+    const uint8_t *blocks[MAX_RUNS];
+    int types[MAX_RUNS], rows[MAX_RUNS];
+    int num_runs, exact;
+};
+struct decode_layer {
     const void *input_norm, *post_norm;
     const void *q_norm, *k_norm;
-    const void *qkv, *qkv_bias, *o_proj, *gate_up, *down;
+    decode_linear qkv, o_proj, gate_up, down;
+    const void *qkv_bias;
     void *k_cache, *v_cache;
     float scale;
 };
 struct decode_shape {
     int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
     float eps;
+    int embed_type;
+    int64_t embed_row_bytes;
 };
 int decode_step(const decode_layer *layers, int num_layers, const void *final_norm, const decode_shape *s,
                 const float *cos_table, const float *sin_table, const void *embedding, const int64_t *ids, void *x,
@@ -252,16 +263,70 @@ struct DecodeModel {
 std::mutex decode_models_mutex;
 std::unordered_map<int64_t, DecodeModel> decode_models;
 
+// Pointers into the tensors a DecodeModel keeps alive, each checked as it is taken.
+struct DecodeTensors {
+    DecodeModel &model;
+    at::TensorList blocks;          // every block projection's runs, in order
+    c10::IntArrayRef block_types;
+    bool exact;
+    size_t next_block = 0;
+
+    void *ptr(const at::Tensor &t) {   // an activation-dtype tensor, or nullptr where empty
+        if (!t.defined() || t.numel() == 0) return nullptr;
+        TORCH_CHECK(t.is_contiguous() && t.scalar_type() == model.dtype, "decode_model: contiguous tensors of ",
+                    model.dtype, ", not ", t.scalar_type());
+        model.tensors.push_back(t);
+        return t.data_ptr();
+    }
+
+    const uint8_t *bytes(const at::Tensor &t, int64_t type, int64_t k) {   // [rows, bytes per row] blocks
+        TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kByte && t.dim() == 2 &&
+                    t.size(1) == gguf_row_bytes((int)type, (int)k), "decode_model: GGUF blocks of type ", type,
+                    " as contiguous uint8 [rows, bytes of ", k, " values]");
+        model.tensors.push_back(t);
+        return t.data_ptr<uint8_t>();
+    }
+
+    // a projection [n, k]: packed (no runs), or the next `count` block tensors, n rows in all
+    decode_linear linear(const at::Tensor &packed, int64_t count, int64_t n, int64_t k) {
+        decode_linear w{};
+        if (count == 0) {
+            TORCH_CHECK(packed.numel() > 0, "decode_model: a projection with neither packed weights nor blocks");
+            w.packed = ptr(packed);
+            return w;
+        }
+        TORCH_CHECK(count <= MAX_RUNS && next_block + count <= blocks.size(), "decode_model: at most ", MAX_RUNS,
+                    " runs a projection, each with its blocks");
+        int64_t rows = 0;
+        for (int64_t r = 0; r < count; r++, next_block++) {
+            w.types[r] = (int)block_types[next_block];
+            w.blocks[r] = bytes(blocks[next_block], block_types[next_block], k);
+            w.rows[r] = (int)blocks[next_block].size(0);
+            rows += w.rows[r];
+        }
+        TORCH_CHECK(rows == n, "decode_model: a projection's runs hold ", rows, " rows, not ", n);
+        w.num_runs = (int)count;
+        w.exact = exact;
+        return w;
+    }
+};
+
 // per layer: input norm, post norm, q norm and k norm (or empty tensors), qkv, qkv bias (or an
-// empty tensor), o, gate_up, down (packed), k cache, v cache, in that order in `layers`; shape:
-// hidden, heads, KV heads, head dim, intermediate; the embedding table [vocab, hidden] packed as a
-// linear layer's weight (PackedEmbedding)
+// empty tensor), o, gate_up, down (packed, or empty tensors for blocks), k cache, v cache, in that
+// order in `layers`; shape: hidden, heads, KV heads, head dim, intermediate; the embedding table
+// [vocab, hidden] packed as a linear layer's weight (PackedEmbedding), or its GGUF blocks [vocab,
+// bytes per row] of type embed_type. A projection from GGUF blocks: its runs' blocks [rows, bytes
+// per row] next in `blocks` and their type ids in `block_types`; `runs` gives each projection's
+// number of runs (qkv, o, gate_up, down of every layer; 0: packed), gguf_exact its mode.
 void decode_model(int64_t context, at::TensorList layers, const at::Tensor &final_norm, const at::Tensor &cos,
                   const at::Tensor &sin, const at::Tensor &embedding, int64_t vocab, c10::IntArrayRef shape,
-                  double eps, c10::ArrayRef<double> scales) {
+                  double eps, c10::ArrayRef<double> scales, at::TensorList blocks, c10::IntArrayRef block_types,
+                  c10::IntArrayRef runs, int64_t gguf_exact, int64_t embed_type) {
     constexpr size_t PER_LAYER = 11;
     TORCH_CHECK(layers.size() == PER_LAYER * scales.size() && !scales.empty() && shape.size() == 5,
                 "decode_model: eleven tensors and a scale a layer, five sizes");
+    TORCH_CHECK(runs.empty() || runs.size() == 4 * scales.size(), "decode_model: four run counts a layer");
+    TORCH_CHECK(blocks.size() == block_types.size(), "decode_model: a type id for every block tensor");
     DecodeModel model;
     model.dtype = final_norm.scalar_type();
     TORCH_CHECK(model.dtype == at::kFloat || model.dtype == at::kBFloat16, "decode_model: float32 or bfloat16");
@@ -269,29 +334,40 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
                 sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == shape[3],
                 "decode_model: float32 cos and sin tables [positions, head_dim]");
     model.shape = decode_shape{(int)shape[0], (int)shape[1], (int)shape[2], (int)shape[3], (int)shape[4], 0,
-                               model.dtype == at::kBFloat16, (float)eps};
-    auto ptr = [&](const at::Tensor &t) -> void * {
-        if (!t.defined() || t.numel() == 0) return nullptr;
-        TORCH_CHECK(t.is_contiguous() && t.scalar_type() == model.dtype, "decode_model: contiguous tensors of ",
-                    model.dtype, ", not ", t.scalar_type());
-        model.tensors.push_back(t);
-        return t.data_ptr();
-    };
+                               model.dtype == at::kBFloat16, (float)eps, (int)embed_type, 0};
+    DecodeTensors take{model, blocks, block_types, gguf_exact != 0};
+    const int64_t hidden = shape[0], q_size = shape[1] * shape[3], kv_size = shape[2] * shape[3], inter = shape[4];
     for (size_t l = 0; l < scales.size(); l++) {
         const at::Tensor *t = layers.data() + PER_LAYER * l;
+        const int64_t *counts = runs.empty() ? nullptr : runs.data() + 4 * l;
         const at::Tensor &k_cache = t[9], &v_cache = t[10];
         TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == shape[2] &&
                     k_cache.size(3) == shape[3], "decode_model: caches [blocks, block_size, KV heads, head_dim]");
         model.shape.block_size = (int)k_cache.size(1);
         model.num_slots = k_cache.size(0) * k_cache.size(1);
-        model.layers.push_back(decode_layer{ptr(t[0]), ptr(t[1]), ptr(t[2]), ptr(t[3]), ptr(t[4]), ptr(t[5]),
-                                            ptr(t[6]), ptr(t[7]), ptr(t[8]), ptr(k_cache), ptr(v_cache),
-                                            (float)scales[l]});
+        decode_layer layer{take.ptr(t[0]), take.ptr(t[1]), take.ptr(t[2]), take.ptr(t[3])};
+        layer.qkv = take.linear(t[4], counts ? counts[0] : 0, q_size + 2 * kv_size, hidden);
+        layer.qkv_bias = take.ptr(t[5]);
+        layer.o_proj = take.linear(t[6], counts ? counts[1] : 0, hidden, q_size);
+        layer.gate_up = take.linear(t[7], counts ? counts[2] : 0, 2 * inter, hidden);
+        layer.down = take.linear(t[8], counts ? counts[3] : 0, hidden, inter);
+        layer.k_cache = take.ptr(k_cache);
+        layer.v_cache = take.ptr(v_cache);
+        layer.scale = (float)scales[l];
+        model.layers.push_back(layer);
     }
-    model.final_norm = ptr(final_norm);
-    TORCH_CHECK(embedding.numel() >= vocab * shape[0], "decode_model: an embedding table of ", vocab, " rows of ",
-                shape[0]);
-    model.embedding = ptr(embedding);
+    TORCH_CHECK(take.next_block == blocks.size(), "decode_model: block tensors left over");
+    model.final_norm = take.ptr(final_norm);
+    if (embed_type >= 0) {
+        TORCH_CHECK(embedding.dim() == 2 && embedding.size(0) >= vocab, "decode_model: GGUF embedding blocks of ",
+                    vocab, " rows");
+        model.embedding = take.bytes(embedding, embed_type, hidden);
+        model.shape.embed_row_bytes = embedding.size(1);
+    } else {
+        TORCH_CHECK(embedding.numel() >= vocab * hidden, "decode_model: an embedding table of ", vocab,
+                    " rows of ", hidden);
+        model.embedding = take.ptr(embedding);
+    }
     model.vocab = vocab;
     model.tensors.push_back(cos);
     model.tensors.push_back(sin);

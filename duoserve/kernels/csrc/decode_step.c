@@ -1,25 +1,30 @@
-/* A whole decode step of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) over packed weights,
- * in one OpenMP parallel region: one new token for each of a batch of sequences.
+/* A whole decode step of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) over packed weights
+ * or GGUF blocks, in one OpenMP parallel region: one new token for each of a batch of sequences.
  *
  * What it replaces is not arithmetic but the time between kernels. At one sequence the compiled
  * step (Inductor's graph calling duoserve::packed_linear and duoserve::paged_attention) spends
  * ~1 ms a step outside its weights: ~150 op calls through the dispatcher, their output tensors
  * allocated and freed, the graph's small kernels each forking the threads, all on the main
  * thread while the other waits. Here the threads stay in one region and meet at barriers (~0.2 us
- * each, ten a layer): the linear layers are packed_linear.c's blocks shared out as before, the
- * attention is paged_decode.c's kernel, and the glue between them (RMSNorm, rotary, the new K/V
- * written to their slots, residual adds, SiLU * up; Qwen3's q/k norms) is a few loops over a row.
+ * each, ten a layer): the linear layers are packed_linear.c's blocks shared out as before, or
+ * gguf_linear.c's team entries over the file's blocks (a fused projection whose parts have
+ * different block types computed part by part into its columns), the attention is
+ * paged_decode.c's kernel, and the glue between them (RMSNorm, rotary, the new K/V written to
+ * their slots, residual adds, SiLU * up; Qwen3's q/k norms) is a few loops over a row. The glue
+ * is within last bits of the ops' ATen arithmetic, not equal to it (fused_decode.GGUF_GLUE).
  *
  * The arithmetic is the model's (llama.py, layers.py), in float32 within each step of a layer; in
  * bfloat16 each step's result is stored in bfloat16 as the model stores it: a norm (its float32
  * result rounded before its weight is applied, as RMSNorm does), a projection, rotary (cos/sin
  * rounded to the model dtype, as eager does) and SiLU * up (each rounded once, as the compiled
- * graph does), a residual add. Float32 models are float32 throughout.
+ * graph does), a residual add. Float32 models are float32 throughout. A GGUF projection is
+ * gguf_linear's output in the model dtype, then its bias added and rounded again, as
+ * GGUFLinear computes `y + bias`; a GGUF embedding's rows are dequantized as GGUFEmbedding's.
  *
  * Caller (csrc/cpu_ops.cpp): ids [m] the new tokens (checked against the vocabulary); x [m, hidden]
  * scratch for the residual stream; out [m, hidden] the final norm's output; all activations in
- * the model dtype, weights packed (packed_linear.c) in it, caches [slots, num_kv_heads, head_dim]
- * in it; positions and slots checked.
+ * the model dtype, weights packed (packed_linear.c) in it or GGUF blocks, caches
+ * [slots, num_kv_heads, head_dim] in it; positions and slots checked.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,8 +32,10 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf_team.h"
 
 #define MAX_HEAD_DIM 512   /* decode_step() refuses larger heads */
+#define MAX_RUNS 4         /* block runs of a projection (fused_decode.py refuses more) */
 
 void packed_linear_team(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n,
                         int k);
@@ -38,10 +45,20 @@ void paged_decode_team(const float *q, const void *k_cache, const void *v_cache,
                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                        float scale, int num_threads, int *failed);
 
+/* a projection: packed weights, or runs of GGUF blocks whose outputs sit side by side (a fused
+ * projection of parts of different block types) */
+struct decode_linear {
+    const void *packed;                   /* packed_linear.c's layout, or NULL for blocks */
+    const uint8_t *blocks[MAX_RUNS];      /* [rows[r], bytes per row] each */
+    int types[MAX_RUNS], rows[MAX_RUNS];  /* gguf_blocks.h's type ids */
+    int num_runs, exact;                  /* exact: gguf_linear_exact's arithmetic, else fast */
+};
+
 struct decode_layer {
     const void *input_norm, *post_norm;                    /* [hidden] */
     const void *q_norm, *k_norm;                           /* [head_dim] (Qwen3) or NULL */
-    const void *qkv, *qkv_bias, *o_proj, *gate_up, *down;  /* packed; qkv_bias [q + 2 kv] or NULL */
+    struct decode_linear qkv, o_proj, gate_up, down;
+    const void *qkv_bias;                                  /* [q + 2 kv] or NULL */
     void *k_cache, *v_cache;                               /* [slots, num_kv_heads, head_dim] */
     float scale;
 };
@@ -49,6 +66,8 @@ struct decode_layer {
 struct decode_shape {
     int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
     float eps;
+    int embed_type;        /* the embedding's GGUF block type, or -1: packed as a linear weight */
+    int64_t embed_row_bytes;
 };
 
 static inline float load(const void *p, int64_t i, int bf) {
@@ -138,6 +157,26 @@ static void silu_mul(const void *gate_up, void *act, int m, int inter, int bf) {
         }
 }
 
+/* y [m, n] = x [m, k] @ w^T (+ bias), shared by the team. From blocks: x's rows converted and
+ * quantized once for every run, each run's output into its columns, then the bias added to the
+ * stored output (GGUFLinear's `y + bias`: a second rounding in bfloat16). */
+static void linear_team(const struct decode_linear *w, const void *bias, const void *x, void *y, int m, int n, int k,
+                        int bf, const struct gguf_rows *rows, int *failed) {
+    if (w->packed) {
+        packed_linear_team(x, w->packed, bias, y, bf, m, n, k);
+        return;
+    }
+    gguf_rows_team(x, bf, m, k, w->exact, rows);
+    for (int r = 0, col = 0; r < w->num_runs; col += w->rows[r], r++)
+        gguf_matmul_team(rows, x, bf, w->exact, w->blocks[r], w->types[r], m, w->rows[r], k, y, n, col, failed);
+    if (bias) {
+        #pragma omp for schedule(static)
+        for (int t = 0; t < m; t++)
+            for (int i = 0; i < n; i++)
+                store(y, (int64_t)t * n + i, load(y, (int64_t)t * n + i, bf) + load(bias, i, bf), bf);
+    }
+}
+
 /* x [m, hidden] = the embedding rows of ids, read from the table's packed copy (packed_linear.c's
  * layout: row id in block id / 48, column id % 48, its values 48 apart, in pairs for bfloat16), as
  * PackedEmbedding reads them */
@@ -157,6 +196,22 @@ static void embed_rows(const int64_t *ids, const void *packed, int bf, int hidde
     }
 }
 
+/* x [m, hidden] = the embedding rows of ids dequantized from GGUF blocks, as GGUFEmbedding */
+static void embed_block_rows(const int64_t *ids, const uint8_t *blocks, const struct decode_shape *s, void *x, int m) {
+    const int elem = s->is_bf16 ? 2 : 4;
+    #pragma omp for schedule(static)
+    for (int t = 0; t < m; t++)
+        gguf_dequantize_row(s->embed_type, blocks + ids[t] * s->embed_row_bytes, s->hidden,
+                            (char *)x + (int64_t)t * s->hidden * elem, s->is_bf16);
+}
+
+static int any_packed(const struct decode_layer *layers, int num_layers) {
+    for (int l = 0; l < num_layers; l++)
+        if (layers[l].qkv.packed || layers[l].o_proj.packed || layers[l].gate_up.packed || layers[l].down.packed)
+            return 1;
+    return 0;
+}
+
 /* Returns 0; -1 when this build cannot run packed weights of that dtype; -2 when scratch memory
  * could not be allocated (x and the caches may then hold part of the step). */
 int decode_step(const struct decode_layer *layers, int num_layers, const void *final_norm,
@@ -166,13 +221,20 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                 const int64_t *seq_lens, int m, int max_blocks, int num_threads) {
     const int bf = s->is_bf16, elem = bf ? 2 : 4, hidden = s->hidden, inter = s->intermediate;
     const int q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
-    if (!packed_linear_supported(bf) || s->head_dim > MAX_HEAD_DIM) return -1;
+    if ((any_packed(layers, num_layers) && !packed_linear_supported(bf)) || s->head_dim > MAX_HEAD_DIM) return -1;
+    /* x's rows for the block projections: converted and quantized, at most the widest input */
+    const int widest = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size);
+    struct gguf_rows rows;
+    if (gguf_rows_alloc(&rows, m, widest, 1, 1) != 0) return -2;
     /* activations: qkv, q and attention out (float32), attention out (model dtype), o / down out,
      * gate_up, act */
     const size_t bytes = (size_t)m * ((size_t)qkv_size * elem + (size_t)q_size * 8 + (size_t)q_size * elem +
                                       (size_t)hidden * elem + (size_t)3 * inter * elem) + 64 * 6;
     char *scratch = malloc(bytes);
-    if (!scratch) return -2;
+    if (!scratch) {
+        gguf_rows_free(&rows);
+        return -2;
+    }
     char *at = scratch;
 #define TAKE(n) (at += ((size_t)(n) + 63) / 64 * 64, at - ((size_t)(n) + 63) / 64 * 64)
     void *qkv = TAKE((size_t)m * qkv_size * elem);
@@ -186,11 +248,12 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        embed_rows(ids, embedding, bf, hidden, x, m);
+        if (s->embed_type >= 0) embed_block_rows(ids, embedding, s, x, m);
+        else embed_rows(ids, embedding, bf, hidden, x, m);
         add_norm_rows(x, NULL, layers[0].input_norm, out, m, hidden, s->eps, bf);  /* out: the normed rows */
         for (int l = 0; l < num_layers; l++) {
             const struct decode_layer *layer = &layers[l];
-            packed_linear_team(out, layer->qkv, layer->qkv_bias, qkv, bf, m, qkv_size, hidden);
+            linear_team(&layer->qkv, layer->qkv_bias, out, qkv, m, qkv_size, hidden, bf, &rows, &failed);
             rotate_and_store(qkv, positions, cos_table, sin_table, slots, layer, s, q, m);
             paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, NULL, m,
                               s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, max_blocks, layer->scale,
@@ -201,15 +264,16 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                     for (int i = 0; i < q_size; i++)
                         store(attn, (int64_t)t * q_size + i, attn32[(int64_t)t * q_size + i], 1);
             }
-            packed_linear_team(attn, layer->o_proj, NULL, proj, bf, m, hidden, q_size);
+            linear_team(&layer->o_proj, NULL, attn, proj, m, hidden, q_size, bf, &rows, &failed);
             add_norm_rows(x, proj, layer->post_norm, out, m, hidden, s->eps, bf);
-            packed_linear_team(out, layer->gate_up, NULL, gate_up, bf, m, 2 * inter, hidden);
+            linear_team(&layer->gate_up, NULL, out, gate_up, m, 2 * inter, hidden, bf, &rows, &failed);
             silu_mul(gate_up, act, m, inter, bf);
-            packed_linear_team(act, layer->down, NULL, proj, bf, m, hidden, inter);
+            linear_team(&layer->down, NULL, act, proj, m, hidden, inter, bf, &rows, &failed);
             add_norm_rows(x, proj, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, out, m, hidden,
                           s->eps, bf);
         }
     }
     free(scratch);
+    gguf_rows_free(&rows);
     return failed ? -2 : 0;
 }

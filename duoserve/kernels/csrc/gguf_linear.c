@@ -131,6 +131,13 @@ int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t 
     return 0;
 }
 
+/* the bytes of a row of k values of block type `type`, or -1 for an unknown type or a k that is
+ * not a whole number of blocks */
+int64_t gguf_row_bytes(int type, int k) {
+    if (type < 0 || type > LAST_TYPE || k <= 0 || k % BLOCK_VALUES[type]) return -1;
+    return (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+}
+
 /* one row of w -> k values, float32 or bfloat16: the decode step's embedding rows, as
  * gguf_dequantize computes them */
 void gguf_dequantize_row(int type, const uint8_t *row, int k, void *out, int out_bf16) {

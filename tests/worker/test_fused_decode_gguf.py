@@ -1,0 +1,146 @@
+"""The C++ decode step computed from GGUF blocks, against the eager step.
+
+Tiny GGUF files (Llama; Qwen2 with its q/k/v bias) of several block types, a Qwen2 whose fused
+projections mix block types (as Qwen2.5-Coder's Q5_0/Q8_0/Q4_K/Q6_K file does), both modes,
+float32 and bfloat16: for a batch of decodes, step after step, ``FusedDecodeStep`` and the eager
+model (the ops a compiled step calls too) give the same greedy tokens and hidden states within
+a few last bits. Not the same bits: the step's norms and SiLU are not yet the ATen arithmetic of
+the ops (``fused_decode.GGUF_GLUE``), so ``why_not`` keeps GGUF models in the graph; the
+projections themselves are gguf_linear.c's team entries, whose bits ``tests/kernels/test_gguf.py``
+holds equal to the ops'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from duoserve.config import ModelConfig
+from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear
+from duoserve.kernels.ops import StepContext, decode_step_available, register_context
+from duoserve.model.attention import AttentionMetadata
+from duoserve.model.gguf_loader import GGUFBlocks
+from duoserve.worker.backends import load_model
+from duoserve.worker.fused_decode import GGUF_GLUE, FusedDecodeStep, why_not, why_not_takes
+from tests.kernels.test_gguf import random_blocks
+from tests.model.test_gguf import write_gguf
+
+pytestmark = pytest.mark.skipif(not decode_step_available(), reason="no C++ compiler: csrc/cpu_ops.cpp not built")
+
+PROMPTS = [[3, 141, 59, 26, 53], [97, 93], [238, 46, 26, 43, 38, 32, 79, 50, 28]]
+BLOCK_SIZE = 4
+
+
+def _load(path, dtype: str, mode: str):
+    return load_model(ModelConfig(model=str(path), dtype=dtype, quantization="gguf", gguf_mode=mode)).model
+
+
+def _blocks(type_name: str, rows: int, cols: int, seed: int) -> GGUFBlocks:
+    raw, _ = random_blocks(type_name, rows, cols, seed=seed)
+    return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)), type_name, rows, cols)
+
+
+def mix_block_types(model, mode: str) -> None:
+    """Each layer's projections rebuilt from blocks of mixed types: q, k, v of three types, gate
+    and up of two, o and down of one each; the embedding in K-quant blocks."""
+    arch = model.arch
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    model.embed = GGUFEmbedding(_blocks("Q4_K", arch.vocab_size, hidden, 7), model.dtype)
+    for i, layer in enumerate(model.layers):
+        seed = 100 * i
+        qkv = [_blocks("Q4_K", q, hidden, seed), _blocks("Q8_0", kv, hidden, seed + 1), _blocks("Q6_K", kv, hidden, seed + 2)]
+        layer.qkv = GGUFLinear(qkv, layer.qkv.bias, mode)
+        layer.o_proj = GGUFLinear([_blocks("Q5_1", hidden, q, seed + 3)], None, mode)
+        layer.gate_up = GGUFLinear([_blocks("Q5_0", inter, hidden, seed + 4), _blocks("Q4_K", inter, hidden, seed + 5)],
+                                   None, mode)
+        layer.down = GGUFLinear([_blocks("Q6_K", hidden, inter, seed + 6)], None, mode)
+
+
+def assert_decodes_close(model, steps: int = 4) -> list[list[int]]:
+    """Prefill PROMPTS eagerly, then `steps` steps of decodes through both paths from the same
+    caches: the same greedy tokens, hidden states and caches within a few last bits. Returns the
+    greedy tokens."""
+    arch, dtype = model.arch, model.dtype
+    per_seq = -(-(max(map(len, PROMPTS)) + steps) // BLOCK_SIZE)
+    shape = (per_seq * len(PROMPTS), BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(PROMPTS))]
+    assert why_not_takes(model, caches) is None, why_not_takes(model, caches)
+    assert why_not(model, caches) == GGUF_GLUE
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    meta = AttentionMetadata.build([len(p) for p in PROMPTS], [len(p) for p in PROMPTS], tables, BLOCK_SIZE)
+    hidden = model(ids, positions, caches, meta)
+    last = torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1
+    tokens = model.compute_logits(hidden[last]).argmax(-1)
+    context = StepContext(caches, [layer.attn for layer in model.layers])
+    fused = FusedDecodeStep(model, caches, register_context(context), context.scales)
+    generated = [tokens.tolist()]
+    for step in range(steps):
+        lens = [len(p) + step + 1 for p in PROMPTS]
+        meta = AttentionMetadata.build([1] * len(PROMPTS), lens, tables, BLOCK_SIZE)
+        assert fused.serves(meta, len(PROMPTS))
+        positions = torch.tensor(lens) - 1
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        want = model(tokens, positions, caches, meta)
+        eager_caches = [(k.clone(), v.clone()) for k, v in caches]
+        for (k, v), (k0, v0) in zip(caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        got = fused(tokens, positions, meta)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2   # relative: a few last bits
+        assert got.dtype == dtype and _relative(got, want) < tolerance, (step, _relative(got, want))
+        for (k, v), (k1, v1) in zip(caches, eager_caches):
+            assert _relative(k, k1) < tolerance and _relative(v, v1) < tolerance, f"step {step}: caches differ"
+        logits = model.compute_logits(want)
+        tokens = logits.argmax(-1)
+        # a token whose logit leads the next by more than the last bits' reach is the same
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > tolerance * top2[:, 0].abs()
+        assert torch.equal(model.compute_logits(got).argmax(-1)[clear], tokens[clear]), f"step {step}: tokens differ"
+        generated.append(tokens.tolist())
+    return generated
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q5_0"])
+def test_llama_blocks_decode_as_eager(tiny_dir, tmp_path, type_name, mode, dtype):
+    path = tmp_path / f"tiny-{type_name}.gguf"
+    write_gguf(tiny_dir(kind="llama"), path, type_name)
+    model = _load(path, dtype, mode)
+    assert isinstance(model.layers[0].qkv, GGUFLinear) and isinstance(model.embed, GGUFEmbedding)
+    assert_decodes_close(model)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_qwen2_bias_and_mixed_block_types_decode_as_eager(tiny_dir, tmp_path, mode, dtype):
+    """Qwen2's q/k/v bias added after the projection's rounding; fused projections whose parts
+    have different block types (K-quants among them: 256 columns); K-quant embedding rows."""
+    path = tmp_path / "tiny-qwen2-Q8_0.gguf"
+    write_gguf(tiny_dir(kind="qwen2", hidden_size=256, intermediate_size=256), path, "Q8_0")
+    model = _load(path, dtype, mode)
+    assert model.layers[0].qkv.bias is not None
+    assert_decodes_close(model)
+    mix_block_types(model, mode)
+    assert [p.type_name for p in model.layers[0].qkv.parts] == ["Q4_K", "Q8_0", "Q6_K"]
+    tokens = assert_decodes_close(model)
+    assert len({t for step in tokens for t in step}) > 1, "a degenerate model would prove little"
+
+
+def test_the_default_model_could_take_the_decode_step_and_says_why_it_does_not():
+    """The packaged GGUF file (fast mode, the default): every weight is one the step reads, and
+    the one reason left is the glue's arithmetic."""
+    loaded = load_model(ModelConfig())
+    assert loaded.quantization == "gguf-fast"
+    arch, dtype = loaded.model.arch, loaded.model.dtype
+    caches = [(torch.zeros(2, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype),) * 2] * arch.num_layers
+    assert why_not_takes(loaded.model, caches) is None
+    assert why_not(loaded.model, caches) == GGUF_GLUE
