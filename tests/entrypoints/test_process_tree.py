@@ -188,6 +188,12 @@ def _stream(url: str, body: dict, lines: list, timeout: float = 300) -> None:
         lines.append(f"error: {exc}")
 
 
+# a colocated engine on one thread: on a machine whose other cores are busy, an engine's threads
+# meeting at a barrier per op wait for each other's time slices (0.4 tokens/s seen here), and
+# these tests are about signals, not speed
+ONE_THREAD = ("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--num-threads", "1")
+
+
 def _streaming(url: str, prompt: str, max_tokens: int) -> tuple[list[str], threading.Thread]:
     """A stream of exactly ``max_tokens`` tokens, returned once its first tokens came back (in
     flight, however loaded the machine): its lines so far, and the thread reading the rest."""
@@ -281,7 +287,7 @@ def test_a_second_sigterm_to_the_server_ends_its_drain_at_once(tmp_path):
     app's shutdown when forced) and nothing is left."""
     segments_before = kv_segments()
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "300", log=log)
+    srv = Server(*ONE_THREAD, "--shutdown-timeout", "300", log=log)
     try:
         _streaming(srv.url, "Go", 3000)   # in flight: the drain would last minutes
         names = _walk(srv.proc.pid, {})
@@ -307,7 +313,7 @@ def test_sigterm_to_a_serving_engine_drains_it_then_it_is_relaunched(tmp_path):
     serves on; stopping the server then leaves nothing."""
     segments_before = kv_segments()
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "120", log=log)
+    srv = Server(*ONE_THREAD, "--shutdown-timeout", "120", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
         lines, thread = _streaming(srv.url, "Once upon a time", 30)
@@ -333,7 +339,7 @@ def test_a_second_sigterm_stops_a_draining_engine_at_once_and_its_stream_moves(t
     """Two SIGTERMs to an engine running a long stream, with a --shutdown-timeout of minutes: it
     stops at the second, long before the deadline; the stream goes on on the relaunched engine."""
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "300", log=log)
+    srv = Server(*ONE_THREAD, "--shutdown-timeout", "300", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
         lines, thread = _streaming(srv.url, "Tell me a long story", 60)
@@ -357,7 +363,7 @@ def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_pat
     until the deadline, exits then, and the stream goes on on the relaunched engine, every token
     once."""
     log = tmp_path / "log"
-    srv = Server("--kv-cache-memory", "0.2", "--max-model-len", "4096", "--shutdown-timeout", "0.5", log=log)
+    srv = Server(*ONE_THREAD, "--shutdown-timeout", "0.5", log=log)
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
         lines, thread = _streaming(srv.url, "Tell me a long story", 120)
