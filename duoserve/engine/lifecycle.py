@@ -66,6 +66,7 @@ class StopSignals:
         self.deadline: float | None = None   # set by the first signal while serving
         self.exit_code: int | None = None    # set once stopping at once began
         self._dropped = False                # the last SystemExit raised was dropped: raise it again
+        self.failed = False                  # the start failed and was told: the engine is on its way out
 
     def install(self) -> "StopSignals":
         for sig in STOP_SIGNALS:
@@ -100,7 +101,8 @@ class StopSignals:
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if not self.serving or self.draining:
-            if self.exit_code is None:
+            if self.exit_code is None and not self.failed:   # after a failed start the launcher prints
+                # the failure as its one line: a stop it then sends says nothing more
                 logger.warning("%s %s: stopping at once", name, "while draining" if self.serving else "while starting")
             self._stop_at_once(128 + signum)
             return

@@ -95,6 +95,8 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
                 on_start_failure(reason, config_error)
             if told:
                 _refuse(sock, msg.EngineFailed(reason, config_error))
+            if signals is not None:
+                signals.failed = True
             return 1
         server = EngineServer(core, sock, parent_pid, key, signals)
         if signals is not None:
