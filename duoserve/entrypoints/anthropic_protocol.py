@@ -126,12 +126,7 @@ class MessagesRequest(_Strict):
         thinking = self._thinking(reasoning_parser)
         if thinking is not None:
             body["chat_template_kwargs"] = thinking
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None) from exc
+        return ChatCompletionRequest.of_translated(body)
 
     def _messages(self) -> list[dict]:
         out: list[dict] = []

@@ -13,8 +13,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.tools import ToolPlan
 from duoserve.errors import ConfigError
 from duoserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -276,6 +277,17 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @classmethod
+    def of_translated(cls, body: dict[str, Any]) -> "ChatCompletionRequest":
+        """Another API's request translated into this one (Messages, Responses); a value this
+        request refuses is a 400 naming where it sits here."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None) from exc
 
     def tool_plan(self, parser: str | None) -> ToolPlan:
         """What the request's tools ask for (``duoserve.entrypoints.tools``); refuses what cannot be served."""

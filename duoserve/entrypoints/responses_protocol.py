@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import ChatCompletionRequest
@@ -67,12 +67,7 @@ class ResponsesRequest(BaseModel):
         effort = (self.reasoning or {}).get("effort")
         if reasoning_parser and effort == "none":
             body["chat_template_kwargs"] = {"enable_thinking": False}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None) from exc
+        return ChatCompletionRequest.of_translated(body)
 
     def _refuse_fields(self) -> None:
         for name, value in sorted((self.model_extra or {}).items()):
