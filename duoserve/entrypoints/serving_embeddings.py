@@ -52,11 +52,12 @@ class EmbeddingServing:
         finals = await run_until_disconnect(raw, self.base._collect(streams, len(inputs)))
         data, num_tokens = [], 0
         for index, out in enumerate(finals):
-            if out.embedding is None:   # ended without its vector (an engine's error)
+            vector = out.embedding   # normalised once
+            if vector is None:   # ended without its vector (an engine's error)
                 error = out.outputs[0].error if out.outputs else None
                 raise APIError(503, f"input {index} got no embedding: {error or 'the engine gave none'}")
             num_tokens += len(out.prompt_token_ids)
             data.append({"object": "embedding", "index": index,
-                         "embedding": encoded(np.asarray(out.embedding, dtype=np.float32), body.encoding_format)})
+                         "embedding": encoded(np.asarray(vector, dtype=np.float32), body.encoding_format)})
         return {"object": "list", "data": data, "model": self.base.model_name,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
