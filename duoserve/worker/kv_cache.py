@@ -87,12 +87,6 @@ def _too_small(cache: CacheConfig, max_model_len: int, needed: int, fits: int, l
                        f"{needed / GIB:.4g} GiB of KV cache, {where}", ways[0].upper() + ways[1:])
 
 
-def num_kv_blocks(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: str, max_model_len: int,
-                  draft_arch: ModelArch | None = None) -> int:
-    """How many blocks the budget holds for an asked context (refused when too small)."""
-    return plan_kv_pool(arch, cache, dtype, device, max_model_len, True, draft_arch).num_blocks
-
-
 def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero-filled.
