@@ -1,14 +1,15 @@
 """The small ops between a layer's linears as op calls: RMSNorm, rotary, SiLU-and-multiply.
 
 ``duoserve::rms_norm``, ``duoserve::rotary`` and ``duoserve::silu_mul`` (defined in
-``duoserve.kernels.ops``) have C++ kernels only (``csrc/cpu_ops.cpp``), which make the ATen
-calls of the model's own modules (``duoserve.model.layers``). The runner puts ``OpRMSNorm``,
-``OpRotary`` and ``OpSiluAndMul`` in their place on the CPU (``worker/backends.py``), so eager
-and compiled steps make the same call. Traced into, Inductor would fuse them into loops of its
-own, with another order of sums, fused multiply-adds and bf16 intermediates kept in float: the
-last bits move, and where activations are quantized (the GGUF fast mode) a moved bit can move a
-rounding, and then a token. Without the C++ build (hence without a compiler, and without a
-compiled step) the model's modules stay.
+``duoserve.kernels.ops``) have C++ kernels only (``csrc/cpu_ops.cpp``), over the functions of
+``csrc/glue.c`` that the C++ decode step (``csrc/decode_step.c``) calls too. The runner puts
+``OpRMSNorm``, ``OpRotary`` and ``OpSiluAndMul`` in place of the model's own modules
+(``duoserve.model.layers``) on the CPU (``worker/backends.py``), so eager, compiled and native
+decode steps compute a row to the same bits. Traced into, Inductor would fuse them into loops of
+its own, with another order of sums, fused multiply-adds and bf16 intermediates kept in float:
+the last bits would move, and where activations are quantized (the GGUF fast mode) a moved bit
+can move a rounding, and then a token. Without the C++ build (hence without a compiler, and
+without a compiled or native step) the model's modules stay.
 """
 
 from __future__ import annotations

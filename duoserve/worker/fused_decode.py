@@ -14,6 +14,7 @@ the compiled graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -21,21 +22,15 @@ from torch import nn
 
 from duoserve.kernels.dense import packed_linear_supported
 from duoserve.kernels.linear import CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding
-from duoserve.kernels.ops import decode_step_available
+from duoserve.kernels.ops import StepContext, decode_step_available, register_context
 from duoserve.model.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 # the most sequences a step may have to run here: it beat the compiled graph at every batch
 # measured up to this (``benchmarks/step_ab.py --change decode-step``); larger steps are left to the graph
 MAX_ROWS = 64
 MAX_RUNS = 4   # block runs of one projection (decode_step.c)
-
-# Why a GGUF model's steps stay in the graph although the step reads its blocks: a GGUF model's
-# answers are held to one arithmetic on every path (its activations are quantized, so a moved
-# last bit can move a token), and the step's glue is not yet the ops' arithmetic
-GGUF_GLUE = ("the model computes from GGUF blocks, whose answers are bit-identical on every path, and the C++ "
-             "decode step's norms and SiLU round differently from the ops' ATen arithmetic (its sum order, "
-             "Sleef's exp)")
-
 
 def _packed(linear: nn.Module, dtype: torch.dtype, bias_allowed: bool) -> bool:
     return (isinstance(linear, CPULinear) and linear.packed is not None and linear.packed.dtype == dtype
@@ -82,10 +77,7 @@ def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     """Why this model's decode steps do not run in ``decode_step``, or None when they do."""
     if os.environ.get("DUOSERVE_DECODE_STEP", "1") == "0":
         return "DUOSERVE_DECODE_STEP=0"
-    reason = why_not_takes(model, kv_caches)
-    if reason is None and any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules()):
-        return GGUF_GLUE
-    return reason
+    return why_not_takes(model, kv_caches)
 
 
 def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
@@ -169,3 +161,25 @@ class FusedDecodeStep:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return torch.ops.duoserve.decode_step(self.context, input_ids, positions, meta.slot_mapping,
                                               meta.decode_block_tables, meta.decode_seq_lens)
+
+
+class EagerDecodeStep:
+    """``model(input_ids, positions, kv_caches, meta)`` without a compile: steps of decodes in
+    ``FusedDecodeStep`` where the model allows it, every other step (prompts, mixed, larger) in the
+    eager model, whose per-op overhead is small beside a prompt's work. Both compute a row to the
+    same bits (the same kernels and glue), so which path a token took never shows in the answer."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.model = model
+        self.fused: FusedDecodeStep | None = None
+        reason = why_not(model, kv_caches)
+        if reason is None:
+            self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
+            self.fused = FusedDecodeStep(model, kv_caches, register_context(self.context), self.context.scales)
+        else:
+            logger.info("decode steps run the eager model, not the C++ decode step: %s", reason)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+        if self.fused is not None and self.fused.serves(meta, input_ids.shape[0]):
+            return self.fused(input_ids, positions, meta)
+        return self.model(input_ids, positions, kv_caches, meta)

@@ -26,6 +26,7 @@ from duoserve.model.attention import AttentionMetadata
 from duoserve.model.loader import LoadedModel
 from duoserve.structured.grammar import GrammarError
 from duoserve.worker.backends import use_cpu_kernels
+from duoserve.worker.fused_decode import EagerDecodeStep
 from duoserve.worker.grammar_masks import GrammarMasks, StepMasks
 from duoserve.worker.kv_cache import allocate_kv_cache
 from duoserve.worker.sampler import SamplingRow, logprobs_of, sample_tensor, top_logprobs
@@ -48,6 +49,8 @@ class ModelRunner:
         self.forward = self.model
         if compile_model:
             self._compile(block_size)
+        elif self.model.device.type == "cpu":
+            self.forward = EagerDecodeStep(self.model, self.kv_caches)
         self.drafter = None  # speculative decoding's draft model (a DraftRunner), when there is one
         self.grammar_masks: GrammarMasks | None = None   # structured outputs (the builder sets it)
         self._mask_thread: ThreadPoolExecutor | None = None

@@ -1,7 +1,8 @@
-"""A layer's small ops (``duoserve.kernels.glue``): their C++ kernels compute the model's own
-modules' bits (``duoserve.model.layers``, Hugging Face's arithmetic) on the strided views the
-model hands them; and a compiled function calling them computes what it computes eager, where
-Inductor's own fused loops over the model's functions do not."""
+"""A layer's small ops (``duoserve.kernels.glue``): their C++ kernels (csrc/glue.c, which the C++
+decode step calls too: ``tests/worker/test_fused_decode_gguf.py`` holds those bits equal) compute
+the model's own modules (``duoserve.model.layers``, Hugging Face's arithmetic) within a rounding
+on the strided views the model hands them; and a compiled function calling them computes what it
+computes eager, where Inductor's own fused loops over the model's functions do not."""
 
 from __future__ import annotations
 
@@ -58,21 +59,24 @@ def test_the_model_functions_are_hugging_faces_arithmetic(dtype):
 @needs_library
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37])
-def test_the_ops_equal_the_model_functions_bit_for_bit(dtype, tokens):
+def test_the_ops_compute_the_model_functions_within_a_rounding(dtype, tokens):
+    """Within a rounding, not to the bit: glue.c sums and rounds in its own order (one order for the
+    eager, compiled and native steps), not ATen's."""
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     args = inputs(dtype, tokens)
     got = calls(*args, ops=torch.ops.duoserve)
     want = calls(*args, ops=ModelFunctions)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()   # as the shape functions say
-        assert torch.equal(g, w)
+        torch.testing.assert_close(g, w, **tolerance)
     qk, cos, sin, hidden, weight, gate_up = args
     norm = layers.RMSNorm(576, 1e-5).to(dtype)
     norm.weight.copy_(weight)
     op_norm = OpRMSNorm(norm.weight, norm.eps)
     assert op_norm.weight is norm.weight
-    assert torch.equal(op_norm(hidden), norm(hidden))
-    assert torch.equal(OpRotary()(qk, cos, sin), layers.Rotary()(qk, cos, sin))
-    assert torch.equal(OpSiluAndMul()(gate_up), layers.SiluAndMul()(gate_up))
+    torch.testing.assert_close(op_norm(hidden), norm(hidden), **tolerance)
+    torch.testing.assert_close(OpRotary()(qk, cos, sin), layers.Rotary()(qk, cos, sin), **tolerance)
+    torch.testing.assert_close(OpSiluAndMul()(gate_up), layers.SiluAndMul()(gate_up), **tolerance)
 
 
 @needs_library

@@ -363,21 +363,20 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
                      "weights at load (--quantization none)") == 1
 
 
-def test_a_gguf_model_says_why_it_takes_the_compiled_graph(tiny_dir, tmp_path):
-    """The default model's case: GGUF blocks, which the C++ decode step reads but whose answers its
-    glue would move by last bits, said plainly."""
+def test_a_gguf_model_takes_the_decode_step(tiny_dir, tmp_path):
+    """The default model's case: GGUF blocks, which the C++ decode step reads, with the ops' own
+    glue (csrc/glue.c), so its decode steps run there."""
     from duoserve.config import ModelConfig
     from duoserve.kernels.ops import decode_step_available
     from duoserve.worker.backends import load_model
-    from duoserve.worker.fused_decode import GGUF_GLUE, why_not, why_not_takes
+    from duoserve.worker.fused_decode import why_not
 
     gguf = tmp_path / "tiny-Q4_1.gguf"
     write_gguf(tiny_dir(kind="llama"), gguf, "Q4_1")
     loaded = load_model(ModelConfig(model=str(gguf), dtype="float32", quantization="gguf"))
     assert loaded.quantization == "gguf-fast"
     assert decode_step_available(), "CI has a C++ compiler: csrc/cpu_ops.cpp builds (else that is the reason given)"
-    assert why_not_takes(loaded.model, []) is None
-    assert why_not(loaded.model, []) == GGUF_GLUE
+    assert why_not(loaded.model, []) is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -13,8 +13,8 @@
 // - paged_attention: a compiled model's attention op; in an announced step (attention_step:
 //   every token a row over its own causal context, prompt tokens included) decode_attention
 //   with no Python, else the Python kernel.
-// - rms_norm, rotary, silu_mul: a layer's small ops, the ATen calls of the model's modules
-//   (model/layers.py) made from C++, one op call in compiled and eager steps alike (glue.py).
+// - rms_norm, rotary, silu_mul: a layer's small ops over glue.c, the functions decode_step.c
+//   calls, one op call in compiled and eager steps alike (glue.py).
 // - decode_model, decode_step: a model handed over once, then each of its steps of decodes run
 //   whole by decode_step.c (worker/fused_decode.py).
 // What they save is Python: a decode step calls one of them for every linear layer and every
@@ -31,6 +31,9 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
+
+#include "glue.h"
 
 extern "C" {
 int gguf_linear_exact(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
@@ -420,23 +423,78 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
     return out;
 }
 
-// a layer's small ops: the ATen calls of model/layers.py's rms_norm, apply_rotary and silu_mul, in
-// the same order
+// a layer's small ops over glue.c's functions, the ones decode_step.c calls, with the same
+// boundaries (a row, a head, 64-column chunks): one arithmetic on every path. The ATen calls of
+// model/layers.py serve what glue.c does not take (another dtype, a weight in another dtype).
+bool glue_takes(const at::Tensor &x, const at::Tensor &other) {
+    return (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && other.scalar_type() == x.scalar_type();
+}
+
 at::Tensor rms_norm_op(const at::Tensor &x, const at::Tensor &weight, double eps) {
-    if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps).contiguous();
-    const at::Tensor normed = at::rms_norm(x.to(at::kFloat), weight.sizes(), c10::nullopt, eps);
-    return (weight * normed.to(x.scalar_type())).contiguous();
+    if (!glue_takes(x, weight) || weight.dim() != 1 || x.size(-1) != weight.size(0)) {
+        if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps).contiguous();
+        const at::Tensor normed = at::rms_norm(x.to(at::kFloat), weight.sizes(), c10::nullopt, eps);
+        return (weight * normed.to(x.scalar_type())).contiguous();
+    }
+    const at::Tensor in = x.contiguous(), w = weight.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const int64_t n = in.size(-1), rows = n ? in.numel() / n : 0, row_bytes = n * in.element_size();
+    const int bf = in.scalar_type() == at::kBFloat16;
+    char *src = static_cast<char *>(in.data_ptr()), *dst = static_cast<char *>(out.data_ptr());
+    const void *wp = w.data_ptr();
+    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; t++)
+            glue_add_norm_row(src + t * row_bytes, nullptr, wp, dst + t * row_bytes, (int)n, (float)eps, bf);
+    });
+    return out;
 }
 
 at::Tensor rotary_op(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
-    const int64_t half = x.size(-1) / 2;
-    const at::Tensor swapped = at::cat({x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-    return at::addcmul(x * cos, swapped, sin).contiguous();
+    // x [tokens, heads, d]; cos, sin [tokens, 1, d] (RotaryEmbedding.cos_sin)
+    const bool takes = glue_takes(x, cos) && x.dim() == 3 && cos.dim() == 3 && cos.size(0) == x.size(0) &&
+                       cos.size(1) == 1 && cos.size(2) == x.size(2) && sin.sizes() == cos.sizes();
+    if (!takes) {
+        const int64_t half = x.size(-1) / 2;
+        const at::Tensor swapped = at::cat({x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+        return at::addcmul(x * cos, swapped, sin).contiguous();
+    }
+    const at::Tensor in = x.contiguous();
+    const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty_like(in);
+    const int64_t tokens = in.size(0), heads = in.size(1), d = in.size(2), head_bytes = d * in.element_size();
+    const int bf = in.scalar_type() == at::kBFloat16;
+    char *src = static_cast<char *>(in.data_ptr()), *dst = static_cast<char *>(out.data_ptr());
+    const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+    at::parallel_for(0, tokens * heads, 32, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t t = i / heads;
+            glue_rotate_head(src + i * head_bytes, cp + t * d, sp + t * d, dst + i * head_bytes, (int)d, bf);
+        }
+    });
+    return out;
 }
 
 at::Tensor silu_mul_op(const at::Tensor &gate_up) {
-    const auto halves = gate_up.chunk(2, -1);
-    return (at::silu(halves[0]) * halves[1]).contiguous();
+    if (!glue_takes(gate_up, gate_up) || gate_up.dim() < 1 || gate_up.size(-1) % 2) {
+        const auto halves = gate_up.chunk(2, -1);
+        return (at::silu(halves[0]) * halves[1]).contiguous();
+    }
+    const at::Tensor in = gate_up.contiguous();
+    std::vector<int64_t> sizes = in.sizes().vec();
+    const int64_t inter = sizes.back() / 2, rows = inter ? in.numel() / (2 * inter) : 0;
+    sizes.back() = inter;
+    at::Tensor out = at::empty(sizes, in.options());
+    const int64_t chunks = (inter + GLUE_CHUNK - 1) / GLUE_CHUNK, elem = in.element_size();
+    const int bf = in.scalar_type() == at::kBFloat16;
+    const char *src = static_cast<const char *>(in.data_ptr());
+    char *dst = static_cast<char *>(out.data_ptr());
+    at::parallel_for(0, rows * chunks, 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t t = i / chunks;
+            glue_silu_mul_chunk(src + t * 2 * inter * elem, dst + t * inter * elem, (int)inter, (int)(i % chunks), bf);
+        }
+    });
+    return out;
 }
 
 }  // namespace

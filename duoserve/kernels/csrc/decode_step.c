@@ -10,8 +10,8 @@
  * gguf_linear.c's team entries over the file's blocks (a fused projection whose parts have
  * different block types computed part by part into its columns), the attention is
  * paged_decode.c's kernel, and the glue between them (RMSNorm, rotary, the new K/V written to
- * their slots, residual adds, SiLU * up; Qwen3's q/k norms) is a few loops over a row. The glue
- * is within last bits of the ops' ATen arithmetic, not equal to it (fused_decode.GGUF_GLUE).
+ * their slots, residual adds, SiLU * up; Qwen3's q/k norms) is glue.c's functions, the same the
+ * ops of eager and compiled steps call, so a row computes to the same bits on either path.
  *
  * The arithmetic is the model's (llama.py, layers.py), in float32 within each step of a layer; in
  * bfloat16 each step's result is stored in bfloat16 as the model stores it: a norm (its float32
@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "glue.h"
 #include "gguf_team.h"
 
 #define MAX_HEAD_DIM 512   /* decode_step() refuses larger heads */
@@ -79,82 +80,59 @@ static inline void store(void *p, int64_t i, float v, int bf) {
     else ((float *)p)[i] = v;
 }
 
-static inline float rounded(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
 /* every row of x (rows shared by the threads): x += add (unless add is NULL), then
  * out = RMSNorm(x) * weight */
 static void add_norm_rows(void *x, const void *add, const void *weight, void *out, int m, int n, float eps, int bf) {
+    const int64_t row = (int64_t)n * (bf ? 2 : 4);
     #pragma omp for schedule(static)
-    for (int t = 0; t < m; t++) {
-        const int64_t base = (int64_t)t * n;
-        float sum = 0.f;
-        if (add)
-            for (int i = 0; i < n; i++) store(x, base + i, load(x, base + i, bf) + load(add, base + i, bf), bf);
-        for (int i = 0; i < n; i++) {
-            const float v = load(x, base + i, bf);
-            sum += v * v;
-        }
-        const float r = 1.f / sqrtf(sum / (float)n + eps);
-        for (int i = 0; i < n; i++)
-            store(out, base + i, rounded(load(x, base + i, bf) * r, bf) * load(weight, i, bf), bf);
-    }
+    for (int t = 0; t < m; t++)
+        glue_add_norm_row((char *)x + t * row, add ? (const char *)add + t * row : NULL, weight,
+                          (char *)out + t * row, n, eps, bf);
 }
 
-/* each row's query and key heads normed (Qwen3's q/k norms, where the layer has them) and rotated
- * (rotate-half, cos/sin of its position: sin's first half negated, as RotaryEmbedding keeps it),
- * queries to q [m, num_heads, head_dim] float32, keys and values to their cache slots */
+/* each row's query and key heads normed (Qwen3's q/k norms, where the layer has them) and rotated,
+ * as the ops do it in eager steps (glue.c), queries to q [m, num_heads, head_dim] float32, keys and
+ * values to their cache slots */
 static void rotate_and_store(const void *qkv, const int64_t *positions, const float *cos_table,
                              const float *sin_table, const int64_t *slots, const struct decode_layer *layer,
                              const struct decode_shape *s, float *q, int m) {
-    const int bf = s->is_bf16, d = s->head_dim, half = d / 2;
+    const int bf = s->is_bf16, d = s->head_dim, elem = bf ? 2 : 4;
     const int heads = s->num_heads + s->num_kv_heads, width = (heads + s->num_kv_heads) * d;
     const int64_t kv_width = (int64_t)s->num_kv_heads * d;
     #pragma omp for schedule(static) collapse(2)
     for (int t = 0; t < m; t++)
         for (int h = 0; h < heads; h++) {
             const float *cos = cos_table + positions[t] * d, *sin = sin_table + positions[t] * d;
-            const int64_t src = (int64_t)t * width + (int64_t)h * d;
+            const char *src = (const char *)qkv + ((int64_t)t * width + (int64_t)h * d) * elem;
             const int is_key = h >= s->num_heads;
             const void *norm = is_key ? layer->k_norm : layer->q_norm;
-            float head[MAX_HEAD_DIM];
-            for (int i = 0; i < d; i++) head[i] = load(qkv, src + i, bf);
-            if (norm) {
-                float sum = 0.f;
-                for (int i = 0; i < d; i++) sum += head[i] * head[i];
-                const float r = 1.f / sqrtf(sum / (float)d + s->eps);
-                for (int i = 0; i < d; i++) head[i] = rounded(rounded(head[i] * r, bf) * load(norm, i, bf), bf);
+            float normed[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];   /* room for d values of either dtype */
+            if (norm) {   /* (x is written only where there is an add) */
+                glue_add_norm_row((void *)src, NULL, norm, normed, d, s->eps, bf);
+                src = (const char *)normed;
             }
-            for (int i = 0; i < d; i++) {
-                const float swapped = head[i < half ? i + half : i - half];
-                const float v = head[i] * rounded(cos[i], bf) + swapped * rounded(sin[i], bf);
-                if (is_key) store(layer->k_cache, slots[t] * kv_width + (int64_t)(h - s->num_heads) * d + i, v, bf);
-                else q[((int64_t)t * s->num_heads + h) * d + i] = rounded(v, bf);
-            }
-            if (is_key) {   /* the value head beside this key head, unrotated */
-                const int64_t v_src = (int64_t)t * width + (int64_t)(heads + h - s->num_heads) * d;
+            if (is_key) {
                 const int64_t dst = slots[t] * kv_width + (int64_t)(h - s->num_heads) * d;
-                if (bf) memcpy((uint16_t *)layer->v_cache + dst, (const uint16_t *)qkv + v_src, (size_t)d * 2);
-                else memcpy((float *)layer->v_cache + dst, (const float *)qkv + v_src, (size_t)d * 4);
+                glue_rotate_head(src, cos, sin, (char *)layer->k_cache + dst * elem, d, bf);
+                /* the value head beside this key head, unrotated */
+                const int64_t v_src = (int64_t)t * width + (int64_t)(heads + h - s->num_heads) * d;
+                memcpy((char *)layer->v_cache + dst * elem, (const char *)qkv + v_src * elem, (size_t)d * elem);
+            } else {
+                glue_rotate_head(src, cos, sin, rotated, d, bf);
+                float *dst = q + ((int64_t)t * s->num_heads + h) * d;
+                for (int i = 0; i < d; i++) dst[i] = load(rotated, i, bf);
             }
         }
 }
 
-/* act [m, inter] = SiLU(gate) * up, from gate_up [m, 2 * inter]; columns shared by the threads */
+/* act [m, inter] = SiLU(gate) * up, from gate_up [m, 2 * inter]; chunks of columns shared by the threads */
 static void silu_mul(const void *gate_up, void *act, int m, int inter, int bf) {
-    const int chunk = 64, chunks = (inter + chunk - 1) / chunk;
+    const int chunks = (inter + GLUE_CHUNK - 1) / GLUE_CHUNK, elem = bf ? 2 : 4;
     #pragma omp for schedule(static) collapse(2)
     for (int t = 0; t < m; t++)
-        for (int c = 0; c < chunks; c++) {
-            const int lo = c * chunk, hi = lo + chunk < inter ? lo + chunk : inter;
-            const int64_t row = (int64_t)t * 2 * inter;
-            float g[64], u[64];
-            for (int i = lo; i < hi; i++) {
-                g[i - lo] = load(gate_up, row + i, bf);
-                u[i - lo] = load(gate_up, row + inter + i, bf);
-            }
-            for (int i = 0; i < hi - lo; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-            for (int i = lo; i < hi; i++) store(act, (int64_t)t * inter + i, g[i - lo], bf);
-        }
+        for (int c = 0; c < chunks; c++)
+            glue_silu_mul_chunk((const char *)gate_up + (int64_t)t * 2 * inter * elem,
+                                (char *)act + (int64_t)t * inter * elem, inter, c, bf);
 }
 
 /* y [m, n] = x [m, k] @ w^T (+ bias), shared by the team. From blocks: x's rows converted and

@@ -1,0 +1,67 @@
+/* The small ops between a layer's linears, one row (or one head, one chunk) at a time: RMSNorm
+ * with the residual add before it, rotary, SiLU * up.
+ *
+ * Both the ops duoserve::rms_norm, duoserve::rotary and duoserve::silu_mul (cpu_ops.cpp; what
+ * eager and compiled steps call) and the C++ decode step (decode_step.c) call these functions, and
+ * with the same boundaries (a whole row of a norm, a whole head of rotary, the same 64-column
+ * chunks of SiLU): one compiled copy of each loop, so a row computes to the same bits on every
+ * path whatever the compiler does with -ffast-math (its sum order, its vector exp). Where the
+ * activations are quantized (GGUF fast mode) a moved last bit can move a rounding, then a token;
+ * this is what lets a GGUF model's decode steps run in decode_step.c.
+ *
+ * The arithmetic is the model's (model/layers.py): a norm in float32, its result rounded to the
+ * model dtype before its weight is applied, as RMSNorm does; rotate-half with cos/sin rounded to
+ * the model dtype, as eager does; SiLU * up rounded once. In float32 every rounding is none.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+#include "glue.h"
+
+static inline float load(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int bf) {
+    if (bf) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+static inline float rounded(float v, int bf) { return bf ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* x += add (unless add is NULL, stored in the model dtype), then out = RMSNorm(x) * weight; a row of n */
+void glue_add_norm_row(void *x, const void *add, const void *weight, void *out, int n, float eps, int bf) {
+    if (add)
+        for (int i = 0; i < n; i++) store(x, i, load(x, i, bf) + load(add, i, bf), bf);
+    float sum = 0.f;
+    for (int i = 0; i < n; i++) {
+        const float v = load(x, i, bf);
+        sum += v * v;
+    }
+    const float r = 1.f / sqrtf(sum / (float)n + eps);
+    for (int i = 0; i < n; i++) store(out, i, rounded(load(x, i, bf) * r, bf) * load(weight, i, bf), bf);
+}
+
+/* out = x * cos + swap_halves(x) * sin over one head of d (sin's first half negated, as
+ * RotaryEmbedding keeps it); cos and sin in float32, rounded to the model dtype here */
+void glue_rotate_head(const void *x, const float *cos, const float *sin, void *out, int d, int bf) {
+    const int half = d / 2;
+    for (int i = 0; i < d; i++) {
+        const float swapped = load(x, i < half ? i + half : i - half, bf);
+        store(out, i, load(x, i, bf) * rounded(cos[i], bf) + swapped * rounded(sin[i], bf), bf);
+    }
+}
+
+/* act[lo:hi] = SiLU(gate[lo:hi]) * up[lo:hi] for chunk c (lo = 64 c) of one row: gate_up_row holds
+ * gate then up, inter columns each */
+void glue_silu_mul_chunk(const void *gate_up_row, void *act_row, int inter, int c, int bf) {
+    const int lo = c * GLUE_CHUNK, hi = lo + GLUE_CHUNK < inter ? lo + GLUE_CHUNK : inter;
+    float g[GLUE_CHUNK], u[GLUE_CHUNK];
+    for (int i = lo; i < hi; i++) {
+        g[i - lo] = load(gate_up_row, i, bf);
+        u[i - lo] = load(gate_up_row, inter + i, bf);
+    }
+    for (int i = 0; i < hi - lo; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (int i = lo; i < hi; i++) store(act_row, i, g[i - lo], bf);
+}

@@ -1,0 +1,17 @@
+/* The small ops of glue.c, called by decode_step.c and cpu_ops.cpp alike (see glue.c). */
+#ifndef DUOSERVE_GLUE_H
+#define DUOSERVE_GLUE_H
+
+#define GLUE_CHUNK 64   /* silu_mul's columns per call: every path splits a row the same way */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+void glue_add_norm_row(void *x, const void *add, const void *weight, void *out, int n, float eps, int bf);
+void glue_rotate_head(const void *x, const float *cos, const float *sin, void *out, int d, int bf);
+void glue_silu_mul_chunk(const void *gate_up_row, void *act_row, int inter, int c, int bf);
+#ifdef __cplusplus
+}
+#endif
+
+#endif
