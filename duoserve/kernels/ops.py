@@ -95,7 +95,7 @@ class StepContext:
             self.announced = False
 
 
-_CONTEXTS: list[StepContext] = []
+_CONTEXTS: list[StepContext | None] = []
 
 
 def register_context(context: StepContext) -> int:
@@ -103,6 +103,15 @@ def register_context(context: StepContext) -> int:
     _CONTEXTS.append(context)
     context.handle = len(_CONTEXTS) - 1
     return context.handle
+
+
+def release_context(handle: int) -> None:
+    """Forget a context and the C++ decode model registered under its handle, if any (their
+    owner is gone): the caches and weights they hold can be freed. Every engine of a process
+    (a test session builds hundreds) registers one."""
+    _CONTEXTS[handle] = None
+    if decode_step_available():
+        torch.ops.duoserve.decode_model_release(handle)
 
 
 def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, layer: int) -> torch.Tensor:
@@ -174,6 +183,7 @@ def define_ops() -> torch.library.Library:
     lib.define("decode_model(int context, Tensor[] layers, Tensor final_norm, Tensor cos, Tensor sin, "
                "Tensor embedding, int vocab, int[] shape, float eps, float[] scales, Tensor[] blocks, "
                "int[] block_types, int[] runs, int gguf_exact, int embed_type) -> ()")
+    lib.define("decode_model_release(int context) -> ()")
     # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
     lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
                "Tensor block_tables, Tensor seq_lens) -> Tensor")

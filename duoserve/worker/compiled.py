@@ -35,12 +35,13 @@ import logging
 import os
 import time
 import types
+import weakref
 
 import torch
 from torch import nn
 
 from duoserve.kernels.attention import OpAttention
-from duoserve.kernels.ops import EagerModule, StepContext, register_context
+from duoserve.kernels.ops import EagerModule, StepContext, register_context, release_context
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.paths import cache_dir
 from duoserve.worker.fused_decode import FusedDecodeStep, why_not
@@ -58,6 +59,7 @@ class CompiledModel:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir("inductor"))  # unless the user chose one
         self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
         handle = register_context(self.context)
+        weakref.finalize(self, release_context, handle)   # else its caches and weights outlive the engine
         for i, layer in enumerate(model.layers):
             layer.attn = OpAttention(layer.attn, handle, i)
             if getattr(layer, "moe", None) is not None:   # routed MLPs: data-dependent, run eagerly

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 from torch import nn
 
 from duoserve.kernels.dense import packed_linear_supported
 from duoserve.kernels.linear import CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding
-from duoserve.kernels.ops import StepContext, decode_step_available, register_context
+from duoserve.kernels.ops import StepContext, decode_step_available, register_context, release_context
 from duoserve.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,10 @@ class EagerDecodeStep:
         self.fused: FusedDecodeStep | None = None
         reason = why_not(model, kv_caches)
         if reason is None:
-            self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
-            self.fused = FusedDecodeStep(model, kv_caches, register_context(self.context), self.context.scales)
+            context = StepContext(kv_caches, [layer.attn for layer in model.layers])
+            handle = register_context(context)
+            weakref.finalize(self, release_context, handle)   # else its caches and weights outlive the engine
+            self.fused = FusedDecodeStep(model, kv_caches, handle, context.scales)
         else:
             logger.info("decode steps run the eager model, not the C++ decode step: %s", reason)
 

@@ -383,6 +383,12 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
 
 // input_ids [m]: the step's new tokens (one a sequence); -> the final norm's output [m, hidden];
 // every layer's new keys and values written to their slots
+// a model's decode model forgotten (its runner is gone): the weights and caches it kept alive go
+void decode_model_release(int64_t context) {
+    std::lock_guard<std::mutex> lock(decode_models_mutex);
+    decode_models.erase(context);
+}
+
 at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at::Tensor &positions,
                           const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens) {
     const DecodeModel *model = nullptr;
@@ -514,4 +520,5 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
 TORCH_LIBRARY_IMPL(duoserve, CatchAll, m) {
     m.impl("attention_step", &attention_step);
     m.impl("decode_model", &decode_model);
+    m.impl("decode_model_release", &decode_model_release);
 }
