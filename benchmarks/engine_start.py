@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("DUOSERVE_ENFORCE_EAGER", "1")
 
 
 async def one_start(path: Path) -> float:

@@ -160,7 +160,7 @@ def swap(dtype: str) -> dict:
     texts = {}
     for name, space in (("recompute", 0.0), ("swap_cost_based", 1.0), ("swap_forced", 1.0)):
         llm = LLM(None, dtype=dtype, quantization="none", kv_cache_memory=budget, max_model_len=512,
-                  swap_space=space, enforce_eager=False)
+                  swap_space=space, compile=True)
         if name == "swap_forced":
             llm.engine.swap_cost.prefill_tokens_per_s = 1.0   # recompute priced out
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

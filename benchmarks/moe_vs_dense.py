@@ -6,7 +6,7 @@ Two random checkpoints built with transformers (seeded; no real MoE file of this
 machine): a Qwen3-MoE with 8 experts of 768, 2 a token, and a Llama whose MLP is 1536 wide, so a
 token reads the same MLP weights in both; the same attention, 12 layers of 576, SmolLM2's
 vocabulary size. Each is run through ``benchmarks/step_times.py`` (its own process, float32,
-compiled unless --enforce-eager) and its checkpoint's size is reported beside it.
+compiled with --compile) and its checkpoint's size is reported beside it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=str(Path.home() / "models" / "moe-vs-dense"))
     parser.add_argument("--out", default=None)
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
               "command": " ".join(sys.argv), "shape": SHAPE}
@@ -52,7 +52,7 @@ def main() -> None:
         path = Path(args.dir) / kind
         build(path, kind)
         command = [sys.executable, str(Path(__file__).with_name("step_times.py")), "--model", str(path),
-                   "--dtype", "float32", "--max-model-len", "1024"] + (["--enforce-eager"] if args.enforce_eager else [])
+                   "--dtype", "float32", "--max-model-len", "1024"] + (["--compile"] if args.compile else [])
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         steps = json.loads(out[out.index("{"):])
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -18,9 +18,8 @@ attention goes through its Python kernel (then ``duoserve::decode_attention``). 
 "before" compiles its step with Inductor's Python wrapper (``TORCHINDUCTOR_CPP_WRAPPER=0``).
 ``decode-step``: "before" runs every step through the compiled graph, "after" runs steps of
 decodes whole in C++ (``worker/fused_decode.py``) up to the largest batch given, whatever its
-``MAX_ROWS``; with ``--quantization gguf`` (the default model's blocks, fast mode) "after" takes the
-C++ step, which computes from the blocks, although the engine keeps GGUF models in the graph
-(``fused_decode.GGUF_GLUE``): what it would give. Batch 1 and 32 (and
+``MAX_ROWS``; with ``--quantization gguf`` (the default model's blocks, fast mode) the step
+computes from the blocks. Both engines are compiled (``--compile``). Batch 1 and 32 (and
 ``--batches``), prompts of 128 random tokens, 100 greedy steps; median step times in ms, as JSON.
 """
 
@@ -59,12 +58,8 @@ def main() -> None:
             os.environ.pop(variable, None)
         elif variable:
             os.environ[variable] = value
-        if args.change == "decode-step" and args.quantization == "gguf" and name == "after":
-            from duoserve.worker import compiled, fused_decode
-
-            compiled.why_not = fused_decode.why_not_takes   # the step whatever GGUF_GLUE says
         engines[name] = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_memory=0.5,
-                            num_threads=2).engine
+                            num_threads=2, compile=True).engine
         if args.change == "decode-step" and name == "after":
             assert engines[name].runner.forward.fused is not None, "the C++ decode step must take the model"
         if args.change == "native-attention" and name == "before":

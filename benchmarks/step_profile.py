@@ -52,7 +52,7 @@ def main() -> None:
     linear.GGUFLinear.forward = timed("linear layers", linear.GGUFLinear.forward)
     linear.GGUFEmbedding.forward = timed("embedding", linear.GGUFEmbedding.forward)
     linear.Int8Linear.forward = timed("linear layers", linear.Int8Linear.forward)
-    engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=2, enforce_eager=True,
+    engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=2,
                  enable_prefix_caching=False, quantization=args.quantization, gguf_mode=args.gguf_mode).engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=1 if args.prefill else 400, ignore_eos=True)

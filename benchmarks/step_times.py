@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--model", default=None, help="a model path (default: the packaged default model)")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
 
     import duoserve
@@ -39,7 +39,7 @@ def main() -> None:
 
     extra = {k: v for k, v in (("quantization", args.quantization), ("gguf_mode", args.gguf_mode),
                                ("kv_cache_dtype", args.kv_cache_dtype), ("model", args.model),
-                               ("max_model_len", args.max_model_len), ("enforce_eager", args.enforce_eager)) if v}
+                               ("max_model_len", args.max_model_len), ("compile", args.compile)) if v}
     engine = LLM(dtype=args.dtype, kv_cache_memory=1.0, num_threads=args.threads, **extra).engine
     rng = random.Random(0)
 

@@ -10,7 +10,6 @@ probes no hardware, so the API process builds and checks configs cheaply.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,12 +57,6 @@ class ModelConfig:
                               'a JSON object of config.json keys, e.g. {"eos_token_id": [2, 32000]}')
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len", self.max_model_len, "a positive number of tokens")
-
-
-def eager_by_default() -> bool:
-    """``DUOSERVE_ENFORCE_EAGER=1`` makes eager the default (the test suite sets it: compiling
-    every tiny test model would take minutes)."""
-    return os.environ.get("DUOSERVE_ENFORCE_EAGER", "0") == "1"
 
 
 DEFAULT_BLOCK_SIZE = 16
@@ -222,7 +215,7 @@ class EngineConfig:
     role: str = "colocated"          # colocated, prefill or decode
     cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
     kv_lease_timeout: float = 30.0   # prefill role: seconds leased KV waits for the decode side's ack
-    enforce_eager: bool = field(default_factory=eager_by_default)  # False: compile the model step (CPU)
+    compile: bool = False            # compile the model step with torch.compile (CPU); else eager + C++ decode step
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_store: KVStoreConfig | None = None         # None: no shared KV tier
     shutdown_timeout: float = 30.0   # a launched engine's SIGTERM gives its requests this long (serve's flag)

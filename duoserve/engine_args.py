@@ -20,7 +20,7 @@ from typing import Any, Callable
 from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SPEC_METHODS,
                              CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
-                             SpeculativeConfig, eager_by_default)
+                             SpeculativeConfig)
 from duoserve.errors import ConfigError
 
 MODEL_GROUP = "model and engine"
@@ -98,10 +98,12 @@ class EngineArgs:
     max_num_seqs: int = flag(SchedulerConfig.max_num_seqs, "most sequences in one step", parse=int)
     num_threads: int | None = flag(EngineConfig.num_threads, "torch threads", parse=int, default_help="all cores")
     seed: int = flag(ModelConfig.seed, "seed for unseeded sampling", parse=int)
+    compile: bool = flag(
+        EngineConfig.compile, "compile the model step with torch.compile (CPU: the first start compiles for a "
+        "minute or more, later ones read the cache in ~/.cache/duoserve/inductor); without it prompt steps run "
+        "eagerly and steps of decodes in the C++ decode step", parse=bool)
     enforce_eager: bool = flag(
-        help="run the plain eager model instead of compiling the model step with torch.compile (CPU; the first "
-        "start compiles for ~30 s, later ones load the cache in ~/.cache/duoserve/inductor)", parse=bool,
-        factory=eager_by_default, default_help="off; on for generate, which runs one prompt")
+        False, "vLLM's flag, accepted: duoserve's model step is eager unless --compile is given", parse=bool)
     # speculative decoding
     speculative_method: str | None = flag(
         None, "ngram: guess from the request's own earlier tokens (prompt lookup); draft: guess with "
@@ -185,9 +187,15 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
-            num_threads=self.num_threads, enforce_eager=self.enforce_eager, speculative=self._speculative(),
+            num_threads=self.num_threads, compile=self._compile(), speculative=self._speculative(),
             kv_store=KVStoreConfig(self.kv_store, self.kv_store_ttl, self.kv_store_timeout,
                                    required=self.kv_store_required) if self.kv_store else None)
+
+    def _compile(self) -> bool:
+        if self.compile and self.enforce_eager:
+            raise ConfigError("enforce_eager", True, "unset with --compile (one asks for eager steps, the other "
+                              "for a compiled one)")
+        return self.compile
 
     def _speculative(self) -> SpeculativeConfig | None:
         """From the flat flags, or from ``speculative_config`` (not both)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,6 @@ import pytest
 import torch
 
 from tests.helpers import assert_pool_whole, make_tiny_checkpoint
-
-# Most tests run the eager model: compiling every tiny test model would take minutes.
-# The compiled path has its own tests (worker/test_compiled.py), which ask for it explicitly.
-os.environ.setdefault("DUOSERVE_ENFORCE_EAGER", "1")
-
 
 _NEW_ENGINES: list[weakref.ref] = []   # engines built during the running test
 

@@ -3,7 +3,6 @@ and defaults because all three come from ``EngineArgs``."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -23,8 +22,6 @@ def test_the_defaults_are_the_config_trees():
 def test_every_command_with_engine_flags_has_every_field_with_its_default(command):
     args = build_parser().parse_args(command)
     expected = EngineArgs()
-    if command[0] == "generate":   # one prompt: compiling would cost more than it saves
-        expected = dataclasses.replace(expected, enforce_eager=True)
     assert EngineArgs.from_cli_args(args) == expected
     assert engine_config_from_args(args) == expected.create_engine_config()
 

@@ -38,7 +38,6 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
-    gen.set_defaults(enforce_eager=True)   # one prompt: compiling would cost more than it saves
 
 
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:

@@ -116,7 +116,7 @@ class EngineBuilder:
         """The model runner with its KV pool (and swap space, and draft runner); measures what
         loading left resident on the way (``self.weights``, ``self.loading_bytes``)."""
         config, cache = self.config, self.config.cache
-        compile_model = not config.enforce_eager and self.device == "cpu"
+        compile_model = config.compile and self.device == "cpu"
         runner = ModelRunner(self.loaded, num_blocks, cache.block_size, self.kv_dtype, self.device,
                              config.model.seed, compile_model=compile_model)
         self.weights = weight_bytes(self.loaded.model)   # by kind, once: loading and the report both need it

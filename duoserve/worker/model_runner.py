@@ -87,7 +87,7 @@ class ModelRunner:
             seconds = compiled.warm_up(block_size)
         except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager model, which works
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            logger.warning("cannot compile the model step, running it eagerly (--enforce-eager): %s", reason)
+            logger.warning("cannot compile the model step, running it eagerly (as without --compile): %s", reason)
             return
         self.forward = compiled
         logger.info("compiled the model step in %.1fs (graphs: %d; cache in %s)", seconds, compiled.num_compiles,

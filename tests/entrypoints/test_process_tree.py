@@ -137,11 +137,10 @@ def test_sigterm_while_an_engine_compiles_stops_it_before_the_server_exits(tmp_p
     """The same while the engines compile their model step (a cold compile cache: minutes of
     work on 2 cores, so the signal lands inside it): to the server 1 s into the compile; to the
     group once Inductor runs the C++ compiler, which must end too."""
-    monkeypatch.setenv("DUOSERVE_ENFORCE_EAGER", "0")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     segments_before = kv_segments()
     log = tmp_path / "log"
-    srv = Server("--mode", mode, "--kv-cache-memory", "0.2", "--max-model-len", "1024", log=log,
+    srv = Server("--mode", mode, "--compile", "--kv-cache-memory", "0.2", "--max-model-len", "1024", log=log,
                  wait_healthy=False, wait_port=False, new_session=to == "group")
     _wait_for(lambda: "compiling the model step" in log.read_text(), 120, "the engine compiling")
     if to == "group":

@@ -88,7 +88,7 @@ def hosts():
 
 def test_a_cut_link_fails_the_decode_hosts_requests_and_ray_moves_the_engine(hosts, tmp_path):
     srv = Server("--cluster", "ray", "--ray-address", f"{HEAD}:{RAY_PORT}", "--mode", "disaggregated",
-                 "--kv-transport", "tcp", "--dtype", "float32", "--enforce-eager", "--prefill-threads", "1",
+                 "--kv-transport", "tcp", "--dtype", "float32", "--prefill-threads", "1",
                  "--decode-threads", "1", "--max-model-len", "2048", log=tmp_path / "serve.log")
     body = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     try:

@@ -29,7 +29,7 @@ SETTINGS = dict(dtype="float32", kv_cache_memory=40 * 4 * 512 / 2**30, max_model
 
 @pytest.fixture(scope="module")
 def compiled_llm(tiny_dir):
-    llm = LLM(str(tiny_dir(kind="llama")), enforce_eager=False, **SETTINGS)
+    llm = LLM(str(tiny_dir(kind="llama")), compile=True, **SETTINGS)
     assert type(llm.engine.runner.forward).__name__ == "CompiledModel", "the step must be compiled here"
     assert llm.engine.runner.forward._direct is not None, "warm, the step runs without Dynamo's guards"
     return llm
@@ -37,7 +37,7 @@ def compiled_llm(tiny_dir):
 
 @pytest.fixture(scope="module")
 def eager_llm(tiny_dir):
-    return LLM(str(tiny_dir(kind="llama")), enforce_eager=True, **SETTINGS)
+    return LLM(str(tiny_dir(kind="llama")), **SETTINGS)
 
 
 def test_compiled_equals_eager_greedy_with_chunks_prefix_hits_and_preemption(compiled_llm, eager_llm):
@@ -186,8 +186,8 @@ def test_the_decode_step_takes_qkv_bias_qk_norms_and_a_tied_output_projection(ti
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
     settings = dict(dtype="float32", kv_cache_memory=0.01, num_threads=2)
     path = str(tiny_dir(kind=kind, **overrides))
-    want = LLM(path, enforce_eager=True, **settings).generate(prompts, PARAMS, use_tqdm=False)
-    llm = LLM(path, enforce_eager=False, **settings)
+    want = LLM(path, **settings).generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(path, compile=True, **settings)
     require_decode_step(llm)
     assert llm.engine.runner.model.arch.tie_word_embeddings == (kind == "llama")
     assert_same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want, f"{kind}: decode step vs eager")
@@ -244,8 +244,8 @@ def test_compiled_gemma3_with_windows_equals_eager(tiny_dir):
     from duoserve.worker.fused_decode import why_not
 
     path = str(tiny_dir(kind="gemma3"))
-    eager = LLM(path, enforce_eager=True, **SETTINGS)
-    compiled = LLM(path, enforce_eager=False, **SETTINGS)
+    eager = LLM(path, **SETTINGS)
+    compiled = LLM(path, compile=True, **SETTINGS)
     runner = compiled.engine.runner
     assert type(runner.forward).__name__ == "CompiledModel"
     assert why_not(runner.model, runner.kv_caches) == "not a Llama-family decoder"
@@ -264,8 +264,8 @@ def test_compiled_mixture_of_experts_equals_eager(tiny_dir):
     from duoserve.worker.fused_decode import why_not
 
     path = str(tiny_dir(kind="qwen2_moe"))
-    eager = LLM(path, enforce_eager=True, **SETTINGS)
-    compiled = LLM(path, enforce_eager=False, **SETTINGS)
+    eager = LLM(path, **SETTINGS)
+    compiled = LLM(path, compile=True, **SETTINGS)
     runner = compiled.engine.runner
     assert runner.forward.num_compiles == 1 and runner.forward.fused is None
     assert why_not(runner.model, runner.kv_caches).startswith("a mixture of experts")
@@ -286,8 +286,8 @@ def test_compiled_gguf_blocks_equal_eager(tiny_dir, tmp_path_factory):
     prompts = prompts_with_shared_prefixes()[:8]
     for mode in ("fast", "exact"):
         settings = dict(SETTINGS, quantization="gguf", gguf_mode=mode)
-        want = LLM(str(path), enforce_eager=True, **settings).generate(prompts, PARAMS, use_tqdm=False)
-        compiled = LLM(str(path), enforce_eager=False, **settings)
+        want = LLM(str(path), **settings).generate(prompts, PARAMS, use_tqdm=False)
+        compiled = LLM(str(path), compile=True, **settings)
         assert type(compiled.engine.runner.forward).__name__ == "CompiledModel"
         assert compiled.engine.loaded.quantization == f"gguf-{mode}"
         assert_same_outputs(compiled.generate(prompts, PARAMS, use_tqdm=False), want, f"compiled vs eager, {mode}")
@@ -302,7 +302,7 @@ def test_compiled_speculation_with_a_compiled_gguf_draft(tiny_dir, tmp_path_fact
     prompts = prompts_with_shared_prefixes()[:6]
     want = eager_llm.generate(prompts, PARAMS, use_tqdm=False)
     spec = dict(method="draft", model=str(path), quantization="gguf", disable_batch_size=64)
-    llm = LLM(str(tiny_dir(kind="llama")), enforce_eager=False, speculative_config=spec,
+    llm = LLM(str(tiny_dir(kind="llama")), compile=True, speculative_config=spec,
               **dict(SETTINGS, kv_cache_memory=0.01, max_model_len=None))
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert_same_outputs(got, want, "compiled speculation vs eager")
@@ -319,7 +319,7 @@ def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir, monkeypatch):
     (Dynamo's guards checked at every step here, so a recompile would be seen)."""
     monkeypatch.setenv("DUOSERVE_COMPILED_GUARDS", "1")
     llm = LLM(str(tiny_dir(kind="llama")), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64,
-              enforce_eager=False)
+              compile=True)
     runner = llm.engine.runner
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in range(1, 65)]
@@ -341,7 +341,7 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
     write_gguf(tiny_dir(kind="llama"), gguf, "Q4_1")
     code = ("import logging; logging.basicConfig(level=logging.INFO);"
             "from duoserve import LLM, SamplingParams;"
-            f"llm = LLM({str(tiny_dir(kind='llama'))!r}, dtype='float32', kv_cache_memory=0.01, enforce_eager=False);"
+            f"llm = LLM({str(tiny_dir(kind='llama'))!r}, dtype='float32', kv_cache_memory=0.01, compile=True);"
             "out = llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False);"
             "print('TOKENS', [len(o.outputs[0].token_ids) for o in out]);"
             f"q = LLM({str(gguf)!r}, dtype='float32', kv_cache_memory=0.01);"
@@ -398,10 +398,10 @@ def test_the_default_configuration_compiled_computes_the_eager_bits(dtype):
         assert_pool_whole(llm)
         return [(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs]
 
-    compiled = LLM(enforce_eager=False, **settings)
+    compiled = LLM(compile=True, **settings)
     assert type(compiled.engine.runner.forward).__name__ == "CompiledModel"
     model = compiled.engine.runner.model
     assert compiled.engine.loaded.quantization == "gguf-fast" and len(model.layers) == 6
     assert isinstance(model.layers[0].input_norm, OpRMSNorm) and isinstance(model.norm, OpRMSNorm)
-    assert run(compiled) == run(LLM(enforce_eager=True, **settings))
+    assert run(compiled) == run(LLM(**settings))
     assert compiled.engine.kv.num_hits > 0

@@ -27,7 +27,7 @@ def test_the_report_adds_up_to_the_resident_size():
     prefill scratch is measured and positive. In a fresh process, as an engine is: in the test
     run's own process the models of earlier tests leave freed memory that a new one reuses."""
     code = ("import json; from duoserve import LLM; llm = LLM(None, dtype='float32', quantization='none', "
-            "kv_cache_memory=0.5, enforce_eager=True); print(json.dumps(llm.engine.memory))")
+            "kv_cache_memory=0.5); print(json.dumps(llm.engine.memory))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "DUOSERVE_MEASURE_SCRATCH": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
