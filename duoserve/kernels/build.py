@@ -63,10 +63,12 @@ def compilers() -> tuple[str | None, str | None]:
 
 
 def _cached_build(stem: str, sources: list[Path], salt: str,
-                  commands: Callable[[Path, Path], list[list[str]]], flags: list[str] = C_FLAGS) -> Path | None:
-    """``<cache>/<stem>-<tag>.so``, built by ``commands(tmp_dir, output)`` unless there; the tag
-    covers the sources, the shared headers of csrc/, the C flags and ``salt`` (compilers, torch
-    version). None, with one log line, when a command fails."""
+                  stages: Callable[[Path, Path], list[list[list[str]]]], flags: list[str] = C_FLAGS) -> Path | None:
+    """``<cache>/<stem>-<tag>.so``, built by ``stages(tmp_dir, output)`` unless there: stage after
+    stage, the commands of a stage run side by side (a first start waits for this, and a machine's
+    cores compile separate files at once). The tag covers the sources, the shared headers of
+    csrc/, the C flags and ``salt`` (compilers, torch version). None, with one log line, when a
+    command fails."""
     text = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
     tag = hashlib.sha256(text + " ".join(flags).encode() + salt.encode()).hexdigest()[:16]
     target = kernel_cache_dir() / f"{stem}-{tag}.so"
@@ -77,11 +79,13 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
     start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        for cmd in commands(Path(tmp), partial):
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("building %s failed, the torch/Python path runs instead: %s", stem,
-                               result.stderr[-2000:])
+        for stage in stages(Path(tmp), partial):
+            running = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                       for cmd in stage]
+            errors = [proc.communicate()[1] for proc in running]
+            failed = [err for proc, err in zip(running, errors) if proc.returncode != 0]
+            if failed:
+                logger.warning("building %s failed, the torch/Python path runs instead: %s", stem, failed[0][-2000:])
                 return None
         os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
     logger.info("built %s in %.1fs", target.name, time.monotonic() - start)
@@ -96,7 +100,7 @@ def _build_c(name: str, march: str = "native") -> Path | None:
     sources = [CSRC / f"{c}.c" for c in (name, *_LINKED.get(name, ()))]
     flags = c_flags(march)
     return _cached_build(name if march == "native" else f"{name}-{march}", sources, compiler,
-                         lambda tmp, out: [[compiler, *flags, "-shared", *map(str, sources), "-o", str(out), "-lm"]],
+                         lambda tmp, out: [[[compiler, *flags, "-shared", *map(str, sources), "-o", str(out), "-lm"]]],
                          flags)
 
 
@@ -113,15 +117,18 @@ def load_torch_op_library() -> bool:
     cpp, sources = CSRC / "cpu_ops.cpp", [CSRC / f"{c}.c" for c in OP_LIBRARY_SOURCES]
     torch_dir = Path(torch.__file__).parent
 
-    def commands(tmp: Path, out: Path) -> list[list[str]]:
+    def stages(tmp: Path, out: Path) -> list[list[list[str]]]:
+        """Every object at once (the C++ file against torch's headers is the longest), then the link."""
         objects = [tmp / f"{c.stem}.o" for c in sources]
+        cpp_object = tmp / "cpu_ops.o"
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        return [*([cc, *C_FLAGS, "-c", str(c), "-o", str(o)] for c, o in zip(sources, objects)),
-                [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                 f"-I{torch_dir / 'include'}", str(cpp), *map(str, objects), "-o", str(out),
-                 f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"]]
+        return [[[cxx, "-O2", "-std=c++17", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}",
+                  "-c", str(cpp), "-o", str(cpp_object)],
+                 *([cc, *C_FLAGS, "-c", str(c), "-o", str(o)] for c, o in zip(sources, objects))],
+                [[cxx, "-shared", "-fPIC", str(cpp_object), *map(str, objects), "-o", str(out),
+                  f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"]]]
 
-    target = _cached_build("cpu_ops", [cpp, *sources], f"{cc}{cxx}{torch.__version__}", commands)
+    target = _cached_build("cpu_ops", [cpp, *sources], f"{cc}{cxx}{torch.__version__}", stages)
     if target is None:
         return False
     try:
