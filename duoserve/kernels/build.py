@@ -105,15 +105,15 @@ def _build_c(name: str, march: str = "native") -> Path | None:
 
 
 @lru_cache(maxsize=None)
-def load_torch_op_library() -> bool:
-    """Build ``csrc/cpu_ops.cpp`` with the C sources it calls into one library against this torch
-    and load it (it registers op kernels); False, with one log line, where it cannot be."""
+def op_library() -> Path | None:
+    """``csrc/cpu_ops.cpp`` built with the C sources it calls into one library against this torch
+    (once per machine: cached); None, with one log line, where it cannot be."""
     if not c_kernels_enabled():
-        return False
+        return None
     cc, cxx = compilers()
     if cc is None or cxx is None:
         logger.info("no C/C++ compiler found: the ops of cpu_ops.cpp run their Python kernels")
-        return False
+        return None
     cpp, sources = CSRC / "cpu_ops.cpp", [CSRC / f"{c}.c" for c in OP_LIBRARY_SOURCES]
     torch_dir = Path(torch.__file__).parent
 
@@ -128,7 +128,14 @@ def load_torch_op_library() -> bool:
                 [[cxx, "-shared", "-fPIC", str(cpp_object), *map(str, objects), "-o", str(out),
                   f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", "-fopenmp", "-Wl,-Bsymbolic"]]]
 
-    target = _cached_build("cpu_ops", [cpp, *sources], f"{cc}{cxx}{torch.__version__}", stages)
+    return _cached_build("cpu_ops", [cpp, *sources], f"{cc}{cxx}{torch.__version__}", stages)
+
+
+@lru_cache(maxsize=None)
+def load_torch_op_library() -> bool:
+    """Load ``op_library()`` into torch (it registers op kernels); False, with one log line, where
+    it cannot be built or loaded."""
+    target = op_library()
     if target is None:
         return False
     try:
@@ -147,7 +154,9 @@ def load_c_function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_in
     if not c_kernels_enabled():
         return None
     try:
-        path = _build_c(name, march)
+        # for this machine, the op library's copy of the file: one build on a first start, not two
+        in_op_library = march == "native" and {name, *_LINKED.get(name, ())} <= set(OP_LIBRARY_SOURCES)
+        path = (in_op_library and op_library()) or _build_c(name, march)
         if path is None:
             return None
         fn = getattr(ctypes.CDLL(str(path)), symbol)
