@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model path (default: the packaged default model)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     args = parser.parse_args()
 
     import duoserve
@@ -62,8 +64,8 @@ def main() -> None:
 
     run(2, 0.0)  # warm-up
     result = {"checkout": duoserve.__file__.rsplit("/duoserve/", 1)[0], "dtype": args.dtype, **extra}
-    for batch in (1, 32):
-        for temperature in (0.0, 1.0):
+    for batch in map(int, args.batches.split(",")):
+        for temperature in map(float, args.temperatures.split(",")):
             step_ms, tok_s, prefill_ms = run(batch, temperature)
             result[f"batch {batch}, T{temperature:g}"] = {"median_step_ms": round(step_ms, 2), "tok_s": round(tok_s, 1),
                                                            "median_prefill_step_ms": round(prefill_ms, 1)}

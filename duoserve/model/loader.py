@@ -98,7 +98,7 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 
         reader, meta, arch = open_gguf(path, config.hf_overrides)
-        tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids) if "tokenizer.ggml.tokens" in meta else None
+        tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids, path) if "tokenizer.ggml.tokens" in meta else None
         gguf_arch = str(meta.get("general.architecture"))
         source = GGUFSource(reader, arch, permuted_qk=gguf_arch == "llama", gguf_arch=gguf_arch)
     else:

@@ -9,7 +9,10 @@ included.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from duoserve.errors import ModelLoadError
+from duoserve.model.paths import cache_dir
 
 # llama.cpp token types
 _CONTROL = 3
@@ -108,8 +112,63 @@ class Tokenizer:
 _END_OF_TURN = "<end_of_turn>"
 
 
-def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Tokenizer:
-    """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata)."""
+def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...], file: Path | None = None) -> Tokenizer:
+    """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata). With the
+    ``file`` it comes from, the rebuilt tokenizer is kept in the cache (``gguf_tokenizer_cache``)
+    and read from there by later starts: Gemma's merges take seconds to rebuild in Python."""
+    cached = gguf_tokenizer_cache(file) if file is not None else None
+    backend = _read_backend(cached)
+    if backend is None:
+        backend = _gguf_backend(meta)
+        _write_backend(cached, backend)
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    end_of_turn = backend.token_to_id(_END_OF_TURN) if gemma else None
+    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos,
+                                   *([end_of_turn] if end_of_turn is not None else [])]))
+    return Tokenizer(
+        backend,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def gguf_tokenizer_cache(file: Path) -> Path:
+    """Where the tokenizer rebuilt from ``file`` is kept: named by the file (path, size, time of
+    change) and by this module's code, so a changed file or a changed rebuild is never read."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode()
+                         + Path(__file__).read_bytes()).hexdigest()[:24]
+    return cache_dir("tokenizers") / f"{key}.json"
+
+
+def _read_backend(path: Path | None) -> HFTokenizer | None:
+    if path is None or not path.exists():
+        return None
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
+        return None
+
+
+def _write_backend(path: Path | None, backend: HFTokenizer) -> None:
+    """Atomically (a concurrent start reads a whole file or none); a cache that cannot be written
+    costs the next start its rebuild, nothing else."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".part", delete=False, encoding="utf-8") as f:
+            f.write(backend.to_str())
+        os.replace(f.name, path)
+    except OSError:
+        pass
+
+
+def _gguf_backend(meta: dict[str, Any]) -> HFTokenizer:
+    """The tokenizers backend of a GGUF file's tokenizer, its special and user tokens added."""
     kind = meta.get("tokenizer.ggml.model")
     gemma = str(meta.get("general.architecture", "")).startswith("gemma")
     if kind == "llama" and gemma:
@@ -134,17 +193,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...]) -> Toke
     user = [AddedToken(t, normalized=False, special=False)
             for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and (letters or t in vocab)]
     backend.add_tokens(user)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    end_of_turn = backend.token_to_id(_END_OF_TURN) if gemma else None
-    eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos,
-                                   *([end_of_turn] if end_of_turn is not None else [])]))
-    return Tokenizer(
-        backend,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
-        chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-    )
+    return backend
 
 
 def _byte_level_bpe(meta: dict[str, Any]) -> HFTokenizer:
