@@ -1,4 +1,5 @@
-"""The small ops between a layer's linears as op calls: RMSNorm, rotary, SiLU-and-multiply.
+"""The small ops between a layer's linears as op calls: RMSNorm, rotary, SiLU-and-multiply
+(and Gemma's: its (1 + weight) RMSNorm, tanh-GELU-and-multiply).
 
 ``duoserve::rms_norm``, ``duoserve::rotary`` and ``duoserve::silu_mul`` (defined in
 ``duoserve.kernels.ops``) have C++ kernels only (``csrc/cpu_ops.cpp``), over the functions of
@@ -37,6 +38,13 @@ class OpRMSNorm(nn.Module):
         return torch.ops.duoserve.rms_norm(x, self.weight, self.eps)
 
 
+class OpOffsetRMSNorm(OpRMSNorm):
+    """Gemma's RMSNorm (times 1 + weight) as its op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.offset_rms_norm(x, self.weight, self.eps)
+
+
 class OpRotary(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.ops.duoserve.rotary(x, cos, sin)
@@ -45,3 +53,8 @@ class OpRotary(nn.Module):
 class OpSiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.duoserve.silu_mul(gate_up)
+
+
+class OpGeluTanhAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.gelu_tanh_mul(gate_up)

@@ -206,6 +206,11 @@ def _define_glue(lib: torch.library.Library) -> None:
     lib.impl("rotary", lambda x, cos, sin: x.new_empty(x.shape), "Meta")
     lib.define("silu_mul(Tensor gate_up) -> Tensor")
     lib.impl("silu_mul", lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)), "Meta")
+    lib.define("offset_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")   # Gemma's norm
+    lib.impl("offset_rms_norm", lambda x, weight, eps: x.new_empty(x.shape), "Meta")
+    lib.define("gelu_tanh_mul(Tensor gate_up) -> Tensor")   # Gemma's MLP
+    lib.impl("gelu_tanh_mul", lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)),
+             "Meta")
 
 
 def _define_linears(lib: torch.library.Library) -> None:

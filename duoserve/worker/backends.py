@@ -27,10 +27,11 @@ from duoserve.config import ModelConfig
 from duoserve.kernels.attention import CAttention, c_attention_serves
 from duoserve.kernels.dense import onednn_available
 from duoserve.kernels.gguf import BLOCK_TYPES, gguf_kernels
-from duoserve.kernels.glue import OpRMSNorm, OpRotary, OpSiluAndMul, glue_ops_available
+from duoserve.kernels.glue import (OpGeluTanhAndMul, OpOffsetRMSNorm, OpRMSNorm, OpRotary, OpSiluAndMul,
+                                   glue_ops_available)
 from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding, cpu_linear, int8_linear,
                                      release_free_memory, replace_linears)
-from duoserve.model.layers import RMSNorm, Rotary, SiluAndMul
+from duoserve.model.layers import GeluTanhAndMul, OffsetRMSNorm, RMSNorm, Rotary, SiluAndMul
 from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
 from duoserve.model.weights import BlockModules
 from duoserve.platform import resolve_device, resolve_dtype
@@ -89,7 +90,8 @@ def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
 
 
 def use_glue_ops(model: nn.Module) -> None:
-    """Each ``RMSNorm``, ``Rotary`` and ``SiluAndMul`` of the model becomes its op call, where the
+    """Each ``RMSNorm`` (Gemma's ``OffsetRMSNorm`` too), ``Rotary``, ``SiluAndMul`` and
+    ``GeluTanhAndMul`` of the model becomes its op call, where the
     ops are built (without them there is no compiled step to differ from the eager one)."""
     if not glue_ops_available():
         return
@@ -97,6 +99,10 @@ def use_glue_ops(model: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
                 setattr(parent, name, OpRMSNorm(child.weight, child.eps))
+            elif isinstance(child, OffsetRMSNorm):
+                setattr(parent, name, OpOffsetRMSNorm(child.weight, child.eps))
+            elif isinstance(child, GeluTanhAndMul):
+                setattr(parent, name, OpGeluTanhAndMul())
             elif isinstance(child, Rotary):
                 setattr(parent, name, OpRotary())
             elif isinstance(child, SiluAndMul):

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from duoserve.kernels.glue import OpRMSNorm, OpRotary, OpSiluAndMul, glue_ops_available
+from duoserve.kernels.glue import (OpGeluTanhAndMul, OpOffsetRMSNorm, OpRMSNorm, OpRotary, OpSiluAndMul,
+                                   glue_ops_available)
 from duoserve.model import layers
 
 needs_library = pytest.mark.needs(glue_ops_available, reason="no C++ compiler on this machine")
@@ -77,6 +78,18 @@ def test_the_ops_compute_the_model_functions_within_a_rounding(dtype, tokens):
     torch.testing.assert_close(op_norm(hidden), norm(hidden), **tolerance)
     torch.testing.assert_close(OpRotary()(qk, cos, sin), layers.Rotary()(qk, cos, sin), **tolerance)
     torch.testing.assert_close(OpSiluAndMul()(gate_up), layers.SiluAndMul()(gate_up), **tolerance)
+    gemma_norm = layers.OffsetRMSNorm(576, 1e-6).to(dtype)      # Gemma's: times (1 + weight)
+    gemma_norm.weight.copy_(weight - 1)
+    op_gemma_norm = OpOffsetRMSNorm(gemma_norm.weight, gemma_norm.eps)
+    got = op_gemma_norm(hidden)
+    assert got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, gemma_norm(hidden), **tolerance)
+    head_norm = layers.OffsetRMSNorm(64, 1e-6).to(dtype)         # on a strided view, as q/k norms are
+    head_norm.weight.copy_(weight[:64] - 1)
+    torch.testing.assert_close(OpOffsetRMSNorm(head_norm.weight, 1e-6)(qk[:, :15]), head_norm(qk[:, :15]), **tolerance)
+    got = OpGeluTanhAndMul()(gate_up)
+    assert got.dtype == dtype and got.shape == (gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.testing.assert_close(got, layers.GeluTanhAndMul()(gate_up), **tolerance)
 
 
 @needs_library

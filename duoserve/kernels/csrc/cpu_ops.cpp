@@ -13,7 +13,7 @@
 // - paged_attention: a compiled model's attention op; in an announced step (attention_step:
 //   every token a row over its own causal context, prompt tokens included) decode_attention
 //   with no Python, else the Python kernel.
-// - rms_norm, rotary, silu_mul: a layer's small ops over glue.c, the functions decode_step.c
+// - rms_norm, rotary, silu_mul (Gemma's offset_rms_norm, gelu_tanh_mul): a layer's small ops over glue.c, the functions decode_step.c
 //   calls, one op call in compiled and eager steps alike (glue.py).
 // - decode_model, decode_step: a model handed over once, then each of its steps of decodes run
 //   whole by decode_step.c (worker/fused_decode.py).
@@ -436,12 +436,10 @@ bool glue_takes(const at::Tensor &x, const at::Tensor &other) {
     return (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && other.scalar_type() == x.scalar_type();
 }
 
-at::Tensor rms_norm_op(const at::Tensor &x, const at::Tensor &weight, double eps) {
-    if (!glue_takes(x, weight) || weight.dim() != 1 || x.size(-1) != weight.size(0)) {
-        if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps).contiguous();
-        const at::Tensor normed = at::rms_norm(x.to(at::kFloat), weight.sizes(), c10::nullopt, eps);
-        return (weight * normed.to(x.scalar_type())).contiguous();
-    }
+// a norm over glue.c's row function `row` (plain or Gemma's offset), else `fallback`'s ATen calls
+template <typename Row, typename Fallback>
+at::Tensor norm_rows(const at::Tensor &x, const at::Tensor &weight, double eps, Row row, Fallback fallback) {
+    if (!glue_takes(x, weight) || weight.dim() != 1 || x.size(-1) != weight.size(0)) return fallback();
     const at::Tensor in = x.contiguous(), w = weight.contiguous();
     at::Tensor out = at::empty_like(in);
     const int64_t n = in.size(-1), rows = n ? in.numel() / n : 0, row_bytes = n * in.element_size();
@@ -449,10 +447,30 @@ at::Tensor rms_norm_op(const at::Tensor &x, const at::Tensor &weight, double eps
     char *src = static_cast<char *>(in.data_ptr()), *dst = static_cast<char *>(out.data_ptr());
     const void *wp = w.data_ptr();
     at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
-        for (int64_t t = lo; t < hi; t++)
-            glue_add_norm_row(src + t * row_bytes, nullptr, wp, dst + t * row_bytes, (int)n, (float)eps, bf);
+        for (int64_t t = lo; t < hi; t++) row(src + t * row_bytes, wp, dst + t * row_bytes, (int)n, (float)eps, bf);
     });
     return out;
+}
+
+at::Tensor rms_norm_op(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    return norm_rows(
+        x, weight, eps,
+        [](char *in, const void *w, char *out, int n, float e, int bf) { glue_add_norm_row(in, nullptr, w, out, n, e, bf); },
+        [&] {
+            if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps).contiguous();
+            const at::Tensor normed = at::rms_norm(x.to(at::kFloat), weight.sizes(), c10::nullopt, eps);
+            return (weight * normed.to(x.scalar_type())).contiguous();
+        });
+}
+
+at::Tensor offset_rms_norm_op(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    return norm_rows(
+        x, weight, eps,
+        [](char *in, const void *w, char *out, int n, float e, int bf) { glue_offset_norm_row(in, w, out, n, e, bf); },
+        [&] {
+            const at::Tensor normed = at::rms_norm(x.to(at::kFloat), weight.sizes(), c10::nullopt, eps);
+            return (normed * (weight.to(at::kFloat) + 1.0)).to(x.scalar_type()).contiguous();
+        });
 }
 
 at::Tensor rotary_op(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
@@ -480,11 +498,10 @@ at::Tensor rotary_op(const at::Tensor &x, const at::Tensor &cos, const at::Tenso
     return out;
 }
 
-at::Tensor silu_mul_op(const at::Tensor &gate_up) {
-    if (!glue_takes(gate_up, gate_up) || gate_up.dim() < 1 || gate_up.size(-1) % 2) {
-        const auto halves = gate_up.chunk(2, -1);
-        return (at::silu(halves[0]) * halves[1]).contiguous();
-    }
+// gate * up over glue.c's chunk function `chunk` (SiLU, Gemma's tanh-GELU), else `fallback`
+template <typename Chunk, typename Fallback>
+at::Tensor gated_chunks(const at::Tensor &gate_up, Chunk chunk, Fallback fallback) {
+    if (!glue_takes(gate_up, gate_up) || gate_up.dim() < 1 || gate_up.size(-1) % 2) return fallback();
     const at::Tensor in = gate_up.contiguous();
     std::vector<int64_t> sizes = in.sizes().vec();
     const int64_t inter = sizes.back() / 2, rows = inter ? in.numel() / (2 * inter) : 0;
@@ -497,10 +514,24 @@ at::Tensor silu_mul_op(const at::Tensor &gate_up) {
     at::parallel_for(0, rows * chunks, 16, [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; i++) {
             const int64_t t = i / chunks;
-            glue_silu_mul_chunk(src + t * 2 * inter * elem, dst + t * inter * elem, (int)inter, (int)(i % chunks), bf);
+            chunk(src + t * 2 * inter * elem, dst + t * inter * elem, (int)inter, (int)(i % chunks), bf);
         }
     });
     return out;
+}
+
+at::Tensor silu_mul_op(const at::Tensor &gate_up) {
+    return gated_chunks(gate_up, glue_silu_mul_chunk, [&] {
+        const auto halves = gate_up.chunk(2, -1);
+        return (at::silu(halves[0]) * halves[1]).contiguous();
+    });
+}
+
+at::Tensor gelu_tanh_mul_op(const at::Tensor &gate_up) {
+    return gated_chunks(gate_up, glue_gelu_tanh_mul_chunk, [&] {
+        const auto halves = gate_up.chunk(2, -1);
+        return (at::gelu(halves[0], "tanh") * halves[1]).contiguous();
+    });
 }
 
 }  // namespace
@@ -515,6 +546,8 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("rms_norm", &rms_norm_op);
     m.impl("rotary", &rotary_op);
     m.impl("silu_mul", &silu_mul_op);
+    m.impl("offset_rms_norm", &offset_rms_norm_op);
+    m.impl("gelu_tanh_mul", &gelu_tanh_mul_op);
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CatchAll, m) {

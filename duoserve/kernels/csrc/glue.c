@@ -10,8 +10,9 @@
  * this is what lets a GGUF model's decode steps run in decode_step.c.
  *
  * The arithmetic is the model's (model/layers.py): a norm in float32, its result rounded to the
- * model dtype before its weight is applied, as RMSNorm does; rotate-half with cos/sin rounded to
- * the model dtype, as eager does; SiLU * up rounded once. In float32 every rounding is none.
+ * model dtype before its weight is applied, as RMSNorm does (Gemma's: times 1 + weight in float32,
+ * rounded once); rotate-half with cos/sin rounded to the model dtype, as eager does; SiLU * up
+ * rounded once; Gemma's tanh-GELU rounded, then times up. In float32 every rounding is none.
  */
 #include <math.h>
 #include <stdint.h>
@@ -64,4 +65,26 @@ void glue_silu_mul_chunk(const void *gate_up_row, void *act_row, int inter, int 
     }
     for (int i = 0; i < hi - lo; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     for (int i = lo; i < hi; i++) store(act_row, i, g[i - lo], bf);
+}
+
+/* out = RMSNorm(x) * (1 + weight), in float32, rounded once to the model dtype (Gemma's norm) */
+void glue_offset_norm_row(const void *x, const void *weight, void *out, int n, float eps, int bf) {
+    float sum = 0.f;
+    for (int i = 0; i < n; i++) {
+        const float v = load(x, i, bf);
+        sum += v * v;
+    }
+    const float r = 1.f / sqrtf(sum / (float)n + eps);
+    for (int i = 0; i < n; i++) store(out, i, load(x, i, bf) * r * (1.f + load(weight, i, bf)), bf);
+}
+
+/* act[lo:hi] = gelu_tanh(gate[lo:hi]) * up[lo:hi] for chunk c of one row (Gemma's MLP), the GELU
+ * rounded to the model dtype before the product, as the eager ops round it */
+void glue_gelu_tanh_mul_chunk(const void *gate_up_row, void *act_row, int inter, int c, int bf) {
+    const int lo = c * GLUE_CHUNK, hi = lo + GLUE_CHUNK < inter ? lo + GLUE_CHUNK : inter;
+    for (int i = lo; i < hi; i++) {
+        const float g = load(gate_up_row, i, bf);
+        const float gelu = 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+        store(act_row, i, rounded(gelu, bf) * load(gate_up_row, inter + i, bf), bf);
+    }
 }

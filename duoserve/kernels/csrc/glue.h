@@ -10,6 +10,8 @@ extern "C" {
 void glue_add_norm_row(void *x, const void *add, const void *weight, void *out, int n, float eps, int bf);
 void glue_rotate_head(const void *x, const float *cos, const float *sin, void *out, int d, int bf);
 void glue_silu_mul_chunk(const void *gate_up_row, void *act_row, int inter, int c, int bf);
+void glue_offset_norm_row(const void *x, const void *weight, void *out, int n, float eps, int bf);
+void glue_gelu_tanh_mul_chunk(const void *gate_up_row, void *act_row, int inter, int c, int bf);
 #ifdef __cplusplus
 }
 #endif
