@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
+import weakref
 
 import torch
 from torch import nn
@@ -98,10 +99,14 @@ class StepContext:
 _CONTEXTS: list[StepContext | None] = []
 
 
-def register_context(context: StepContext) -> int:
+def register_context(context: StepContext, owner: object | None = None) -> int:
+    """The context's handle; with an ``owner``, released when the owner goes (``release_context``),
+    else its caches and weights would outlive the engine."""
     define_ops()
     _CONTEXTS.append(context)
     context.handle = len(_CONTEXTS) - 1
+    if owner is not None:
+        weakref.finalize(owner, release_context, context.handle)
     return context.handle
 
 

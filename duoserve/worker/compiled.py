@@ -35,16 +35,15 @@ import logging
 import os
 import time
 import types
-import weakref
 
 import torch
 from torch import nn
 
 from duoserve.kernels.attention import OpAttention
-from duoserve.kernels.ops import EagerModule, StepContext, register_context, release_context
+from duoserve.kernels.ops import EagerModule, StepContext, register_context
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.paths import cache_dir
-from duoserve.worker.fused_decode import FusedDecodeStep, why_not
+from duoserve.worker.fused_decode import fused_step
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,7 @@ class CompiledModel:
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir("inductor"))  # unless the user chose one
         self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
-        handle = register_context(self.context)
-        weakref.finalize(self, release_context, handle)   # else its caches and weights outlive the engine
+        handle = register_context(self.context, owner=self)
         for i, layer in enumerate(model.layers):
             layer.attn = OpAttention(layer.attn, handle, i)
             if getattr(layer, "moe", None) is not None:   # routed MLPs: data-dependent, run eagerly
@@ -97,10 +95,7 @@ class CompiledModel:
         self._hook = torch._dynamo.convert_frame.register_bytecode_hook(keep)
 
         # a step of decodes runs whole in C++ where the model allows it (fused_decode.py)
-        reason = why_not(model, kv_caches)
-        self.fused = None if reason else FusedDecodeStep(model, kv_caches, handle, self.context.scales)
-        if reason:
-            logger.info("decode steps run the compiled graph, not the C++ decode step: %s", reason)
+        self.fused = fused_step(model, kv_caches, self.context, "the compiled graph")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         if self.fused is not None and self.fused.serves(meta, input_ids.shape[0]):

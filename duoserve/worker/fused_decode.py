@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 
 import torch
 from torch import nn
 
 from duoserve.kernels.dense import packed_linear_supported
 from duoserve.kernels.linear import CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding
-from duoserve.kernels.ops import StepContext, decode_step_available, register_context, release_context
+from duoserve.kernels.ops import StepContext, decode_step_available, register_context
 from duoserve.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -164,6 +163,17 @@ class FusedDecodeStep:
                                               meta.decode_block_tables, meta.decode_seq_lens)
 
 
+def fused_step(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], context: StepContext,
+               otherwise: str) -> FusedDecodeStep | None:
+    """The model's C++ decode step under ``context``'s (registered) handle, or None, saying once why
+    its steps of decodes run ``otherwise``."""
+    reason = why_not(model, kv_caches)
+    if reason:
+        logger.info("decode steps run %s, not the C++ decode step: %s", otherwise, reason)
+        return None
+    return FusedDecodeStep(model, kv_caches, context.handle, context.scales)
+
+
 class EagerDecodeStep:
     """``model(input_ids, positions, kv_caches, meta)`` without a compile: steps of decodes in
     ``FusedDecodeStep`` where the model allows it, every other step (prompts, mixed, larger) in the
@@ -172,15 +182,9 @@ class EagerDecodeStep:
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.model = model
-        self.fused: FusedDecodeStep | None = None
-        reason = why_not(model, kv_caches)
-        if reason is None:
-            context = StepContext(kv_caches, [layer.attn for layer in model.layers])
-            handle = register_context(context)
-            weakref.finalize(self, release_context, handle)   # else its caches and weights outlive the engine
-            self.fused = FusedDecodeStep(model, kv_caches, handle, context.scales)
-        else:
-            logger.info("decode steps run the eager model, not the C++ decode step: %s", reason)
+        context = StepContext(kv_caches, [layer.attn for layer in model.layers])
+        register_context(context, owner=self)
+        self.fused = fused_step(model, kv_caches, context, "the eager model")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         if self.fused is not None and self.fused.serves(meta, input_ids.shape[0]):
