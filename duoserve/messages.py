@@ -179,6 +179,8 @@ class TransferMeta(RequestSpec, tag=True, kw_only=True):
     # with the first token, so the frontend has them whichever engine's output comes first
     prompt_logprobs: list[TokenLogprobs] | None = None
     sent_at: float = 0.0           # the sender's monotonic clock: only comparable on one host
+    # the prefill engine's TTFT stages (queue, prefill), restated like the first token
+    stages: dict[str, float] = {}
     num_cached_tokens: int = 0     # prompt tokens the prefill engine found cached (its usage figure)
     frame_sizes: list[int] = []    # filled in by the connector that sends the frames
     shm_name: str | None = None

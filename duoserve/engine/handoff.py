@@ -94,6 +94,7 @@ class SendKV(Handoff):
             self.runner.copy_blocks(self.scheduler.pending_copies)
         first_logprobs = {o.request_id: o.new_logprobs[0] for o in outputs if o.new_logprobs}
         prompt_logprobs = {o.request_id: o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None}
+        stages = {o.request_id: o.stages for o in outputs if o.stages}
         for request, block_ids in leased:
             keys, values = extract_kv(self.runner.kv_caches, block_ids, request.num_prompt_tokens)
             host = to_host([*keys, *values])   # from a GPU: through pinned memory, one sync
@@ -103,7 +104,7 @@ class SendKV(Handoff):
                 request, first_token=request.output_token_ids[0], instance_id=instance or "",
                 first_logprobs=first_logprobs.get(request.request_id),
                 prompt_logprobs=prompt_logprobs.get(request.request_id), sent_at=time.monotonic(),
-                num_cached_tokens=request.num_cached_tokens)
+                stages=stages.get(request.request_id, {}), num_cached_tokens=request.num_cached_tokens)
             transfer = KVTransfer(meta, keys, values, peer=peer)
             try:
                 self.connector.send(transfer)
@@ -158,8 +159,8 @@ class ReceiveKV(Handoff):
         """Ack each arrived KV, and report the prefill engine's first token again.
 
         The two engines' outputs reach the frontend by different routes, so the decode
-        side's first output restates the first token (position 0): the frontend keeps
-        whichever copy comes first and drops the other.
+        side's first output restates the first token (position 0) and the prefill engine's
+        TTFT stages: the frontend keeps whichever copy comes first and drops the other.
         """
         if not plan.kv_inserts:
             return
@@ -177,5 +178,5 @@ class ReceiveKV(Handoff):
                 out.new_logprobs = [meta.first_logprobs, *out.new_logprobs]
             out.prompt_logprobs = meta.prompt_logprobs
             received = transfer.received_at or request.first_scheduled_time
-            out.stages = {"transfer": max(received - meta.sent_at, 0.0),
+            out.stages = {**meta.stages, "transfer": max(received - meta.sent_at, 0.0),
                           "admit": max(request.first_scheduled_time - received, 0.0)}
