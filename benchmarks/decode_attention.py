@@ -28,7 +28,8 @@ CSRC = Path(__file__).resolve().parents[1] / "duoserve" / "kernels" / "csrc"
 
 
 def build_revision(source: str, headers: dict[str, str], out: Path, like):
-    """The kernel of an older paged_decode.c, built with the engine's flags; typed as ``like``."""
+    """The kernel of an older paged_decode.c, built with the engine's flags; typed as ``like``, less
+    the window and cap arguments where that revision has none."""
     from duoserve.kernels.build import C_FLAGS
 
     work = out.parent / out.stem
@@ -38,6 +39,9 @@ def build_revision(source: str, headers: dict[str, str], out: Path, like):
     subprocess.run(["gcc", *C_FLAGS, "-shared", str(work / "paged_decode.c"), "-o", str(out), "-lm"], check=True)
     fn = ctypes.CDLL(str(out)).paged_decode_attention
     fn.restype, fn.argtypes = like.restype, like.argtypes
+    if "int window, float cap" not in source:
+        fn.argtypes = [*like.argtypes[:-3], like.argtypes[-1]]
+        return lambda *args: fn(*args[:-3], args[-1])
     return fn
 
 
@@ -90,7 +94,7 @@ def main() -> None:
                     for k, v in caches:
                         fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(dtype == torch.bfloat16), tables.data_ptr(),
                            lens.data_ptr(), outs[name].data_ptr(), num_seqs, heads, kv_heads, head_dim, block_size,
-                           blocks_per_seq, head_dim ** -0.5, args.threads)
+                           blocks_per_seq, head_dim ** -0.5, 0, 0.0, args.threads)
                     times[name].append((time.perf_counter() - start) * 1000)
             before, after = (statistics.median(times[n]) for n in ("before", "after"))
             result[f"{num_seqs} sequences"] = {

@@ -24,7 +24,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 def paged_decode_kernel():
     return load_c_function("paged_decode", "paged_decode_attention",
-                           (_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I))
+                           (_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, ctypes.c_float,
+                            _I))
 
 
 def c_attention_serves(device: torch.device | str, kv_dtype: torch.dtype) -> bool:
@@ -32,10 +33,12 @@ def c_attention_serves(device: torch.device | str, kv_dtype: torch.dtype) -> boo
     return torch.device(device).type == "cpu" and kv_dtype in C_CACHE_DTYPES and paged_decode_kernel() is not None
 
 
-def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                       cap: float | None = None) -> torch.Tensor | None:
     """q: [num_rows, num_heads, head_dim], each row over its block table [num_rows, max_blocks] and
-    length [num_rows] -> out [num_rows, num_heads * head_dim] float32, or None."""
+    length [num_rows] (its last ``window`` keys only, where given; scores soft-capped at ``cap``,
+    where given) -> out [num_rows, num_heads * head_dim] float32, or None."""
     fn = paged_decode_kernel()
     if fn is None or q.device.type != "cpu" or k_cache.dtype not in C_CACHE_DTYPES:
         return None
@@ -44,7 +47,7 @@ def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     out = torch.empty_like(q32)
     status = fn(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
                 block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-                k_cache.shape[2], head_dim, k_cache.shape[1], block_tables.shape[1], scale,
+                k_cache.shape[2], head_dim, k_cache.shape[1], block_tables.shape[1], scale, window or 0, cap or 0.0,
                 torch.get_num_threads())
     if status != 0:
         return None
@@ -60,11 +63,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class CAttention(nn.Module):
-    """A layer's attention in the C kernels. ``reference`` is the module it replaces (the torch
-    reference, with the layer's ``scale`` and ``window``): it runs a part the C kernel declines
-    (out of scratch memory), after the same KV write, a step where a layer's sliding window is
-    shorter than some context (the C kernels attend over whole contexts), and every step of a
-    layer whose scores are soft-capped (the C kernels do not cap)."""
+    """A layer's attention in the C kernels, its sliding window and score cap included.
+    ``reference`` is the module it replaces (the torch reference, with the layer's ``scale``,
+    ``window`` and ``cap``): it runs a part the C kernel declines (out of scratch memory), after
+    the same KV write."""
 
     def __init__(self, reference: nn.Module) -> None:
         super().__init__()
@@ -78,25 +80,24 @@ class CAttention(nn.Module):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] -> [num_tokens,
         num_heads * head_dim]; k and v written into the caches first."""
         k_cache, v_cache = kv_cache
-        if self.cap is not None or (self.window is not None and meta.longest_context() > self.window):
-            return self.reference(q, k, v, kv_cache, meta)
+        window, cap = self.window or 0, self.cap or 0.0
         num_decodes = meta.num_decode_tokens
         if num_decodes and not meta.prefills:
             op = decode_attention_op()   # a decode step: one C++ call instead of ~8 torch ops from Python
             if op is not None:
                 return op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
-                          meta.decode_seq_lens, self.scale)
+                          meta.decode_seq_lens, self.scale, window, cap)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         parts = []
         if num_decodes:
             out = c_decode_attention(q[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
-                                     meta.decode_seq_lens, self.scale)
+                                     meta.decode_seq_lens, self.scale, window, cap)
             if out is None:
                 return self.reference(q, k, v, kv_cache, meta)
             parts.append(out.to(q.dtype))
         for seq in meta.prefills:
             out = c_decode_attention(q[seq.query_start:seq.query_start + seq.query_len], k_cache, v_cache,
-                                     seq.token_block_tables, seq.token_seq_lens, self.scale)
+                                     seq.token_block_tables, seq.token_seq_lens, self.scale, window, cap)
             if out is None:
                 return self.reference(q, k, v, kv_cache, meta)
             parts.append(out.to(q.dtype))

@@ -67,15 +67,13 @@ class StepContext:
     def __post_init__(self) -> None:
         # what every announcement passes, fixed for the model's life: gathered once, not each step
         k_cache = self.kv_caches[0][0]
-        # the C++ op attends over whole contexts, uncapped: a model with sliding windows or soft-capped
-        # scores runs its layers' modules
-        windowed = any(getattr(layer, "window", None) is not None or getattr(layer, "cap", None) is not None
-                       for layer in self.layers)
-        self.native = (k_cache.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES and native_attention()
-                       and not windowed)
+        self.native = k_cache.device.type == "cpu" and k_cache.dtype in C_CACHE_DTYPES and native_attention()
         self._k_caches = [k for k, _ in self.kv_caches]
         self._v_caches = [v for _, v in self.kv_caches]
         self.scales = [layer.scale for layer in self.layers]
+        # each layer's sliding window and score cap (0: none), as the C kernels take them
+        self.windows = [getattr(layer, "window", None) or 0 for layer in self.layers]
+        self.caps = [getattr(layer, "cap", None) or 0.0 for layer in self.layers]
 
     def begin(self, meta: StepMetadata) -> None:
         """Before a forward: its metadata; where the C++ ``paged_attention`` serves the model, the
@@ -86,13 +84,13 @@ class StepContext:
         if self.native:
             tables, lens = meta.token_contexts()
             torch.ops.duoserve.attention_step(self.handle, self._k_caches, self._v_caches, meta.slot_mapping,
-                                              tables, lens, self.scales)
+                                              tables, lens, self.scales, self.windows, self.caps)
             self.announced = True
 
     def end(self) -> None:
         self.meta = None
         if self.announced:
-            torch.ops.duoserve.attention_step(self.handle, [], [], None, None, None, [])
+            torch.ops.duoserve.attention_step(self.handle, [], [], None, None, None, [], [], [])
             self.announced = False
 
 
@@ -180,14 +178,17 @@ def define_ops() -> torch.library.Library:
     lib.impl("eager_module", _run_eager_module, "CPU")
     lib.impl("eager_module", lambda x, handle: x.new_empty(x.shape), "Meta")
     # a model whose decode steps run whole in C++ (csrc/decode_step.c; worker/fused_decode.py):
-    # per layer its input norm, post norm, q and k norms (or empty tensors), packed qkv, qkv bias
-    # (or an empty tensor), packed o, gate_up and down, K and V caches; its embedding table packed
-    # (PackedEmbedding); shape: hidden, heads, KV heads, head dim, intermediate. From GGUF blocks:
-    # a projection's packed slot empty, its runs' blocks in `blocks` with their type ids, `runs` the
-    # number of runs of each layer's qkv, o, gate_up and down; the embedding's blocks of embed_type
+    # per layer its input norm, post norm, Gemma's attention-out and MLP-out norms and the q and k
+    # norms (or empty tensors), packed qkv, qkv bias (or an empty tensor), packed o, gate_up and
+    # down, K and V caches, and its scale, window and cap (0: none) and rope table (1: the local
+    # one); its embedding table packed (PackedEmbedding); shape: hidden, heads, KV heads, head dim,
+    # intermediate; gemma: Gemma's norms, MLP and embedding scale. From GGUF blocks: a projection's
+    # packed slot empty, its runs' blocks in `blocks` with their type ids, `runs` the number of
+    # runs of each layer's qkv, o, gate_up and down; the embedding's blocks of embed_type
     lib.define("decode_model(int context, Tensor[] layers, Tensor final_norm, Tensor cos, Tensor sin, "
-               "Tensor embedding, int vocab, int[] shape, float eps, float[] scales, Tensor[] blocks, "
-               "int[] block_types, int[] runs, int gguf_exact, int embed_type) -> ()")
+               "Tensor local_cos, Tensor local_sin, Tensor embedding, int vocab, int[] shape, float eps, "
+               "float[] scales, int[] windows, float[] caps, int[] local_layers, Tensor[] blocks, "
+               "int[] block_types, int[] runs, int gguf_exact, int embed_type, int gemma, float embed_scale) -> ()")
     lib.define("decode_model_release(int context) -> ()")
     # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
     lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
@@ -243,8 +244,8 @@ def _define_attention(lib: torch.library.Library) -> None:
     # a compiled step announced to the C++ paged_attention (csrc/cpu_ops.cpp), and cleared after it
     # (slot_mapping None): its layers' caches and scales and the step's metadata
     lib.define("attention_step(int context, Tensor[] k_caches, Tensor[] v_caches, Tensor? slot_mapping, "
-               "Tensor? block_tables, Tensor? seq_lens, float[] scales) -> ()")
+               "Tensor? block_tables, Tensor? seq_lens, float[] scales, int[] windows, float[] caps) -> ()")
     # a decode step's attention of one layer, KV written in place: C++ only (csrc/cpu_ops.cpp); without
     # it the C attention backend makes the same calls from Python
     lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-               "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
+               "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int window, float cap) -> Tensor")

@@ -1,5 +1,9 @@
 """A step of decodes run whole in C++ (``kernels/csrc/decode_step.c``), beside the compiled graph.
 
+It takes the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, their sliding windows too) and
+Gemma 2 and 3 (their four norms a layer, tanh-GELU, local layers with their windows and rope,
+Gemma 2's capped scores; the logits' cap stays with the output projection, after it).
+
 At a few sequences a compiled step spends a good part of its time outside its weights: the
 graph's op calls through the dispatcher, their tensors allocated and freed, its small kernels
 each forking the threads, all on the main thread while the others wait (BENCHMARKS.md).
@@ -31,6 +35,15 @@ logger = logging.getLogger(__name__)
 # measured up to this (``benchmarks/step_ab.py --change decode-step``); larger steps are left to the graph
 MAX_ROWS = 64
 MAX_RUNS = 4   # block runs of one projection (decode_step.c)
+FAMILIES = {"llama": "silu", "gemma": "gelu_tanh"}   # the decoders it computes, and their MLP's activation
+
+
+def layer_norms(layer: nn.Module, family: str) -> tuple:
+    """A layer's norms as decode_step.c takes them: before attention, before the MLP, and Gemma's
+    after attention and after the MLP (None elsewhere)."""
+    if family == "gemma":
+        return layer.input_norm, layer.pre_ffn_norm, layer.post_attn_norm, layer.post_ffn_norm
+    return layer.input_norm, layer.post_norm, None, None
 
 def _packed(linear: nn.Module, dtype: torch.dtype, bias_allowed: bool) -> bool:
     return (isinstance(linear, CPULinear) and linear.packed is not None and linear.packed.dtype == dtype
@@ -87,12 +100,10 @@ def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
     arch = getattr(model, "arch", None)
     if arch is not None and arch.family == "moe":
         return "a mixture of experts (the C++ decode step computes dense MLPs; routed ones run in the graph)"
-    if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family != "llama":
-        return "not a Llama-family decoder"
-    if arch.hidden_act != "silu":
-        return f"a {arch.hidden_act} MLP (the C++ decode step computes SiLU)"
-    if any(arch.window(i) is not None for i in range(arch.num_layers)):
-        return "sliding-window attention (the C++ decode step attends over whole contexts)"
+    if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family not in FAMILIES:
+        return "not a Llama-family or Gemma decoder"
+    if arch.hidden_act != FAMILIES[arch.family]:
+        return f"a {arch.hidden_act} MLP in a {arch.family} model (the C++ decode step computes {FAMILIES[arch.family]})"
     dtype = model.dtype
     if model.device.type != "cpu":
         return f"the model is on {model.device.type}"
@@ -107,8 +118,8 @@ def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
         bias = layer.qkv.bias
         if isinstance(layer.qkv, GGUFLinear) and bias is not None and not bias.dtype.is_floating_point:
             return f"a q/k/v bias in {bias.dtype}"
-        norms = [layer.input_norm, layer.post_norm, *((layer.q_norm, layer.k_norm) if arch.qk_norm else ())]
-        if any(norm.weight.dtype != dtype for norm in norms):
+        norms = [*layer_norms(layer, arch.family), *((layer.q_norm, layer.k_norm) if arch.qk_norm else ())]
+        if any(norm.weight.dtype != dtype for norm in norms if norm is not None):
             return "a norm weight in another dtype"
     for k, v in kv_caches:
         if k.dtype != dtype or v.dtype != dtype or not (k.is_contiguous() and v.is_contiguous()):
@@ -139,20 +150,29 @@ class FusedDecodeStep:
                 block_types.append(type_id)
             return empty
 
+        gemma = arch.family == "gemma"
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            norms = [empty if norm is None else norm.weight for norm in layer_norms(layer, arch.family)]
             qk_norms = [layer.q_norm.weight, layer.k_norm.weight] if arch.qk_norm else [empty, empty]
             # GGUFLinear adds bias.to(y.dtype): the rounding made once here
             bias = empty if layer.qkv.bias is None else layer.qkv.bias.to(dtype).contiguous()
-            tensors += [layer.input_norm.weight, layer.post_norm.weight, *qk_norms, weight(layer.qkv), bias,
-                        weight(layer.o_proj), weight(layer.gate_up), weight(layer.down), k_cache, v_cache]
+            tensors += [*norms, *qk_norms, weight(layer.qkv), bias, weight(layer.o_proj), weight(layer.gate_up),
+                        weight(layer.down), k_cache, v_cache]
         shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
+        windows = [arch.window(i) or 0 for i in range(arch.num_layers)]
+        caps = [arch.attn_logit_softcap or 0.0] * arch.num_layers
+        local = getattr(model, "local_rotary", model.rotary)   # Gemma 3's local layers' own rope
+        local_layers = [int(gemma and bool(w)) for w in windows]
+        # Gemma scales its embedding by sqrt(hidden) rounded to the model dtype first, as gemma.py
+        embed_scale = torch.tensor(arch.hidden_size ** 0.5, dtype=dtype).item() if gemma else 1.0
         embed = model.embed
         gguf_embed = isinstance(embed, GGUFEmbedding)
         modes = {m.mode for m in model.modules() if isinstance(m, GGUFLinear)}
         torch.ops.duoserve.decode_model(context, tensors, model.norm.weight, model.rotary.cos, model.rotary.sin,
-                                        embed.blocks if gguf_embed else embed.packed, arch.vocab_size, shape,
-                                        arch.rms_norm_eps, scales, blocks, block_types, runs,
-                                        int("exact" in modes), embed.type_id if gguf_embed else -1)
+                                        local.cos, local.sin, embed.blocks if gguf_embed else embed.packed,
+                                        arch.vocab_size, shape, arch.rms_norm_eps, scales, windows, caps,
+                                        local_layers, blocks, block_types, runs, int("exact" in modes),
+                                        embed.type_id if gguf_embed else -1, int(gemma), embed_scale)
         self.context = context
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:

@@ -65,18 +65,46 @@ def test_torch_decode_path_with_a_window_and_soft_cap(window, cap):
         assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2, None, cap)).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("window", [3, 8])
-def test_c_attention_hands_a_windowed_step_to_the_torch_path(window):
-    """A layer's C backend runs the torch reference, window applied, when a context is longer than
-    its window; shorter contexts stay in the C kernel (same result: the window hides nothing)."""
-    q, k_cache, v_cache, meta, lens, tables = _setup(torch.float32)
-    layer = CAttention(PagedAttention(8, 2, 32, scale=0.2, window=window))
-    k = v = torch.zeros(len(lens), 2, 32)
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# head_dim 32: the portable loop; 64: the register path (AVX-512)
+@pytest.mark.parametrize("heads", [(8, 2, 32), (8, 2, 64)])
+@pytest.mark.parametrize("window, cap", [(3, None), (8, None), (1, None), (None, 0.7), (6, 0.7)])
+def test_c_attention_windows_and_caps_in_the_c_kernel(monkeypatch, dtype, heads, window, cap):
+    """A layer with a sliding window or soft-capped scores runs in the C kernel like any other
+    (the torch reference is never called): each row sees its last ``window`` keys, a window that
+    starts inside a block included (window 3 of blocks of 4), and its scores capped."""
+    num_heads, num_kv_heads, head_dim = heads
+    q, k_cache, v_cache, meta, lens, tables = _setup(dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                                     head_dim=head_dim)
+    assert window is None or max(lens) > window
+    layer = CAttention(PagedAttention(num_heads, num_kv_heads, head_dim, scale=0.2, window=window, cap=cap))
+    monkeypatch.setattr(layer, "reference", None)
+    k = v = torch.zeros(len(lens), num_kv_heads, head_dim)
     slots = meta.slot_mapping
-    k_cache.view(-1, 2, 32)[slots] = 0.0  # what the step writes: the new keys and values
-    v_cache.view(-1, 2, 32)[slots] = 0.0
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = 0.0  # what the step writes: the new keys and values
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = 0.0
     got = layer(q, k, v, (k_cache, v_cache), meta)
-    want = _reference(q, k_cache, v_cache, lens, tables, 0.2, window)
+    want = _reference(q, k_cache, v_cache, lens, tables, 0.2, window, cap)
+    assert (got - want).abs().max() < 1e-5
+    assert (got - _reference(q, k_cache, v_cache, lens, tables, 0.2)).abs().max() > 1e-2, "the window or cap counted"
+
+
+@pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
+@pytest.mark.parametrize("window, cap", [(5, None), (40, None), (None, 0.5)])
+def test_c_prefill_rows_with_a_window_or_cap_match_the_reference(window, cap):
+    """A prompt chunk's rows (which the tiled prefill kernel takes when unwindowed and uncapped) with
+    a window shorter than their contexts, one longer than all of them, or a cap: each row as the
+    reference computes it over its own causal context."""
+    torch.manual_seed(1)
+    num_blocks, block_size, chunk = 16, 4, 30
+    k_cache = torch.randn(num_blocks, block_size, 2, 64)
+    v_cache = torch.randn(num_blocks, block_size, 2, 64)
+    table = list(range(num_blocks))[::-1][:8]
+    lens = list(range(1, chunk + 1))
+    q = torch.randn(chunk, 8, 64)
+    got = c_decode_attention(q, k_cache, v_cache, torch.tensor([table] * chunk), torch.tensor(lens), 0.2, window, cap)
+    want = _reference(q, k_cache, v_cache, lens, [table] * chunk, 0.2, window, cap)
     assert (got - want).abs().max() < 1e-5
 
 
@@ -124,18 +152,18 @@ def test_decode_step_op_writes_rows_of_a_strided_view_and_refuses_a_slot_outside
     qkv = torch.randn(5, 15, 64).to(dtype)
     k, v = qkv[:, 9:12], qkv[:, 12:15]
     op = decode_attention_op()
-    op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+    op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, 0.125, 0, 0.0)
     for i, slot in enumerate(meta.slot_mapping.tolist()):
         assert torch.equal(k_cache.view(-1, 3, 64)[slot], k[i]) and torch.equal(v_cache.view(-1, 3, 64)[slot], v[i])
     before = k_cache.clone()
     outside = meta.slot_mapping.clone()
     outside[2] = k_cache.numel() // (3 * 64)
     with pytest.raises(RuntimeError, match=f"slot {int(outside[2])} outside the cache's {int(outside[2])}"):
-        op(q, k, v, k_cache, v_cache, outside, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+        op(q, k, v, k_cache, v_cache, outside, meta.decode_block_tables, meta.decode_seq_lens, 0.125, 0, 0.0)
     assert torch.equal(k_cache, before), "no row is written when one slot is wrong"
-    with pytest.raises(RuntimeError, match="a cache pair and a scale for every layer"):
+    with pytest.raises(RuntimeError, match="a cache pair, a scale, a window and a cap for every layer"):
         torch.ops.duoserve.attention_step(10**6, [k_cache], [], meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_seq_lens, [0.125])
+                                          meta.decode_seq_lens, [0.125], [0], [0.0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

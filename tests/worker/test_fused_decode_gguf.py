@@ -1,6 +1,7 @@
 """The C++ decode step computed from GGUF blocks, against the eager step.
 
-Tiny GGUF files (Llama; Qwen2 with its q/k/v bias) of several block types, a Qwen2 whose fused
+Tiny GGUF files (Llama; Qwen2 with its q/k/v bias; Gemma 2 and 3, from blocks and dense) of
+several block types, a Qwen2 whose fused
 projections mix block types (as Qwen2.5-Coder's Q5_0/Q8_0/Q4_K/Q6_K file does), both modes,
 float32 and bfloat16: for a batch of decodes, step after step, ``FusedDecodeStep`` and the eager
 model (the ops a compiled step calls too) give the same hidden states, caches and greedy tokens,
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from duoserve.config import ModelConfig
-from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear
+from duoserve.kernels.dense import packed_linear_supported
+from duoserve.kernels.linear import CPULinear, GGUFEmbedding, GGUFLinear
 from duoserve.kernels.ops import StepContext, decode_step_available, register_context
 from duoserve.model.attention import AttentionMetadata
 from duoserve.model.gguf_loader import GGUFBlocks
@@ -31,9 +33,11 @@ PROMPTS = [[3, 141, 59, 26, 53], [97, 93], [238, 46, 26, 43, 38, 32, 79, 50, 28]
 BLOCK_SIZE = 4
 
 
-def _load(path, dtype: str, mode: str):
-    """The model as the runner prepares it: its norms, rotary and SiLU the glue ops, its attention C's."""
-    model = load_model(ModelConfig(model=str(path), dtype=dtype, quantization="gguf", gguf_mode=mode)).model
+def _load(path, dtype: str, mode: str | None):
+    """The model as the runner prepares it: its norms, rotary and SiLU the glue ops, its attention C's
+    (mode None: a dense checkpoint's packed weights)."""
+    gguf = {} if mode is None else {"quantization": "gguf", "gguf_mode": mode}
+    model = load_model(ModelConfig(model=str(path), dtype=dtype, **gguf)).model
     use_cpu_kernels(model, model.dtype)
     return model
 
@@ -126,6 +130,30 @@ def test_qwen2_bias_and_mixed_block_types_decode_as_eager(tiny_dir, tmp_path, mo
     mix_block_types(model, mode)
     assert [p.type_name for p in model.layers[0].qkv.parts] == ["Q4_K", "Q8_0", "Q6_K"]
     tokens = assert_decodes_equal(model)
+    assert len({t for step in tokens for t in step}) > 1, "a degenerate model would prove little"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["Q8_0", "dense"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2"])
+def test_gemma_decodes_as_eager(tiny_dir, tmp_path, kind, source, dtype):
+    """Gemma's differences in the C++ step: four norms a layer, each times (1 + weight), tanh-GELU,
+    embedding rows times sqrt(hidden); a local layer with a window of 8 (the contexts here grow
+    past it, to 15) and, in Gemma 3, its own rope table and q/k norms; Gemma 2's capped scores."""
+    if source == "dense":
+        if not packed_linear_supported(getattr(torch, dtype)):
+            pytest.skip(f"packed dense {dtype} weights need AVX-512 on this CPU")
+        model = _load(tiny_dir(kind=kind), dtype, None)
+        assert isinstance(model.layers[0].qkv, CPULinear)
+    else:
+        path = tmp_path / f"tiny-{kind}.gguf"
+        write_gguf(tiny_dir(kind=kind), path, source)
+        model = _load(path, dtype, "fast")
+        assert isinstance(model.layers[0].qkv, GGUFLinear)
+    arch = model.arch
+    assert arch.family == "gemma" and arch.window(0) == 8 and arch.window(1) is None
+    assert (arch.attn_logit_softcap is not None) == (kind == "gemma2") and arch.qk_norm == (kind == "gemma3")
+    tokens = assert_decodes_equal(model, steps=6)
     assert len({t for step in tokens for t in step}) > 1, "a degenerate model would prove little"
 
 

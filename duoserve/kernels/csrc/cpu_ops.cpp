@@ -48,7 +48,7 @@ int packed_linear(const void *x, const void *packed, const void *bias, void *y, 
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                           float scale, int num_threads);
+                           float scale, int window, float cap, int num_threads);
 #define MAX_RUNS 4
 struct decode_linear {  // as in decode_step.c
     const void *packed;
@@ -58,20 +58,25 @@ struct decode_linear {  // as in decode_step.c
 };
 struct decode_layer {
     const void *input_norm, *post_norm;
+    const void *attn_out_norm, *mlp_out_norm;
     const void *q_norm, *k_norm;
     decode_linear qkv, o_proj, gate_up, down;
     const void *qkv_bias;
     void *k_cache, *v_cache;
-    float scale;
+    float scale, cap;
+    int window, local;
 };
 struct decode_shape {
     int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
     float eps;
     int embed_type;
     int64_t embed_row_bytes;
+    int gemma;
+    float embed_scale;
 };
 int decode_step(const decode_layer *layers, int num_layers, const void *final_norm, const decode_shape *s,
-                const float *cos_table, const float *sin_table, const void *embedding, const int64_t *ids, void *x,
+                const float *const *cos_tables, const float *const *sin_tables, const void *embedding,
+                const int64_t *ids, void *x,
                 void *out, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
                 const int64_t *seq_lens, int m, int max_blocks, int num_threads);
 }
@@ -176,10 +181,11 @@ void write_rows(const at::Tensor &rows, at::Tensor &cache, const at::Tensor &slo
 
 // q: [num_seqs, num_heads, head_dim]; k, v: [num_seqs, num_kv_heads, head_dim] (one new token a
 // sequence), written into the caches [num_blocks, block_size, num_kv_heads, head_dim] at
-// slot_mapping; -> [num_seqs, num_heads * head_dim] in q's dtype
+// slot_mapping; -> [num_seqs, num_heads * head_dim] in q's dtype. window: the keys a row sees
+// (0: all); cap: the scores' soft cap (0: none)
 at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor &slot_mapping, const at::Tensor &block_tables,
-                            const at::Tensor &seq_lens, double scale) {
+                            const at::Tensor &seq_lens, double scale, int64_t window, double cap) {
     const at::ScalarType cache_dtype = k_cache.scalar_type();
     TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16, "decode_attention: a float32 or "
                 "bfloat16 cache");
@@ -198,7 +204,7 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
         q32.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), cache_dtype == at::kBFloat16,
         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), (int)num_seqs,
         (int)num_heads, (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), (float)scale,
-        at::get_num_threads());
+        (int)window, (float)cap, at::get_num_threads());
     TORCH_CHECK(status == 0, "decode_attention: out of memory for the kernel's scratch");
     return out.view({num_seqs, num_heads * head_dim}).to(q.scalar_type());
 }
@@ -210,23 +216,26 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k, const at::
 struct DecodeStep {
     std::vector<at::Tensor> k_caches, v_caches;
     at::Tensor slot_mapping, block_tables, seq_lens;
-    std::vector<double> scales;
+    std::vector<double> scales, caps;
+    std::vector<int64_t> windows;
 };
 std::mutex decode_steps_mutex;
 std::unordered_map<int64_t, DecodeStep> decode_steps;
 
 void attention_step(int64_t context, at::TensorList k_caches, at::TensorList v_caches,
                     const std::optional<at::Tensor> &slot_mapping, const std::optional<at::Tensor> &block_tables,
-                    const std::optional<at::Tensor> &seq_lens, c10::ArrayRef<double> scales) {
+                    const std::optional<at::Tensor> &seq_lens, c10::ArrayRef<double> scales,
+                    c10::IntArrayRef windows, c10::ArrayRef<double> caps) {
     std::lock_guard<std::mutex> lock(decode_steps_mutex);
     if (!slot_mapping) {
         decode_steps.erase(context);
         return;
     }
-    TORCH_CHECK(block_tables && seq_lens && k_caches.size() == v_caches.size() && k_caches.size() == scales.size(),
-                "attention_step: tables, lengths, and a cache pair and a scale for every layer");
+    TORCH_CHECK(block_tables && seq_lens && k_caches.size() == v_caches.size() && k_caches.size() == scales.size() &&
+                    windows.size() == scales.size() && caps.size() == scales.size(),
+                "attention_step: tables, lengths, and a cache pair, a scale, a window and a cap for every layer");
     decode_steps[context] = DecodeStep{k_caches.vec(), v_caches.vec(), *slot_mapping, *block_tables, *seq_lens,
-                                       scales.vec()};
+                                       scales.vec(), caps.vec(), windows.vec()};
 }
 
 // one layer's attention inside a compiled graph: an announced step straight to decode_attention
@@ -242,7 +251,8 @@ at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::T
     if (step) {
         TORCH_CHECK(layer >= 0 && layer < (int64_t)step->k_caches.size(), "paged_attention: no layer ", layer);
         return decode_attention(q, k, v, step->k_caches[layer], step->v_caches[layer], step->slot_mapping,
-                                step->block_tables, step->seq_lens, step->scales[layer]);
+                                step->block_tables, step->seq_lens, step->scales[layer], step->windows[layer],
+                                step->caps[layer]);
     }
     static const auto any = c10::Dispatcher::singleton()
                                 .findSchemaOrThrow("duoserve::paged_attention_any", "")
@@ -259,7 +269,7 @@ struct DecodeModel {
     std::vector<decode_layer> layers;
     decode_shape shape;
     const void *final_norm, *embedding;
-    const float *cos, *sin;
+    const float *cos[2], *sin[2];   // global and local layers' rotary tables
     int64_t max_positions, num_slots, vocab;
     at::ScalarType dtype;
 };
@@ -314,49 +324,64 @@ struct DecodeTensors {
     }
 };
 
-// per layer: input norm, post norm, q norm and k norm (or empty tensors), qkv, qkv bias (or an
-// empty tensor), o, gate_up, down (packed, or empty tensors for blocks), k cache, v cache, in that
-// order in `layers`; shape: hidden, heads, KV heads, head dim, intermediate; the embedding table
+// per layer: input norm, post norm (before the MLP), attention-out and MLP-out norms (Gemma's, or
+// empty tensors), q norm and k norm (or empty tensors), qkv, qkv bias (or an empty tensor), o,
+// gate_up, down (packed, or empty tensors for blocks), k cache, v cache, in that order in `layers`;
+// and its scale, window (0: none), score cap (0: none) and rope table (1: local_cos/local_sin, the
+// local layers'); shape: hidden, heads, KV heads, head dim, intermediate; gemma: Gemma's norms,
+// MLP and embedding scale (embed_scale, in the model dtype); the embedding table
 // [vocab, hidden] packed as a linear layer's weight (PackedEmbedding), or its GGUF blocks [vocab,
 // bytes per row] of type embed_type. A projection from GGUF blocks: its runs' blocks [rows, bytes
 // per row] next in `blocks` and their type ids in `block_types`; `runs` gives each projection's
 // number of runs (qkv, o, gate_up, down of every layer; 0: packed), gguf_exact its mode.
 void decode_model(int64_t context, at::TensorList layers, const at::Tensor &final_norm, const at::Tensor &cos,
-                  const at::Tensor &sin, const at::Tensor &embedding, int64_t vocab, c10::IntArrayRef shape,
-                  double eps, c10::ArrayRef<double> scales, at::TensorList blocks, c10::IntArrayRef block_types,
-                  c10::IntArrayRef runs, int64_t gguf_exact, int64_t embed_type) {
-    constexpr size_t PER_LAYER = 11;
-    TORCH_CHECK(layers.size() == PER_LAYER * scales.size() && !scales.empty() && shape.size() == 5,
-                "decode_model: eleven tensors and a scale a layer, five sizes");
+                  const at::Tensor &sin, const at::Tensor &local_cos, const at::Tensor &local_sin,
+                  const at::Tensor &embedding, int64_t vocab, c10::IntArrayRef shape, double eps,
+                  c10::ArrayRef<double> scales, c10::IntArrayRef windows, c10::ArrayRef<double> caps,
+                  c10::IntArrayRef local_layers, at::TensorList blocks, c10::IntArrayRef block_types,
+                  c10::IntArrayRef runs, int64_t gguf_exact, int64_t embed_type, int64_t gemma, double embed_scale) {
+    constexpr size_t PER_LAYER = 13;
+    const size_t num_layers = scales.size();
+    TORCH_CHECK(layers.size() == PER_LAYER * num_layers && num_layers > 0 && shape.size() == 5 &&
+                    windows.size() == num_layers && caps.size() == num_layers && local_layers.size() == num_layers,
+                "decode_model: thirteen tensors, a scale, a window, a cap and a rope table a layer, five sizes");
     TORCH_CHECK(runs.empty() || runs.size() == 4 * scales.size(), "decode_model: four run counts a layer");
     TORCH_CHECK(blocks.size() == block_types.size(), "decode_model: a type id for every block tensor");
     DecodeModel model;
     model.dtype = final_norm.scalar_type();
     TORCH_CHECK(model.dtype == at::kFloat || model.dtype == at::kBFloat16, "decode_model: float32 or bfloat16");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == shape[3],
-                "decode_model: float32 cos and sin tables [positions, head_dim]");
+    for (const at::Tensor *table : {&cos, &sin, &local_cos, &local_sin})
+        TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 2 &&
+                        table->size(1) == shape[3] && table->size(0) == cos.size(0),
+                    "decode_model: float32 cos and sin tables [positions, head_dim], global and local alike");
     model.shape = decode_shape{(int)shape[0], (int)shape[1], (int)shape[2], (int)shape[3], (int)shape[4], 0,
-                               model.dtype == at::kBFloat16, (float)eps, (int)embed_type, 0};
+                               model.dtype == at::kBFloat16, (float)eps, (int)embed_type, 0, (int)(gemma != 0),
+                               (float)embed_scale};
     DecodeTensors take{model, blocks, block_types, gguf_exact != 0};
     const int64_t hidden = shape[0], q_size = shape[1] * shape[3], kv_size = shape[2] * shape[3], inter = shape[4];
     for (size_t l = 0; l < scales.size(); l++) {
         const at::Tensor *t = layers.data() + PER_LAYER * l;
         const int64_t *counts = runs.empty() ? nullptr : runs.data() + 4 * l;
-        const at::Tensor &k_cache = t[9], &v_cache = t[10];
+        const at::Tensor &k_cache = t[11], &v_cache = t[12];
         TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == shape[2] &&
                     k_cache.size(3) == shape[3], "decode_model: caches [blocks, block_size, KV heads, head_dim]");
         model.shape.block_size = (int)k_cache.size(1);
         model.num_slots = k_cache.size(0) * k_cache.size(1);
-        decode_layer layer{take.ptr(t[0]), take.ptr(t[1]), take.ptr(t[2]), take.ptr(t[3])};
-        layer.qkv = take.linear(t[4], counts ? counts[0] : 0, q_size + 2 * kv_size, hidden);
-        layer.qkv_bias = take.ptr(t[5]);
-        layer.o_proj = take.linear(t[6], counts ? counts[1] : 0, hidden, q_size);
-        layer.gate_up = take.linear(t[7], counts ? counts[2] : 0, 2 * inter, hidden);
-        layer.down = take.linear(t[8], counts ? counts[3] : 0, hidden, inter);
+        decode_layer layer{take.ptr(t[0]), take.ptr(t[1]), take.ptr(t[2]), take.ptr(t[3]), take.ptr(t[4]),
+                           take.ptr(t[5])};
+        TORCH_CHECK(gemma || !(layer.attn_out_norm || layer.mlp_out_norm), "decode_model: sandwich norms are Gemma's");
+        TORCH_CHECK(!gemma || (layer.attn_out_norm && layer.mlp_out_norm), "decode_model: Gemma has four norms a layer");
+        layer.qkv = take.linear(t[6], counts ? counts[0] : 0, q_size + 2 * kv_size, hidden);
+        layer.qkv_bias = take.ptr(t[7]);
+        layer.o_proj = take.linear(t[8], counts ? counts[1] : 0, hidden, q_size);
+        layer.gate_up = take.linear(t[9], counts ? counts[2] : 0, 2 * inter, hidden);
+        layer.down = take.linear(t[10], counts ? counts[3] : 0, hidden, inter);
         layer.k_cache = take.ptr(k_cache);
         layer.v_cache = take.ptr(v_cache);
         layer.scale = (float)scales[l];
+        layer.cap = (float)caps[l];
+        layer.window = (int)windows[l];
+        layer.local = local_layers[l] != 0;
         model.layers.push_back(layer);
     }
     TORCH_CHECK(take.next_block == blocks.size(), "decode_model: block tensors left over");
@@ -372,10 +397,11 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
         model.embedding = take.ptr(embedding);
     }
     model.vocab = vocab;
-    model.tensors.push_back(cos);
-    model.tensors.push_back(sin);
-    model.cos = cos.data_ptr<float>();
-    model.sin = sin.data_ptr<float>();
+    for (const at::Tensor &table : {cos, sin, local_cos, local_sin}) model.tensors.push_back(table);
+    model.cos[0] = cos.data_ptr<float>();
+    model.sin[0] = sin.data_ptr<float>();
+    model.cos[1] = local_cos.data_ptr<float>();
+    model.sin[1] = local_sin.data_ptr<float>();
     model.max_positions = cos.size(0);
     std::lock_guard<std::mutex> lock(decode_models_mutex);
     decode_models[context] = std::move(model);

@@ -1,5 +1,6 @@
-/* A whole decode step of a Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) over packed weights
- * or GGUF blocks, in one OpenMP parallel region: one new token for each of a batch of sequences.
+/* A whole decode step of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) or of
+ * Gemma 2 and 3, over packed weights or GGUF blocks, in one OpenMP parallel region: one new token
+ * for each of a batch of sequences.
  *
  * What it replaces is not arithmetic but the time between kernels. At one sequence the compiled
  * step (Inductor's graph calling duoserve::packed_linear and duoserve::paged_attention) spends
@@ -13,6 +14,12 @@
  * their slots, residual adds, SiLU * up; Qwen3's q/k norms) is glue.c's functions, the same the
  * ops of eager and compiled steps call, so a row computes to the same bits on either path.
  *
+ * Gemma (shape.gemma) differs as gemma.py does: its embedding rows times sqrt(hidden) (rounded to
+ * the model dtype first), every norm times (1 + weight), four to a layer (the attention's and the
+ * MLP's outputs normed before their residual adds), tanh-GELU * up, and local layers with their
+ * own rope table and a sliding window; Gemma 2 soft-caps the scores. The window and the cap are
+ * paged_decode.c's, the kernel every other path's windowed layers run.
+ *
  * The arithmetic is the model's (llama.py, layers.py), in float32 within each step of a layer; in
  * bfloat16 each step's result is stored in bfloat16 as the model stores it: a norm (its float32
  * result rounded before its weight is applied, as RMSNorm does), a projection, rotary (cos/sin
@@ -24,7 +31,8 @@
  * Caller (csrc/cpu_ops.cpp): ids [m] the new tokens (checked against the vocabulary); x [m, hidden]
  * scratch for the residual stream; out [m, hidden] the final norm's output; all activations in
  * the model dtype, weights packed (packed_linear.c) in it or GGUF blocks, caches
- * [slots, num_kv_heads, head_dim] in it; positions and slots checked.
+ * [slots, num_kv_heads, head_dim] in it; positions and slots checked; cos_tables and sin_tables
+ * [2] the rotary tables of global (0) and local (1) layers, float32 [positions, head_dim] each.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,7 +52,7 @@ int packed_linear_supported(int is_bf16);
 void paged_decode_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                        const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *rows,
                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                       float scale, int num_threads, int *failed);
+                       float scale, int window, float cap, int num_threads, int *failed);
 
 /* a projection: packed weights, or runs of GGUF blocks whose outputs sit side by side (a fused
  * projection of parts of different block types) */
@@ -56,12 +64,14 @@ struct decode_linear {
 };
 
 struct decode_layer {
-    const void *input_norm, *post_norm;                    /* [hidden] */
-    const void *q_norm, *k_norm;                           /* [head_dim] (Qwen3) or NULL */
+    const void *input_norm, *post_norm;                    /* [hidden]: before attention, before the MLP */
+    const void *attn_out_norm, *mlp_out_norm;              /* [hidden] (Gemma's sandwich) or NULL */
+    const void *q_norm, *k_norm;                           /* [head_dim] (Qwen3, Gemma 3) or NULL */
     struct decode_linear qkv, o_proj, gate_up, down;
     const void *qkv_bias;                                  /* [q + 2 kv] or NULL */
     void *k_cache, *v_cache;                               /* [slots, num_kv_heads, head_dim] */
-    float scale;
+    float scale, cap;                                      /* cap: the scores' soft cap, or 0 */
+    int window, local;                                     /* window: keys seen, or 0; local: its rope table */
 };
 
 struct decode_shape {
@@ -69,6 +79,8 @@ struct decode_shape {
     float eps;
     int embed_type;        /* the embedding's GGUF block type, or -1: packed as a linear weight */
     int64_t embed_row_bytes;
+    int gemma;             /* Gemma's norms, MLP and scaled embedding */
+    float embed_scale;     /* Gemma's sqrt(hidden), in the model dtype */
 };
 
 static inline float load(const void *p, int64_t i, int bf) {
@@ -90,6 +102,29 @@ static void add_norm_rows(void *x, const void *add, const void *weight, void *ou
                           (char *)out + t * row, n, eps, bf);
 }
 
+/* Gemma: every row of x (rows shared by the threads): x += add normed by add_norm (unless add is
+ * NULL; normed into out, then added in the model dtype), then out = its norm times (1 + weight) */
+static void gemma_add_norm_rows(void *x, const void *add, const void *add_norm, const void *weight, void *out, int m,
+                                int n, float eps, int bf) {
+    const int64_t row = (int64_t)n * (bf ? 2 : 4);
+    #pragma omp for schedule(static)
+    for (int t = 0; t < m; t++) {
+        void *xt = (char *)x + t * row, *ot = (char *)out + t * row;
+        if (add) {
+            glue_offset_norm_row((const char *)add + t * row, add_norm, ot, n, eps, bf);
+            for (int i = 0; i < n; i++) store(xt, i, load(xt, i, bf) + load(ot, i, bf), bf);
+        }
+        glue_offset_norm_row(xt, weight, ot, n, eps, bf);
+    }
+}
+
+/* x += add normed (Gemma's sandwich), then out = the next norm of x: Llama's or Gemma's */
+static void residual_norm(void *x, const void *add, const void *add_norm, const void *weight, void *out, int m,
+                          const struct decode_shape *s) {
+    if (s->gemma) gemma_add_norm_rows(x, add, add_norm, weight, out, m, s->hidden, s->eps, s->is_bf16);
+    else add_norm_rows(x, add, weight, out, m, s->hidden, s->eps, s->is_bf16);
+}
+
 /* each row's query and key heads normed (Qwen3's q/k norms, where the layer has them) and rotated,
  * as the ops do it in eager steps (glue.c), queries to q [m, num_heads, head_dim] float32, keys and
  * values to their cache slots */
@@ -107,7 +142,10 @@ static void rotate_and_store(const void *qkv, const int64_t *positions, const fl
             const int is_key = h >= s->num_heads;
             const void *norm = is_key ? layer->k_norm : layer->q_norm;
             float normed[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];   /* room for d values of either dtype */
-            if (norm) {   /* (x is written only where there is an add) */
+            if (norm && s->gemma) {
+                glue_offset_norm_row(src, norm, normed, d, s->eps, bf);
+                src = (const char *)normed;
+            } else if (norm) {   /* (x is written only where there is an add) */
                 glue_add_norm_row((void *)src, NULL, norm, normed, d, s->eps, bf);
                 src = (const char *)normed;
             }
@@ -125,14 +163,24 @@ static void rotate_and_store(const void *qkv, const int64_t *positions, const fl
         }
 }
 
-/* act [m, inter] = SiLU(gate) * up, from gate_up [m, 2 * inter]; chunks of columns shared by the threads */
-static void silu_mul(const void *gate_up, void *act, int m, int inter, int bf) {
+/* act [m, inter] = SiLU(gate) * up (Gemma: tanh-GELU(gate) * up), from gate_up [m, 2 * inter];
+ * chunks of columns shared by the threads */
+static void gate_mul(const void *gate_up, void *act, int m, int inter, int bf, int gelu) {
     const int chunks = (inter + GLUE_CHUNK - 1) / GLUE_CHUNK, elem = bf ? 2 : 4;
+    void (*chunk)(const void *, void *, int, int, int) = gelu ? glue_gelu_tanh_mul_chunk : glue_silu_mul_chunk;
     #pragma omp for schedule(static) collapse(2)
     for (int t = 0; t < m; t++)
         for (int c = 0; c < chunks; c++)
-            glue_silu_mul_chunk((const char *)gate_up + (int64_t)t * 2 * inter * elem,
-                                (char *)act + (int64_t)t * inter * elem, inter, c, bf);
+            chunk((const char *)gate_up + (int64_t)t * 2 * inter * elem, (char *)act + (int64_t)t * inter * elem,
+                  inter, c, bf);
+}
+
+/* Gemma: x [m, hidden] *= its embedding scale, in the model dtype */
+static void scale_rows(void *x, float scale, int m, int hidden, int bf) {
+    #pragma omp for schedule(static)
+    for (int t = 0; t < m; t++)
+        for (int i = 0; i < hidden; i++)
+            store(x, (int64_t)t * hidden + i, load(x, (int64_t)t * hidden + i, bf) * scale, bf);
 }
 
 /* y [m, n] = x [m, k] @ w^T (+ bias), shared by the team. From blocks: x's rows converted and
@@ -193,7 +241,7 @@ static int any_packed(const struct decode_layer *layers, int num_layers) {
 /* Returns 0; -1 when this build cannot run packed weights of that dtype; -2 when scratch memory
  * could not be allocated (x and the caches may then hold part of the step). */
 int decode_step(const struct decode_layer *layers, int num_layers, const void *final_norm,
-                const struct decode_shape *s, const float *cos_table, const float *sin_table,
+                const struct decode_shape *s, const float *const *cos_tables, const float *const *sin_tables,
                 const void *embedding, const int64_t *ids, void *x, void *out,
                 const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
                 const int64_t *seq_lens, int m, int max_blocks, int num_threads) {
@@ -228,14 +276,16 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     {
         if (s->embed_type >= 0) embed_block_rows(ids, embedding, s, x, m);
         else embed_rows(ids, embedding, bf, hidden, x, m);
-        add_norm_rows(x, NULL, layers[0].input_norm, out, m, hidden, s->eps, bf);  /* out: the normed rows */
+        if (s->gemma) scale_rows(x, s->embed_scale, m, hidden, bf);
+        residual_norm(x, NULL, NULL, layers[0].input_norm, out, m, s);  /* out: the normed rows */
         for (int l = 0; l < num_layers; l++) {
             const struct decode_layer *layer = &layers[l];
             linear_team(&layer->qkv, layer->qkv_bias, out, qkv, m, qkv_size, hidden, bf, &rows, &failed);
-            rotate_and_store(qkv, positions, cos_table, sin_table, slots, layer, s, q, m);
+            rotate_and_store(qkv, positions, cos_tables[layer->local], sin_tables[layer->local], slots, layer, s, q,
+                             m);
             paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, NULL, m,
                               s->num_heads, s->num_kv_heads, s->head_dim, s->block_size, max_blocks, layer->scale,
-                              num_threads, &failed);
+                              layer->window, layer->cap, num_threads, &failed);
             if (bf) {
                 #pragma omp for schedule(static)
                 for (int t = 0; t < m; t++)
@@ -243,12 +293,12 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                         store(attn, (int64_t)t * q_size + i, attn32[(int64_t)t * q_size + i], 1);
             }
             linear_team(&layer->o_proj, NULL, attn, proj, m, hidden, q_size, bf, &rows, &failed);
-            add_norm_rows(x, proj, layer->post_norm, out, m, hidden, s->eps, bf);
+            residual_norm(x, proj, layer->attn_out_norm, layer->post_norm, out, m, s);
             linear_team(&layer->gate_up, NULL, out, gate_up, m, 2 * inter, hidden, bf, &rows, &failed);
-            silu_mul(gate_up, act, m, inter, bf);
+            gate_mul(gate_up, act, m, inter, bf, s->gemma);
             linear_team(&layer->down, NULL, act, proj, m, hidden, inter, bf, &rows, &failed);
-            add_norm_rows(x, proj, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, out, m, hidden,
-                          s->eps, bf);
+            residual_norm(x, proj, layer->mlp_out_norm, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm,
+                          out, m, s);
         }
     }
     free(scratch);
