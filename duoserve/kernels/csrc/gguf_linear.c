@@ -149,10 +149,11 @@ void gguf_dequantize_row(int type, const uint8_t *row, int k, void *out, int out
 
 /* Both matmuls split the output rows over the threads; each weight row is read once for up
  * to MAX_ROWS rows of x, whose sums stay in registers: `rows` is a constant in every call of
- * the tile functions (the dispatch below), so their loops over it unroll. */
+ * the tile functions (the dispatch below: 8, 4, 2 or 1 rows, fewer copies of the code to compile),
+ * so their loops over it unroll. */
+static inline int tile_rows(int left) { return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 #define ROWS_CASES(call, T) switch (rows) { \
-    case 1: call(T, 1); break; case 2: call(T, 2); break; case 3: call(T, 3); break; case 4: call(T, 4); break; \
-    case 5: call(T, 5); break; case 6: call(T, 6); break; case 7: call(T, 7); break; default: call(T, 8); break; }
+    case 1: call(T, 1); break; case 2: call(T, 2); break; case 4: call(T, 4); break; default: call(T, 8); break; }
 /* ... and so is the block type */
 #define DISPATCH(call) EACH_TYPE(ROWS_CASES, call)
 
@@ -229,8 +230,8 @@ static void exact_matmul_team(const float *x, const uint8_t *w, int type, int m,
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     #pragma omp for schedule(static)
     for (int r = 0; r < n; r++) {
-        for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
-            int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
+        for (int i0 = 0, rows; i0 < m; i0 += rows) {
+            rows = tile_rows(m - i0);
             float out[MAX_ROWS] = {0};
 #define EXACT(T, R) exact_tile(x + (int64_t)i0 * k, w + r * row_bytes, T, k, R, out)
             DISPATCH(EXACT)
@@ -287,7 +288,17 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 /* offsets kept per sub-block: Q2_K's two halves have their own min, the other types' share one */
 #define OFFSETS(t) ((t) == Q2_K ? 2 : 1)
 #define TILE_W 4       /* weight rows of a tile (a weight row's sums for TILE_X rows of x in registers) */
-#define TILE_X 2       /* rows of x of a tile */
+#ifdef VECTOR
+#define TILE_X 4       /* rows of x of a tile: AVX-512's 32 registers hold 4 x 4 sums and their inputs */
+#else
+#define TILE_X 2       /* 16 registers */
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+/* A signed weight q is read unsigned as q + 128 (its sign bit flipped), the dot product starting
+ * from -128 * (x's sums of four), once per row of x and sub-block: the same integers as |q|
+ * times x with q's sign, one instruction a pair of rows instead of two. */
+#define BIASED_SIGNED 1
+#endif
 
 /* sub-block `sub` of block b as the fast kernel reads it: 32 integers (unsigned, or signed for
  * SIGNED_WEIGHT), the scale of each lane of a dot product (lanes 0-3 sum half 0, 4-7 half 1) and
@@ -357,6 +368,13 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
     for (int g = 0; g < xblocks; g++) {
         __m256i xv[TILE_X];
         for (int i = 0; i < X; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(xr.q + (int64_t)i * k + g * 32));
+#ifdef BIASED_SIGNED
+        const __m256i bias = _mm256_set1_epi8((char)0x80);
+        __m256i start[TILE_X];
+        for (int i = 0; i < X; i++)
+            start[i] = SIGNED_WEIGHT(type) ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(
+                           _mm256_setzero_si256(), bias, xv[i])) : _mm256_setzero_si256();
+#endif
         for (int r = 0; r < W; r++) {
             __m256i q;
             __m256 s;
@@ -368,9 +386,17 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
                 if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
                 sub_weight(type, b, g % subs, &q, &s, offsets + ((int64_t)r * xblocks + g) * OFFSETS(type));
             }
+#ifdef BIASED_SIGNED
+            if (SIGNED_WEIGHT(type)) q = _mm256_xor_si256(q, bias);
+#endif
             for (int i = 0; i < X; i++) {
                 const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr.d + (int64_t)i * xr.xblocks + g));
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(type, q, xv[i])), scale, acc[r][i]);
+#ifdef BIASED_SIGNED
+                const __m256i dot = _mm256_dpbusd_epi32(start[i], q, xv[i]);
+#else
+                const __m256i dot = dot32(type, q, xv[i]);
+#endif
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
             }
         }
     }
@@ -391,8 +417,8 @@ static inline __attribute__((always_inline)) float offset_sum(const float *offse
     return sum;
 }
 
-#define X_CASES(call, T, W) switch (X) { \
-    case 1: call(T, W, 1); break; default: call(T, W, 2); break; }
+#define X_CASES(call, T, W) if (X == TILE_X) { call(T, W, TILE_X); } else if (X == 2) { call(T, W, 2); } \
+    else { call(T, W, 1); }
 #define W_CASES(call, T) if (W == TILE_W) { X_CASES(call, T, TILE_W) } else { X_CASES(call, T, 1) }
 #define TILE_DISPATCH(call) EACH_TYPE(W_CASES, call)
 
@@ -424,8 +450,8 @@ static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w
                     const uint8_t *wr = w + (int64_t)r1 * row_bytes;
                     Decoded d = {dq, scales, offsets};
                     if (decode_once) decode_rows(type, wr, row_bytes, W, k, d);
-                    for (int i0 = 0; i0 < m; i0 += TILE_X) {
-                        const int X = m - i0 < TILE_X ? m - i0 : TILE_X;
+                    for (int i0 = 0, X; i0 < m; i0 += X) {   /* tiles of TILE_X rows of x, then of 2, then 1 */
+                        X = m - i0 >= TILE_X ? TILE_X : m - i0 >= 2 ? 2 : 1;
                         float out[TILE_W][TILE_X];
                         QRows xi = {xr.q + (int64_t)i0 * k, xr.d + (int64_t)i0 * xblocks, NULL, xblocks};
 #define FAST_VEC_TILE(T, WC, XC) fast_tile_vec(xi, wr, row_bytes, decode_once ? &d : NULL, T, k, WC, XC, offsets, out)
@@ -478,8 +504,8 @@ static void fast_matmul_portable_team(QRows xr, const uint8_t *w, int type, int 
     int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     #pragma omp for schedule(static)
     for (int r = 0; r < n; r++) {
-        for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
-            int rows = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
+        for (int i0 = 0, rows; i0 < m; i0 += rows) {
+            rows = tile_rows(m - i0);
             float out[MAX_ROWS] = {0};
             QRows xi = {xr.q + (int64_t)i0 * k, xr.d + i0 * xblocks, xr.half_sums + i0 * xblocks * 2, xblocks};
 #define FAST(T, R) fast_tile(xi, w + r * row_bytes, T, k, R, out)
