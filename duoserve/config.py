@@ -60,7 +60,8 @@ class ModelConfig:
 
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_CPU_KV_CACHE_GIB = 1.0     # reserved lazily: a block costs memory once first written
+DEFAULT_CPU_KV_CACHE_GIB = 1.0     # the CPU pool's size without --kv-cache-memory, at most ...
+DEFAULT_CPU_KV_SEQUENCES = 4       # ... this many whole-context sequences (llama.cpp's four slots)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_NUM_SPECULATIVE_TOKENS,
+from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                             DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SPEC_METHODS,
                              CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
@@ -76,7 +77,8 @@ class EngineArgs:
     block_size: int = flag(CacheConfig.block_size, "tokens per KV block, a power of two", parse=int)
     kv_cache_memory: float | None = flag(
         CacheConfig.kv_cache_memory, "KV cache budget in GiB", parse=float,
-        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} on CPU, raised to hold one sequence of the whole context where "
+        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} on CPU (or {DEFAULT_CPU_KV_SEQUENCES} sequences of the whole "
+                     "context where that is less), raised to hold one sequence of the whole context where "
                      "half of the available memory allows it (else, without --max-model-len, the context is capped "
                      "at what the pool holds, said at start); on GPU --gpu-memory-utilization of free memory")
     kv_cache_dtype: str = flag(

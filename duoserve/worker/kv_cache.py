@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from duoserve.config import DEFAULT_CPU_KV_CACHE_GIB, CacheConfig
+from duoserve.config import DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, CacheConfig
 from duoserve.errors import ConfigError
 from duoserve.model.arch import ModelArch
 from duoserve.platform import available_bytes
@@ -42,7 +42,9 @@ def plan_kv_pool(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device
     """The KV pool's size and the context it lets the engine serve.
 
     The pool must hold one sequence of the full context. On CPU with no ``--kv-cache-memory``
-    the 1 GiB default grows to that when half of the memory available allows it; when it
+    the pool is 1 GiB, or four sequences of the context where that is less (a 4,096-token context
+    does not reserve a gigabyte: the pool is written whole at start, so it is resident memory);
+    the 1 GiB grows to one sequence when half of the memory available allows it; when it
     does not (or a given ``--kv-cache-memory`` is too small) and ``--max-model-len`` was not
     given, the context is capped at what the pool holds, as llama.cpp starts any file with
     a context it can hold; an asked context that cannot be held is refused, naming both ways
@@ -54,6 +56,11 @@ def plan_kv_pool(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device
     budget = kv_budget_bytes(cache, device)
     default_on_cpu = cache.kv_cache_memory is None and device == "cpu"
     if budget >= needed:
+        if default_on_cpu and budget > DEFAULT_CPU_KV_SEQUENCES * needed:
+            sized = DEFAULT_CPU_KV_SEQUENCES * needed
+            return KVPoolPlan(sized // per_block, max_model_len,
+                              f"KV pool {sized / GIB:.2f} GiB: {DEFAULT_CPU_KV_SEQUENCES} sequences of "
+                              f"{max_model_len:,} tokens (--kv-cache-memory for more)")
         return KVPoolPlan(budget // per_block, max_model_len)
     limit = budget
     if default_on_cpu:

@@ -23,8 +23,11 @@ def plan(max_model_len=32768, asked=False, available=8 * GIB, **cache):
 
 
 def test_the_default_holds_the_models_context_when_it_fits():
-    small = plan(max_model_len=4096)
-    assert small.note is None and small.num_blocks == GIB // PER_BLOCK   # the 1 GiB default, as it was
+    small = plan(max_model_len=4096)   # four 4,096-token sequences: 576 MiB, less than the 1 GiB default
+    assert small.num_blocks == 4 * 4096 // 16 and small.max_model_len == 4096
+    assert small.note == "KV pool 0.56 GiB: 4 sequences of 4,096 tokens (--kv-cache-memory for more)"
+    middle = plan(max_model_len=8192)   # four would be 1.125 GiB: the 1 GiB default
+    assert middle.note is None and middle.num_blocks == GIB // PER_BLOCK
     raised = plan()   # 32,768 tokens need 1.125 GiB: raised to that, half of 8 GiB allows it
     assert raised.max_model_len == 32768 and raised.num_blocks == 32768 // 16
     assert raised.note == "KV pool raised from the 1 GiB default to 1.12 GiB to hold one 32,768-token sequence"
