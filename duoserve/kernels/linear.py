@@ -11,7 +11,6 @@ weight never exists. Each module's forward is one op of ``duoserve.kernels.ops``
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from typing import Callable
 
@@ -99,14 +98,6 @@ class PackedEmbedding(nn.Module):
             table = self.packed.view(-1, k // 2, PACK_COLUMNS, 2)
             return table[block, :, column, :].reshape(*ids.shape, k)
         return self.packed.view(-1, k, PACK_COLUMNS)[block, :, column]
-
-
-def release_free_memory() -> None:
-    """Hand freed memory back to the OS (glibc keeps freed heap pages otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 class GGUFLinear(nn.Module):

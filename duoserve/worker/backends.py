@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from duoserve.config import ModelConfig
+from duoserve.heap import release_free_memory
 from duoserve.kernels.attention import CAttention, c_attention_serves
 from duoserve.kernels.dense import onednn_available
 from duoserve.kernels.gguf import BLOCK_TYPES, gguf_kernels
 from duoserve.kernels.glue import (OpGeluTanhAndMul, OpOffsetRMSNorm, OpRMSNorm, OpRotary, OpSiluAndMul,
                                    glue_ops_available)
 from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding, cpu_linear, int8_linear,
-                                     release_free_memory, replace_linears)
+                                     replace_linears)
 from duoserve.model.layers import GeluTanhAndMul, OffsetRMSNorm, RMSNorm, Rotary, SiluAndMul
 from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
 from duoserve.model.weights import BlockModules
