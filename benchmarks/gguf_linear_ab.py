@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_linear_ab.py [--before HEAD] [--rows 1,2,4,16,128]
 
-Both builds with the engine's flags, loaded with ctypes; for each block type a [2048, 1024]
+Both builds with the engine's flags, loaded with ctypes; for each block type a [n, k] ([2048, 1024])
 weight of random blocks and bfloat16 rows of x, 2 threads, the two kernels called alternately
 (40 times each: the machine's drift hits both alike). Prints median milliseconds, their ratio,
 and the largest relative difference of the outputs (0: the same bits). Also the seconds each
@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--before", default="HEAD")
     parser.add_argument("--rows", default="1,2,4,16,128")
     parser.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0,Q4_1")
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--k", type=int, default=1024)
     args = parser.parse_args()
     from duoserve.kernels.gguf import BLOCK_TYPES
     from tests.kernels.test_gguf import random_blocks
@@ -56,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         before, result["compile_s_before"] = build(old, Path(tmp) / "before", "before.so")
         after, result["compile_s_after"] = build((CSRC / "gguf_linear.c").read_text(), Path(tmp) / "after", "after.so")
-        n, k = 2048, 1024
+        n, k = args.n, args.k
         for type_name in args.types.split(","):
             raw, _ = random_blocks(type_name, n, k, seed=1)
             w = torch.from_numpy(np.ascontiguousarray(raw))

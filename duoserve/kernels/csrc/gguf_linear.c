@@ -299,6 +299,14 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
  * times x with q's sign, one instruction a pair of rows instead of two. */
 #define BIASED_SIGNED 1
 #endif
+#if defined(VECTOR) && defined(BIASED_SIGNED)
+/* Two sub-blocks (64 values) a step in 512-bit registers for tiles of 4 rows of x: lanes 0-7
+ * sum sub-block g, lanes 8-15 sub-block g + 1, the 16 lanes summed at the end. One or two rows
+ * of x (a decode step's) run the same lanes in two 256-bit halves (fast_halves): the same bits,
+ * without 512-bit instructions beside the 256-bit decoding of the blocks, most of a row's work.
+ */
+#define FAST_512 1
+#endif
 
 /* sub-block `sub` of block b as the fast kernel reads it: 32 integers (unsigned, or signed for
  * SIGNED_WEIGHT), the scale of each lane of a dot product (lanes 0-3 sum half 0, 4-7 half 1) and
@@ -352,6 +360,62 @@ static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int rows,
         }
 }
 
+#ifdef FAST_512
+/* One sub-block g of W weight rows against X rows of x into the 256-bit sums acc (the even or
+ * the odd sub-blocks' lanes of fast_tile_vec's 512-bit tile) */
+static inline __attribute__((always_inline)) void half_step(QRows xr, const uint8_t *w, int64_t row_bytes,
+                                                            const Decoded *decoded, int type, int k, const int W,
+                                                            const int X, int g, float *offsets,
+                                                            __m256 acc[TILE_W][TILE_X]) {
+    const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    __m256i x[TILE_X], start[TILE_X];
+    for (int i = 0; i < X; i++) {
+        x[i] = _mm256_loadu_si256((const __m256i *)(xr.q + (int64_t)i * k + g * 32));
+        start[i] = SIGNED_WEIGHT(type) ? _mm256_sub_epi32(_mm256_setzero_si256(),
+                       _mm256_dpbusd_epi32(_mm256_setzero_si256(), bias, x[i])) : _mm256_setzero_si256();
+    }
+    for (int r = 0; r < W; r++) {
+        __m256i q;
+        __m256 s;
+        const int64_t at = (int64_t)r * xblocks + g;
+        if (decoded) {
+            q = _mm256_loadu_si256((const __m256i *)(decoded->q + at * 32));
+            s = _mm256_loadu_ps(decoded->lane_scales + at * 8);
+        } else {
+            const uint8_t *b = w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type];
+            if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
+            sub_weight(type, b, g % subs, &q, &s, offsets + at * OFFSETS(type));
+        }
+        if (SIGNED_WEIGHT(type)) q = _mm256_xor_si256(q, bias);
+        for (int i = 0; i < X; i++) {
+            const __m256i dot = _mm256_dpbusd_epi32(start[i], q, x[i]);
+            const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr.d + (int64_t)i * xr.xblocks + g));
+            acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
+        }
+    }
+}
+
+/* W weight rows against X (1 or 2) rows of x: fast_tile_vec's 16 lanes as two halves of 8 (even
+ * and odd sub-blocks), summed as one 512-bit register at the end */
+static inline __attribute__((always_inline)) void fast_halves(QRows xr, const uint8_t *w, int64_t row_bytes,
+                                                              const Decoded *decoded, int type, int k, const int W,
+                                                              const int X, float *offsets,
+                                                              float out[TILE_W][TILE_X]) {
+    const int xblocks = k / 32;
+    __m256 even[TILE_W][TILE_X], odd[TILE_W][TILE_X];
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < X; i++) even[r][i] = odd[r][i] = _mm256_setzero_ps();
+    for (int g = 0; g < xblocks; g += 2) {
+        half_step(xr, w, row_bytes, decoded, type, k, W, X, g, offsets, even);
+        if (g + 1 < xblocks) half_step(xr, w, row_bytes, decoded, type, k, W, X, g + 1, offsets, odd);
+    }
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < X; i++)
+            out[r][i] = _mm512_reduce_add_ps(_mm512_insertf32x8(_mm512_castps256_ps512(even[r][i]), odd[r][i], 1));
+}
+#endif
+
 /* A tile: W weight rows against X rows of quantized x, one sub-block (32 values) a step. Every
  * (x row, weight row) pair takes the same operations in the same order whatever W, X and the
  * weights' source (`decoded`, or the blocks decoded in registers), so a row's result does not
@@ -362,6 +426,58 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
                                                                 const Decoded *decoded, int type, int k, const int W,
                                                                 const int X, float *offsets, float out[TILE_W][TILE_X]) {
     const int subs = BLOCK_VALUES[type] / 32, xblocks = k / 32;
+#ifdef FAST_512
+    if (X <= 2) {   /* few rows (a decode step's): 256-bit halves, no 512-bit instructions */
+        fast_halves(xr, w, row_bytes, decoded, type, k, W, X, offsets, out);
+        return;
+    }
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    __m512 acc[TILE_W][TILE_X];
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < X; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int g = 0; g < xblocks; g += 2) {
+        const int two = g + 1 < xblocks;   /* an odd last sub-block: the upper lanes are zeros */
+        const __mmask64 bytes = two ? ~0ULL : 0xffffffffULL;
+        __m512i xv[TILE_X], start[TILE_X];
+        __m512 dx[TILE_X];
+        for (int i = 0; i < X; i++) {
+            xv[i] = _mm512_maskz_loadu_epi8(bytes, xr.q + (int64_t)i * k + g * 32);
+            const float *d = xr.d + (int64_t)i * xr.xblocks + g;
+            dx[i] = _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(two ? d[1] : 0.0f), 1);
+            start[i] = SIGNED_WEIGHT(type) ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(
+                           _mm512_setzero_si512(), bias, xv[i])) : _mm512_setzero_si512();
+        }
+        for (int r = 0; r < W; r++) {
+            __m512i q;
+            __m512 s;
+            const int64_t at = (int64_t)r * xblocks + g;
+            if (decoded) {
+                q = _mm512_maskz_loadu_epi8(bytes, decoded->q + at * 32);
+                s = _mm512_maskz_loadu_ps(two ? 0xffff : 0xff, decoded->lane_scales + at * 8);
+            } else {
+                const uint8_t *row = w + r * row_bytes;
+                const uint8_t *b = row + (int64_t)(g / subs) * BLOCK_BYTES[type];
+                __m256i q0, q1 = _mm256_setzero_si256();
+                __m256 s0, s1 = _mm256_setzero_ps();
+                if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
+                sub_weight(type, b, g % subs, &q0, &s0, offsets + at * OFFSETS(type));
+                if (two) {
+                    const uint8_t *b1 = row + (int64_t)((g + 1) / subs) * BLOCK_BYTES[type];
+                    sub_weight(type, b1, (g + 1) % subs, &q1, &s1, offsets + (at + 1) * OFFSETS(type));
+                }
+                q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+                s = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
+            }
+            if (SIGNED_WEIGHT(type)) q = _mm512_xor_si512(q, bias);
+            for (int i = 0; i < X; i++) {
+                const __m512i dot = _mm512_dpbusd_epi32(start[i], q, xv[i]);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, dx[i]), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < X; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+#else
     __m256 acc[TILE_W][TILE_X];
     for (int r = 0; r < W; r++)
         for (int i = 0; i < X; i++) acc[r][i] = _mm256_setzero_ps();
@@ -402,6 +518,7 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
     }
     for (int r = 0; r < W; r++)
         for (int i = 0; i < X; i++) out[r][i] = hsum256(acc[r][i]);
+#endif
 }
 
 /* sum over the `count` offsets of offset * (dx * sum of x's values under it: a sub-block's 32, or a
