@@ -248,4 +248,5 @@ def _define_attention(lib: torch.library.Library) -> None:
     # a decode step's attention of one layer, KV written in place: C++ only (csrc/cpu_ops.cpp); without
     # it the C attention backend makes the same calls from Python
     lib.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-               "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int window, float cap) -> Tensor")
+               "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int window, "
+               "float cap) -> Tensor")

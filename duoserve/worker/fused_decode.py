@@ -103,7 +103,8 @@ def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
     if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family not in FAMILIES:
         return "not a Llama-family or Gemma decoder"
     if arch.hidden_act != FAMILIES[arch.family]:
-        return f"a {arch.hidden_act} MLP in a {arch.family} model (the C++ decode step computes {FAMILIES[arch.family]})"
+        computes = FAMILIES[arch.family]
+        return f"a {arch.hidden_act} MLP in a {arch.family} model (the C++ decode step computes {computes})"
     dtype = model.dtype
     if model.device.type != "cpu":
         return f"the model is on {model.device.type}"
@@ -130,8 +131,10 @@ def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
 class FusedDecodeStep:
     """``step(input_ids, positions, meta)``: the final hidden states of a step of decodes."""
 
-    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], context: int,
-                 scales: list[float]) -> None:
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 context: StepContext) -> None:
+        """The model handed to C++ under ``context``'s (registered) handle, each layer's attention
+        with the context's scale, window and cap: the ones its attention op uses."""
         arch, dtype = model.arch, model.dtype
         tensors: list[torch.Tensor] = []
         blocks: list[torch.Tensor] = []
@@ -159,21 +162,20 @@ class FusedDecodeStep:
             tensors += [*norms, *qk_norms, weight(layer.qkv), bias, weight(layer.o_proj), weight(layer.gate_up),
                         weight(layer.down), k_cache, v_cache]
         shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
-        windows = [arch.window(i) or 0 for i in range(arch.num_layers)]
-        caps = [arch.attn_logit_softcap or 0.0] * arch.num_layers
         local = getattr(model, "local_rotary", model.rotary)   # Gemma 3's local layers' own rope
-        local_layers = [int(gemma and bool(w)) for w in windows]
+        local_layers = [int(gemma and bool(w)) for w in context.windows]
         # Gemma scales its embedding by sqrt(hidden) rounded to the model dtype first, as gemma.py
         embed_scale = torch.tensor(arch.hidden_size ** 0.5, dtype=dtype).item() if gemma else 1.0
         embed = model.embed
         gguf_embed = isinstance(embed, GGUFEmbedding)
         modes = {m.mode for m in model.modules() if isinstance(m, GGUFLinear)}
-        torch.ops.duoserve.decode_model(context, tensors, model.norm.weight, model.rotary.cos, model.rotary.sin,
-                                        local.cos, local.sin, embed.blocks if gguf_embed else embed.packed,
-                                        arch.vocab_size, shape, arch.rms_norm_eps, scales, windows, caps,
+        torch.ops.duoserve.decode_model(context.handle, tensors, model.norm.weight, model.rotary.cos,
+                                        model.rotary.sin, local.cos, local.sin,
+                                        embed.blocks if gguf_embed else embed.packed, arch.vocab_size, shape,
+                                        arch.rms_norm_eps, context.scales, context.windows, context.caps,
                                         local_layers, blocks, block_types, runs, int("exact" in modes),
                                         embed.type_id if gguf_embed else -1, int(gemma), embed_scale)
-        self.context = context
+        self.context = context.handle
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return not meta.prefills and meta.num_decode_tokens == num_tokens <= MAX_ROWS
@@ -191,7 +193,7 @@ def fused_step(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     if reason:
         logger.info("decode steps run %s, not the C++ decode step: %s", otherwise, reason)
         return None
-    return FusedDecodeStep(model, kv_caches, context.handle, context.scales)
+    return FusedDecodeStep(model, kv_caches, context)
 
 
 class EagerDecodeStep:

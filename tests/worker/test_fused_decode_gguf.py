@@ -80,7 +80,8 @@ def assert_decodes_equal(model, steps: int = 4) -> list[list[int]]:
     last = torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1
     tokens = model.compute_logits(hidden[last]).argmax(-1)
     context = StepContext(caches, [layer.attn for layer in model.layers])
-    fused = FusedDecodeStep(model, caches, register_context(context), context.scales)
+    register_context(context)
+    fused = FusedDecodeStep(model, caches, context)
     generated = [tokens.tolist()]
     for step in range(steps):
         lens = [len(p) + step + 1 for p in PROMPTS]
