@@ -37,8 +37,11 @@ def cached_reference(name: str, key: Any, compute: Callable[[], Any]) -> Any:
         if stored.get("key") == full_key:
             return stored["value"]
     value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"key": full_key, "value": value}))
-    partial.replace(path)   # whole or not at all, even beside another process
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"key": full_key, "value": value}))
+        partial.replace(path)   # whole or not at all, even beside another process
+    except OSError:   # a home that cannot be written: the next run computes them again, nothing else
+        pass
     return value
