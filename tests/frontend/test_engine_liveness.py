@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,13 @@ time.sleep(600)
 def _stand_in(step_s: float) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{tempfile.gettempdir()}/duoserve-liveness-{uuid.uuid4().hex[:8]}"
     return subprocess.Popen([sys.executable, "-c", STAND_IN, address, str(step_s)]), address
+
+
+def _stop(proc: subprocess.Popen, address: str) -> None:
+    """The stand-in killed, and its socket file with it (a killed process leaves it in /tmp)."""
+    proc.kill()
+    proc.wait()
+    Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 async def _connected(address: str) -> EngineClient:
@@ -85,8 +93,7 @@ def test_a_step_longer_than_every_timeout_is_slow_not_dead(monkeypatch):
     try:
         batch, waited, was_slow, slow_after = asyncio.run(main())
     finally:
-        proc.kill()
-        proc.wait()
+        _stop(proc, address)
     assert batch.outputs == []
     assert waited >= step_s - 1.0, f"the step's outputs came after {waited:.1f}s: the step was not that long"
     assert was_slow and slow_after is None, "slow while silent, and no longer once it answered"
@@ -112,7 +119,6 @@ def test_a_frozen_engine_is_dead_within_the_heartbeat_timeout():
     try:
         found = asyncio.run(main())
     finally:
-        proc.kill()
-        proc.wait()
+        _stop(proc, address)
     assert HEARTBEAT_TIMEOUT_MS / 1000 - 0.5 <= found <= bound, f"found dead after {found:.2f}s"
     print(f"a frozen engine was found dead {found:.2f}s after SIGSTOP (bound {bound:.1f}s)")
