@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +76,8 @@ def one_start(flags: list[str], fresh_home: bool, timeout: float) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reader.join(5)
+        if home:   # its kernels and caches: tens of MB a start
+            shutil.rmtree(home, ignore_errors=True)
     for at, line in lines:
         print(f"{at:7.2f}s  {line}")
     return {"healthy_s": ready, "exit": proc.returncode}
