@@ -57,11 +57,13 @@ class DecodePeers(_Peers):
 
     role = "decode"
 
-    def __init__(self, core, sock, instance_id: str) -> None:
+    def __init__(self, core, sock, instance_id: str, name: str | None = None) -> None:
         from duoserve.kv.zmq_connector import DecodeConnector
 
         super().__init__(core)
         self.connector = DecodeConnector(sock, self.digest, self.fingerprint_values, instance_id)
+        if name:   # a prefill engine's hello may come before any frontend's: refusals name this engine
+            self.connector.name = name
         core.attach_connector(self.connector)
 
     def receive(self, identity: bytes, message, frames) -> bool:
@@ -72,11 +74,11 @@ class DecodePeers(_Peers):
         self.connector.name = hello.name
 
 
-def peer_link(core, sock, key, instance_id: str) -> NoPeers:
-    """The peer link of ``core``'s role."""
+def peer_link(core, sock, key, instance_id: str, name: str | None = None) -> NoPeers:
+    """The peer link of ``core``'s role; ``name``: the engine's, where its launcher gave one."""
     role = core.config.role
     if role == "prefill":
         return PrefillPeers(core, key)
     if role == "decode":
-        return DecodePeers(core, sock, instance_id)
+        return DecodePeers(core, sock, instance_id, name)
     return NoPeers()

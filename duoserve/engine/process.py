@@ -47,7 +47,7 @@ FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tel
 def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = logging.INFO,
                 parent_pid: int | None = None, auth_secret: bytes | None = None,
                 on_start_failure: Callable[[str, bool], None] | None = None,
-                signals: StopSignals | None = None) -> int:
+                signals: StopSignals | None = None, name: str | None = None) -> int:
     """Process entry point (import-light: torch and the model load after the socket is bound).
 
     ``address``: where to listen, or several (a Ray engine listens on TCP for frontends on
@@ -57,6 +57,7 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
     ``on_start_failure``: called with (reason, is a config error) when the engine cannot start;
     the first hello is then answered with the reason, as it is for a launched engine.
     ``signals``: a launched engine's ``StopSignals``: it drains on SIGTERM/SIGINT once it serves.
+    ``name``: the engine's name where its launcher gave one (else a frontend's hello names it).
     Returns an exit status: 0 after a shutdown, 1 when the engine could not start.
     """
     import zmq
@@ -98,7 +99,7 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
             if signals is not None:
                 signals.failed = True
             return 1
-        server = EngineServer(core, sock, parent_pid, key, signals)
+        server = EngineServer(core, sock, parent_pid, key, signals, name)
         if signals is not None:
             signals.start_serving(core.config.shutdown_timeout)
         log.info("%s engine listening on %s", core.config.role, ", ".join(addresses))
@@ -134,7 +135,7 @@ def launched_engine_main(name: str, environ: dict[str, str], config_bytes: bytes
     os.environ.update(environ)
     _set_process_name(f"duoserve-{name}")
     stop_with_launcher(parent_pid)
-    return engine_main(config_bytes, address, log_level, parent_pid, auth_secret, signals=signals)
+    return engine_main(config_bytes, address, log_level, parent_pid, auth_secret, signals=signals, name=name)
 
 
 def _set_process_name(name: str) -> None:
@@ -202,7 +203,8 @@ def _pid_alive(pid: int) -> bool:
 class EngineServer:
     """One engine's message loop: its frontends, and for prefill/decode roles the KV peers."""
 
-    def __init__(self, core, sock, parent_pid: int | None, key=None, signals: StopSignals | None = None) -> None:
+    def __init__(self, core, sock, parent_pid: int | None, key=None, signals: StopSignals | None = None,
+                 name: str | None = None) -> None:
         self.core = core
         self.signals = signals   # a launched engine's StopSignals: the loop ends once drained
         self.sock = sock
@@ -211,13 +213,13 @@ class EngineServer:
         # frontend's new connection replaces its old one), so a tag names one identity
         self.frontends: dict[bytes, str] = {}
         self.connection_of: dict[str, int] = {}  # tag -> the number of that connection (Hello.connection)
-        self.name = f"{core.config.role}-engine"
+        self.name = name or f"{core.config.role}-engine"
         self.instance_id = uuid.uuid4().hex
         self.kv_arrived = False   # a transfer came in this turn: step, even with nothing else to do
         self.log = logging.getLogger(__name__)
         from duoserve.engine.peer_links import peer_link
 
-        self.peers = peer_link(core, sock, key, self.instance_id)   # the one place the role decides
+        self.peers = peer_link(core, sock, key, self.instance_id, name)   # the one place the role decides
         self.fingerprint_values = self.peers.fingerprint_values
 
     def send(self, message) -> None:

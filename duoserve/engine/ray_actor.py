@@ -79,7 +79,7 @@ class EngineActor:
     def _serve(self, engine_main, config_bytes: bytes, addresses: list[str], log_level: int) -> None:
         try:
             engine_main(config_bytes, addresses, log_level, auth_secret=self.auth_secret,
-                        on_start_failure=self._failed)
+                        on_start_failure=self._failed, name=self.name)
         except BaseException:
             logger.exception("%s stopped", self.name)
         if self.failure is None:
