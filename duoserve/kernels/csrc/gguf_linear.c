@@ -293,18 +293,14 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 #else
 #define TILE_X 2       /* 16 registers */
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-/* A signed weight q is read unsigned as q + 128 (its sign bit flipped), the dot product starting
- * from -128 * (x's sums of four), once per row of x and sub-block: the same integers as |q|
- * times x with q's sign, one instruction a pair of rows instead of two. */
-#define BIASED_SIGNED 1
-#endif
-#if defined(VECTOR) && defined(BIASED_SIGNED)
-/* Two sub-blocks (64 values) a step in 512-bit registers for tiles of 4 rows of x: lanes 0-7
- * sum sub-block g, lanes 8-15 sub-block g + 1, the 16 lanes summed at the end. One or two rows
- * of x (a decode step's) run the same lanes in two 256-bit halves (fast_halves): the same bits,
- * without 512-bit instructions beside the 256-bit decoding of the blocks, most of a row's work.
- */
+#if defined(VECTOR) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI: two sub-blocks (64 values) a step in 512-bit registers for tiles of 4 rows of x:
+ * lanes 0-7 sum sub-block g, lanes 8-15 sub-block g + 1, the 16 lanes summed at the end. One or
+ * two rows of x (a decode step's) run the same lanes in two 256-bit halves (fast_halves): the same
+ * bits, without 512-bit instructions beside the 256-bit decoding of the blocks, most of a row's
+ * work. A signed weight q is read unsigned as q + 128 (its sign bit flipped), the dot product
+ * starting from -128 * (x's sums of four), once per row of x and sub-block: the same integers as
+ * |q| times x with q's sign (dot32), one instruction a pair of rows instead of two. */
 #define FAST_512 1
 #endif
 
@@ -484,13 +480,6 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
     for (int g = 0; g < xblocks; g++) {
         __m256i xv[TILE_X];
         for (int i = 0; i < X; i++) xv[i] = _mm256_loadu_si256((const __m256i *)(xr.q + (int64_t)i * k + g * 32));
-#ifdef BIASED_SIGNED
-        const __m256i bias = _mm256_set1_epi8((char)0x80);
-        __m256i start[TILE_X];
-        for (int i = 0; i < X; i++)
-            start[i] = SIGNED_WEIGHT(type) ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(
-                           _mm256_setzero_si256(), bias, xv[i])) : _mm256_setzero_si256();
-#endif
         for (int r = 0; r < W; r++) {
             __m256i q;
             __m256 s;
@@ -502,17 +491,9 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
                 if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
                 sub_weight(type, b, g % subs, &q, &s, offsets + ((int64_t)r * xblocks + g) * OFFSETS(type));
             }
-#ifdef BIASED_SIGNED
-            if (SIGNED_WEIGHT(type)) q = _mm256_xor_si256(q, bias);
-#endif
             for (int i = 0; i < X; i++) {
                 const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr.d + (int64_t)i * xr.xblocks + g));
-#ifdef BIASED_SIGNED
-                const __m256i dot = _mm256_dpbusd_epi32(start[i], q, xv[i]);
-#else
-                const __m256i dot = dot32(type, q, xv[i]);
-#endif
-                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(type, q, xv[i])), scale, acc[r][i]);
             }
         }
     }
