@@ -8,8 +8,11 @@ Starts the server as a user does (no flags but those after ``--``), reads its lo
 as it is written, stamping each with the seconds since the start, and polls ``/health`` every
 50 ms; prints the stamped log (the stages: kernels, weights, KV pool, compile, ready) and the
 seconds to healthy, then stops the server (SIGTERM) and waits for its process group to end.
-``--fresh-home`` gives it an empty home directory (no kernel or compile cache: a first start on
-a new machine); otherwise the user's caches are used (a later start). ``--starts N`` repeats.
+``--fresh-home`` gives it an empty home directory (no tokenizer, fingerprint or compile cache: a
+first start after the README's install, whose ``duoserve build-kernels`` built the kernels beside
+the package); ``--unbuilt-kernels`` also points ``DUOSERVE_KERNEL_DIR`` into that home, so the
+start builds them too (an install that skipped that step). Otherwise the user's caches are used
+(a later start). ``--starts N`` repeats.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ def healthy(port: int) -> bool:
         return False
 
 
-def one_start(flags: list[str], fresh_home: bool, timeout: float) -> dict:
+def one_start(flags: list[str], fresh_home: bool, timeout: float, unbuilt_kernels: bool = False) -> dict:
     port = free_port()
     env = dict(os.environ)
-    home = tempfile.mkdtemp(prefix="duoserve-home-") if fresh_home else None
+    home = tempfile.mkdtemp(prefix="duoserve-home-") if fresh_home or unbuilt_kernels else None
     if home:
         env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"))
+    if unbuilt_kernels:
+        env.update(DUOSERVE_KERNEL_DIR=os.path.join(home, "kernels"))
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "duoserve", "serve", "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -86,14 +91,17 @@ def one_start(flags: list[str], fresh_home: bool, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a model file (default: the packaged default model)")
-    parser.add_argument("--fresh-home", action="store_true", help="an empty home: no kernel or compile cache")
+    parser.add_argument("--fresh-home", action="store_true", help="an empty home: no tokenizer or compile cache")
+    parser.add_argument("--unbuilt-kernels", action="store_true",
+                        help="an empty home and no kernels built at install: the start builds them")
     parser.add_argument("--starts", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("flags", nargs="*", help="more serve flags, after --")
     args = parser.parse_args()
     flags = (["--model", args.model] if args.model else []) + args.flags
-    results = [one_start(flags, args.fresh_home, args.timeout) for _ in range(args.starts)]
+    results = [one_start(flags, args.fresh_home, args.timeout, args.unbuilt_kernels) for _ in range(args.starts)]
     print(json.dumps({"model": args.model or "default", "flags": args.flags, "fresh_home": args.fresh_home,
+                      "unbuilt_kernels": args.unbuilt_kernels,
                       "healthy_s": [r["healthy_s"] for r in results]}))
 
 

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_commands(commands)
     _add_deployment_commands(commands)
     _add_bench_commands(commands)
+    commands.add_parser("build-kernels", help="build the C kernels for this machine now (the README's install does; "
+                                              "else the first start builds them, about 15 s)")
     return parser
 
 

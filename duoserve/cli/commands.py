@@ -22,7 +22,8 @@ def run_command(args: argparse.Namespace, extra_args: list[str]) -> int:
     if args.command == "serve" and args.dry_run:
         return run_dry_run(args)
     runners = {"generate": run_generate, "serve": run_serve, "prefill": run_engine, "decode": run_engine,
-               "keygen": run_keygen, "ray-stop": run_ray_stop, "bench": run_bench}
+               "keygen": run_keygen, "ray-stop": run_ray_stop, "bench": run_bench,
+               "build-kernels": run_build_kernels}
     return runners[args.command](args)
 
 
@@ -141,6 +142,28 @@ def run_keygen(args: argparse.Namespace) -> int:
         raise ConfigError("path", args.path, f"a new file that can be created ({exc.strerror})") from None
     print(f"wrote a deployment key to {args.path} (public part {key.public.decode()}); give every frontend and "
           "engine --auth-key-file with a copy of it")
+    return 0
+
+
+def run_build_kernels(args: argparse.Namespace) -> int:
+    """Build (or find) the op library of this machine's CPU where every engine will look for it."""
+    import logging
+    import sys
+    import time
+
+    from duoserve.kernels.build import c_kernels_enabled, kernel_dir, op_library
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not c_kernels_enabled():
+        print("DUOSERVE_C_KERNELS=0: nothing to build", file=sys.stderr)
+        return 1
+    start = time.monotonic()
+    library = op_library()
+    if library is None:
+        print(f"the C kernels could not be built in {kernel_dir()} (the reason is above); duoserve runs "
+              "its torch paths without them", file=sys.stderr)
+        return 1
+    print(f"the C kernels of this machine are in {library} ({time.monotonic() - start:.1f} s)")
     return 0
 
 

@@ -3,9 +3,10 @@
 Each C file is built into its own shared library and loaded with ctypes (no torch headers, so
 each compiles in about a second); ``csrc/cpu_ops.cpp`` with all of them is built against torch's
 headers once and loaded as a torch library (it registers the C++ kernels of ``duoserve.kernels.ops``).
-Libraries are cached in ``~/.cache/duoserve/kernels`` under a tag of their sources, csrc/'s
-headers, the flags, the compilers and (for the C++ one) the torch version, so a cache built
-from other sources is never loaded. Without a compiler, or with ``DUOSERVE_C_KERNELS=0``, the
+Libraries live in ``kernel_dir()`` (beside the installed package, where ``duoserve build-kernels``
+puts them at install, so a first start with an empty home builds nothing) under a tag of their
+sources, csrc/'s headers, the flags, the CPU, the compilers and (for the C++ one) the torch
+version, so a library built from other sources or for another CPU is never loaded. Without a compiler, or with ``DUOSERVE_C_KERNELS=0``, the
 callers run their torch or Python paths; a failed build says so once in the log.
 """
 
@@ -50,8 +51,18 @@ def c_kernels_enabled() -> bool:
     return os.environ.get("DUOSERVE_C_KERNELS", "1") != "0"
 
 
-def kernel_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/duoserve/kernels`` (``~/.cache`` without it)."""
+# beside the package: built once per install (per machine), whatever the home directory
+PACKAGE_KERNEL_DIR = Path(__file__).parent / "built"
+
+
+def kernel_dir() -> Path:
+    """Where the libraries are built and looked for: ``$DUOSERVE_KERNEL_DIR``; else ``built/`` beside
+    this file where the package's directory is writable (an editable install, a virtualenv); else
+    ``$XDG_CACHE_HOME/duoserve/kernels`` (``~/.cache`` without it) for a read-only system install."""
+    if os.environ.get("DUOSERVE_KERNEL_DIR"):
+        return Path(os.environ["DUOSERVE_KERNEL_DIR"])
+    if os.access(PACKAGE_KERNEL_DIR if PACKAGE_KERNEL_DIR.exists() else PACKAGE_KERNEL_DIR.parent, os.W_OK):
+        return PACKAGE_KERNEL_DIR
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / "kernels"
 
 
@@ -62,16 +73,31 @@ def compilers() -> tuple[str | None, str | None]:
     return cc, cxx
 
 
+@lru_cache(maxsize=None)
+def cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (Linux's /proc/cpuinfo, else the platform's name):
+    in every library's tag, because -march=native builds for the CPU at hand and a library kept
+    beside the package must not be loaded after the machine under it changes."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "isa", "Features")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in wanted))
+
+
 def _cached_build(stem: str, sources: list[Path], salt: str,
                   stages: Callable[[Path, Path], list[list[list[str]]]], flags: list[str] = C_FLAGS) -> Path | None:
     """``<cache>/<stem>-<tag>.so``, built by ``stages(tmp_dir, output)`` unless there: stage after
     stage, the commands of a stage run side by side (a first start waits for this, and a machine's
     cores compile separate files at once). The tag covers the sources, the shared headers of
-    csrc/, the C flags and ``salt`` (compilers, torch version). None, with one log line, when a
+    csrc/, the C flags, the CPU and ``salt`` (compilers, torch version). None, with one log line, when a
     command fails."""
     text = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
-    tag = hashlib.sha256(text + " ".join(flags).encode() + salt.encode()).hexdigest()[:16]
-    target = kernel_cache_dir() / f"{stem}-{tag}.so"
+    tag = hashlib.sha256(text + " ".join(flags).encode() + (salt + cpu_identity()).encode()).hexdigest()[:16]
+    target = kernel_dir() / f"{stem}-{tag}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -348,7 +348,8 @@ def test_without_a_compiler_everything_falls_back_and_serves(tmp_path, tiny_dir)
             "print('GGUF', q.engine.loaded.quantization, len(q.generate([[1, 2, 3]], SamplingParams(max_tokens=3),"
             " use_tqdm=False)[0].outputs[0].token_ids))")
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
-    env.update(PATH=str(bin_dir), XDG_CACHE_HOME=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR="")
+    env.update(PATH=str(bin_dir), XDG_CACHE_HOME=str(tmp_path / "cache"), DUOSERVE_KERNEL_DIR=str(tmp_path / "kernels"),
+               TORCHINDUCTOR_CACHE_DIR="")
     env.pop("TORCHINDUCTOR_CACHE_DIR")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=300)
