@@ -140,6 +140,8 @@ class EngineReady(msgspec.Struct, tag=True):
     chat_template: str | None
     memory: dict = {}              # where the engine's memory goes (EngineCore.memory)
     pooling: str | None = None     # how the model file says to pool an embedding (model/pooling.py)
+    tokenizer_file: str | None = None   # the file tokenizer_json was read from: a frontend on this
+                                        # host that parsed it already keeps its parse
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

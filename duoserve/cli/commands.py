@@ -45,11 +45,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    import uvicorn
-
-    from duoserve.cli.start_signals import stop_start_on_signal
-    from duoserve.entrypoints.api_server import DrainingServer, ServerConfig, create_app
-    from duoserve.frontend.engine_client import EngineStartError
     from duoserve.model.paths import resolve_model_path
 
     disagg = disagg_config_from_args(args)
@@ -59,6 +54,14 @@ def run_serve(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
     if not (disagg and disagg.decode_addrs and disagg.prefill_addrs) and cluster.kind == "local":
         resolve_model_path(args.model)   # a launched engine loads it: refuse a wrong path now
+        from duoserve.frontend.launcher import start_engine_server
+        start_engine_server()   # engines' imports beside the web server's below
+
+    import uvicorn
+
+    from duoserve.cli.start_signals import stop_start_on_signal
+    from duoserve.entrypoints.api_server import DrainingServer, ServerConfig, create_app
+    from duoserve.frontend.engine_client import EngineStartError
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
     server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,

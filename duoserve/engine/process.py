@@ -426,18 +426,29 @@ class EngineServer:
         return []
 
 
+def _tokenizer_json(tok) -> str:
+    """The text of the file the tokenizer was parsed from where it has one (Gemma 3's takes 0.35 s
+    to serialize again), else its serialization."""
+    if tok.source_file is not None:
+        try:
+            return tok.source_file.read_text(encoding="utf-8")
+        except OSError:
+            pass
+    return tok.backend.to_str()
+
+
 def _ready(core, fingerprint: dict, instance_id: str):
     from duoserve.messages import EngineReady
-    from duoserve.model.pooling import declared_pooling
 
     tok = core.tokenizer
     return EngineReady(
         role=core.config.role, instance_id=instance_id, fingerprint=fingerprint,
         max_model_len=core.max_model_len, vocab_size=core.vocab_size, eos_token_ids=list(core.eos_token_ids),
         num_blocks=core.num_blocks, block_size=core.config.cache.block_size, model_path=str(core.loaded.path),
-        tokenizer_json=None if tok is None else tok.backend.to_str(),
+        tokenizer_json=None if tok is None else _tokenizer_json(tok),
         bos_token_id=None if tok is None else tok.bos_token_id,
         add_bos_token=False if tok is None else tok.add_bos_token,
         chat_template=None if tok is None else tok.chat_template, memory=core.memory,
-        pooling=declared_pooling(core.loaded.path),
+        pooling=core.loaded.pooling,
+        tokenizer_file=None if tok is None or tok.source_file is None else str(tok.source_file),
     )

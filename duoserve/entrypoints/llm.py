@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -14,7 +13,6 @@ from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.engine_args import EngineArgs
 from duoserve.frontend.frontend import Frontend
-from duoserve.model.pooling import declared_pooling
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
@@ -60,16 +58,11 @@ class LLM:
         self.engine = engine
         self.frontend = Frontend(engine)
 
-    @functools.cached_property
-    def _declared_pooling(self) -> str | None:
-        """How the model file says to pool (read once: a GGUF file's header is parsed for it)."""
-        return declared_pooling(self.engine.loaded.path)
-
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None) -> list[list[float]]:
         """One L2-normalised vector per prompt: its final hidden states pooled, the ``last`` token's
         or the ``mean`` of all (vLLM's ``LLM.embed``; what /v1/embeddings returns). ``None``: what
         the model file says, else last."""
-        pooling = pooling or self._declared_pooling or "last"
+        pooling = pooling or self.engine.loaded.pooling or "last"
         outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling), use_tqdm=False)
         return [out.embedding for out in outputs]
 

@@ -39,7 +39,8 @@ from duoserve.config import EngineConfig
 from duoserve.core.request import Request
 from duoserve import messages as msg
 from duoserve.errors import DuoserveError
-from duoserve.model.tokenizer import Tokenizer, backend_from_json
+from duoserve.frontend.tokenizer_preload import backend_of
+from duoserve.model.tokenizer import Tokenizer
 from duoserve.transport.auth import HANDSHAKE_FAILED, AuthKey, handshake_refused, limit_messages, secure_client
 from duoserve.transport.heartbeat import keep_alive
 
@@ -144,7 +145,7 @@ class EngineClient:
             raise EngineDeadError(f"{self.name} sent {type(message).__name__} before EngineReady")
         self.ready = message
         if message.tokenizer_json is not None:
-            self.tokenizer = Tokenizer(backend_from_json(message.tokenizer_json),
+            self.tokenizer = Tokenizer(backend_of(message),
                                        bos_token_id=message.bos_token_id,
                                        eos_token_ids=tuple(message.eos_token_ids),
                                        chat_template=message.chat_template, add_bos_token=message.add_bos_token)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -177,6 +178,13 @@ def engine_process_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(ENGINE_PRELOAD)
     return context
+
+
+def start_engine_server() -> None:
+    """Start the fork server now: its imports take a second or two, which the caller's own
+    imports (the web server's) then overlap instead of preceding. It ends with this process."""
+    engine_process_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 def spawn_engine(client: EngineClient) -> None:

@@ -25,6 +25,7 @@ from typing import Protocol
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.launcher import engine_running, kill_engine, remove_socket, signal_engine, spawn_engine
+from duoserve.frontend.tokenizer_preload import preload as preload_tokenizer
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe_difference
 
@@ -131,7 +132,12 @@ class EngineSupervisor:
         raised), then one task per engine: the others are connected to in the background."""
         managed = [c for c in self.clients if c.managed]
         try:
-            await asyncio.gather(*(start_engine(client) for client in managed))
+            launched = [c for c in managed if c.launched]
+            for client in launched:
+                spawn_engine(client)
+            for model in {c.config.model.model for c in launched}:
+                preload_tokenizer(model)   # parsed here while the engines load
+            await asyncio.gather(*(client.connect() for client in managed))
             for client in managed:
                 self.check_model(client)
                 self._engine_up(client)

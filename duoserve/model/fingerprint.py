@@ -66,8 +66,7 @@ def describe(arch: ModelArch, tokenizer: Tokenizer | None, path: Path, quantizat
     values = {name: getattr(arch, name) for name in _SHAPE_FIELDS}
     values["rope"] = dataclasses.asdict(arch.rope)
     values["local_rope"] = dataclasses.asdict(arch.local_rope) if arch.local_rope else None
-    values["tokenizer"] = (hashlib.sha256(tokenizer.vocabulary_digest_source()).hexdigest()
-                           if tokenizer is not None else None)
+    values["tokenizer"] = tokenizer.vocabulary_digest() if tokenizer is not None else None
     values["weights"] = weights_digest(path)
     values["quantization"] = quantization
     return values

@@ -47,6 +47,9 @@ class GGUFFile:
     tensors: list[GGUFTensor]
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buffer: memoryview) -> None:
         self.buffer, self.at = buffer, 0
@@ -62,13 +65,26 @@ class _Cursor:
         self.at += size
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in one loop (a vocabulary's 262,144 tokens: half the time of string())."""
+        unpack, buffer, at, out = _U64.unpack_from, self.buffer, self.at, []
+        append = out.append
+        for _ in range(count):
+            (size,) = unpack(buffer, at)
+            append(str(buffer[at + 8:at + 8 + size], "utf-8", "replace"))
+            at += 8 + size
+        if at > len(buffer):
+            raise struct.error(f"a string runs past the end of the file (at byte {at})")
+        self.at = at
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             item, count = self.scalar("<I"), self.scalar("<Q")
             if item == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if item == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(count)]
             values = np.frombuffer(self.buffer, dtype=_NUMPY[item], count=count, offset=self.at)

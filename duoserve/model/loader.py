@@ -14,6 +14,7 @@ from duoserve.errors import ConfigError
 from duoserve.model.arch import ModelArch
 from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
+from duoserve.model.pooling import declared_pooling
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import BlockModules, build_model
 from duoserve.platform import resolve_device, resolve_dtype
@@ -29,6 +30,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     quantization: str = "none"  # none, gguf-fast, gguf-exact or int8: part of the fingerprint
+    pooling: str | None = None  # how the file says its embeddings are pooled (duoserve.model.pooling)
 
 
 def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
@@ -101,12 +103,14 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
         tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids, path) if "tokenizer.ggml.tokens" in meta else None
         gguf_arch = str(meta.get("general.architecture"))
         source = GGUFSource(reader, arch, permuted_qk=gguf_arch == "llama", gguf_arch=gguf_arch)
+        pooling = declared_pooling(path, meta)
     else:
         from duoserve.model.hf_loader import SafetensorsSource, read_hf_arch
 
         arch = read_hf_arch(path, config.hf_overrides)
         tokenizer = tokenizer_from_hf_dir(path, arch.bos_token_id, arch.eos_token_ids)
         source = SafetensorsSource(path)
+        pooling = declared_pooling(path)
     if tokenizer is None:
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
     elif config.chat_template is not None:
@@ -114,7 +118,8 @@ def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, qua
     max_model_len = check_max_model_len(arch, config.max_model_len)
     arch = arch.for_context(max_model_len)
     model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization)
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization,
+                       pooling=pooling)
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:

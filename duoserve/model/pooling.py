@@ -18,15 +18,18 @@ _GGUF_POOLING = {1: "mean", 3: "last"}
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
 
 
-def declared_pooling(path: Path) -> str | None:
+def declared_pooling(path: Path, gguf_meta: dict | None = None) -> str | None:
+    """``gguf_meta``: the file's metadata where the caller has read it already (a GGUF header of
+    262,144 tokens takes some 0.4 s to parse again)."""
     try:
-        return _from_gguf(path) if path.is_file() else _from_sentence_transformers(path)
+        if not path.is_file():
+            return _from_sentence_transformers(path)
+        return _from_gguf_meta(read_gguf(path).meta if gguf_meta is None else gguf_meta)
     except (OSError, ValueError, KeyError, TypeError):   # a file that says nothing readable says nothing
         return None
 
 
-def _from_gguf(path: Path) -> str | None:
-    meta = read_gguf(path).meta
+def _from_gguf_meta(meta: dict) -> str | None:
     value = next((v for k, v in meta.items() if k.endswith(".pooling_type")), None)
     return _GGUF_POOLING.get(int(value)) if value is not None else None
 

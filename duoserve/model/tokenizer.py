@@ -13,9 +13,10 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
@@ -59,18 +60,50 @@ def byte_alphabet() -> dict[int, str]:
 
 
 class Tokenizer:
-    """Encode, decode and render chat templates for one model."""
+    """Encode, decode and render chat templates for one model.
 
-    def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
-                 chat_template: str | None, add_bos_token: bool = False) -> None:
-        self.backend = backend
+    Made from its parsed ``backend``, or from the kept tokenizer.json ``source_file`` with its
+    ``facts`` (what an engine needs at start: ``tokenizer_facts``), parsed on first use: an
+    engine that never tokenizes (the API process does) never parses it (Gemma 3's: 1.2 s of a
+    start and some 110 MB)."""
+
+    def __init__(self, backend: HFTokenizer | None, *, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
+                 chat_template: str | None, add_bos_token: bool = False, source_file: Path | None = None,
+                 facts: dict[str, Any] | None = None, rebuild: Callable[[], HFTokenizer] | None = None) -> None:
+        if backend is None and (source_file is None or facts is None):
+            raise ValueError("a tokenizer without its backend needs the file and the facts of one")
+        self._backend = backend
+        self._rebuild = rebuild      # where the kept file cannot be parsed (damaged since)
+        self._parse_lock = threading.Lock()
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        added = backend.get_added_tokens_decoder()
-        self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
+        # the kept tokenizer.json the backend was (or will be) parsed from: its exact to_str()
+        self.source_file = source_file
+        facts = facts or tokenizer_facts(backend)
+        self.vocab_size: int = facts["vocab_size"]
+        self.special_token_ids = frozenset(facts["special_token_ids"])
+        self._vocabulary_digest: str | None = facts.get("vocabulary_digest")
+
+    @property
+    def backend(self) -> HFTokenizer:
+        if self._backend is None:
+            with self._parse_lock:
+                if self._backend is None:
+                    try:
+                        self._backend = parsed(HFTokenizer.from_file(str(self.source_file)))
+                    except Exception:  # noqa: BLE001 - a damaged kept file is rebuilt where it can be
+                        if self._rebuild is None:
+                            raise
+                        self._backend = self._rebuild()
+        return self._backend
+
+    def vocabulary_digest(self) -> str:
+        """sha256 of the canonical vocabulary (fingerprints, a draft model's check)."""
+        if self._vocabulary_digest is None:
+            self._vocabulary_digest = _vocabulary_digest(self.backend)
+        return self._vocabulary_digest
 
     def token_to_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -103,10 +136,21 @@ class Tokenizer:
             eos_token=self.token_to_text(self.eos_token_ids[0] if self.eos_token_ids else None) or "",
         )
 
-    def vocabulary_digest_source(self) -> bytes:
-        """Canonical bytes of the vocabulary, for model fingerprints."""
-        vocab = self.backend.get_vocab(with_added_tokens=True)
-        return json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
+def _vocabulary_digest(backend: HFTokenizer) -> str:
+    """sha256 of the vocabulary's canonical bytes: (token, id) pairs in id order, as JSON."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return hashlib.sha256(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]),
+                                     ensure_ascii=False).encode()).hexdigest()
+
+
+def tokenizer_facts(backend: HFTokenizer) -> dict[str, Any]:
+    """What a Tokenizer knows of its backend without asking it again (kept beside a kept
+    tokenizer.json, so a later start needs no parse)."""
+    added = backend.get_added_tokens_decoder()
+    return {"vocab_size": backend.get_vocab_size(with_added_tokens=True),
+            "special_token_ids": sorted(i for i, tok in added.items() if tok.special),
+            "vocabulary_digest": _vocabulary_digest(backend),
+            "end_of_turn_id": backend.token_to_id(_END_OF_TURN)}
 
 
 # Gemma's end of a chat turn: llama.cpp ends generation on it by its text (the file's eos is <eos>)
@@ -115,16 +159,19 @@ _END_OF_TURN = "<end_of_turn>"
 
 def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...], file: Path | None = None) -> Tokenizer:
     """Rebuild the tokenizer a GGUF file describes (``tokenizer.ggml.*`` metadata). With the
-    ``file`` it comes from, the rebuilt tokenizer is kept in the cache (``gguf_tokenizer_cache``)
-    and read from there by later starts: Gemma's merges take seconds to rebuild in Python."""
+    ``file`` it comes from, the rebuilt tokenizer and its facts are kept in the cache
+    (``gguf_tokenizer_cache``), and a later start takes them from there, parsing the tokenizer
+    only once it is used: Gemma's merges take seconds to rebuild in Python, a second to parse."""
     cached = gguf_tokenizer_cache(file) if file is not None else None
-    backend = _read_backend(cached)
-    if backend is None:
+    facts, backend, source = _read_facts(cached), None, cached
+    if facts is None:
         backend = _gguf_backend(meta)
-        _write_backend(cached, backend)
+        facts = tokenizer_facts(backend)
+        if not _write_kept(cached, backend, facts):
+            source = None
     gemma = str(meta.get("general.architecture", "")).startswith("gemma")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    end_of_turn = backend.token_to_id(_END_OF_TURN) if gemma else None
+    end_of_turn = facts["end_of_turn_id"] if gemma else None
     eos_ids = tuple(dict.fromkeys([*([eos] if eos is not None else []), *arch_eos,
                                    *([end_of_turn] if end_of_turn is not None else [])]))
     return Tokenizer(
@@ -133,7 +180,20 @@ def tokenizer_from_gguf(meta: dict[str, Any], arch_eos: tuple[int, ...], file: P
         eos_token_ids=eos_ids,
         chat_template=meta.get("tokenizer.chat_template"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        source_file=source,
+        facts=facts,
+        rebuild=None if file is None else lambda: _rebuild_kept(file),
     )
+
+
+def _rebuild_kept(file: Path) -> HFTokenizer:
+    """The tokenizer of GGUF ``file`` rebuilt from its metadata and kept again (its kept copy was
+    damaged after the start that trusted it)."""
+    from duoserve.model.gguf_file import read_gguf
+
+    backend = _gguf_backend(read_gguf(file).meta)
+    _write_kept(gguf_tokenizer_cache(file), backend, tokenizer_facts(backend))
+    return backend
 
 
 def gguf_tokenizer_cache(file: Path) -> Path:
@@ -145,13 +205,23 @@ def gguf_tokenizer_cache(file: Path) -> Path:
     return cache_dir("tokenizers") / f"{key}.json"
 
 
-def _read_backend(path: Path | None) -> HFTokenizer | None:
+def _facts_file(path: Path) -> Path:
+    return path.with_suffix(".facts.json")
+
+
+def _read_facts(path: Path | None) -> dict[str, Any] | None:
+    """The facts kept beside a kept tokenizer (None where either file is missing or unreadable:
+    the tokenizer is rebuilt)."""
     if path is None or not path.exists():
         return None
     try:
-        return parsed(HFTokenizer.from_file(str(path)))
-    except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt, never fatal
+        facts = json.loads(_facts_file(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
+    wanted = ("vocab_size", "special_token_ids", "vocabulary_digest", "end_of_turn_id", "json_bytes")
+    if not isinstance(facts, dict) or not all(k in facts for k in wanted):
+        return None
+    return facts if path.stat().st_size == facts["json_bytes"] else None   # a tokenizer cut short or replaced
 
 
 def parsed(backend: HFTokenizer) -> HFTokenizer:
@@ -166,18 +236,24 @@ def backend_from_json(text: str) -> HFTokenizer:
     return parsed(HFTokenizer.from_str(text))
 
 
-def _write_backend(path: Path | None, backend: HFTokenizer) -> None:
-    """Atomically (a concurrent start reads a whole file or none); a cache that cannot be written
-    costs the next start its rebuild, nothing else."""
+def _write_kept(path: Path | None, backend: HFTokenizer, facts: dict[str, Any]) -> bool:
+    """The tokenizer, then its facts, each atomically (a concurrent start reads a whole file or
+    none, and facts only beside their tokenizer); a cache that cannot be written costs the next
+    start its rebuild, nothing else. Whether both were written."""
     if path is None:
-        return
+        return False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".part", delete=False, encoding="utf-8") as f:
-            f.write(backend.to_str())
-        os.replace(f.name, path)
+        text = backend.to_str()
+        facts = {**facts, "json_bytes": len(text.encode())}
+        for target, text in ((path, text), (_facts_file(path), json.dumps(facts))):
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".part", delete=False,
+                                             encoding="utf-8") as f:
+                f.write(text)
+            os.replace(f.name, target)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _gguf_backend(meta: dict[str, Any]) -> HFTokenizer:

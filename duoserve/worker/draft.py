@@ -17,7 +17,6 @@ not fit guesses nothing this step and catches up the rest later.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 
 import torch
@@ -59,7 +58,7 @@ def _special_ids(loaded: LoadedModel) -> dict:
 def _tokenizer_digest(loaded: LoadedModel) -> str | None:
     if loaded.tokenizer is None:
         return None
-    return hashlib.sha256(loaded.tokenizer.vocabulary_digest_source()).hexdigest()[:16]
+    return loaded.tokenizer.vocabulary_digest()[:16]
 
 
 def approximate_parameters(arch: ModelArch) -> int:

@@ -48,3 +48,24 @@ def test_without_a_file_nothing_is_cached(tmp_path, monkeypatch):
     meta = read_gguf(default_model_path()).meta
     tokenizer_from_gguf(meta, ())
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_kept_tokenizer_is_parsed_on_first_use(tmp_path, monkeypatch):
+    """A later load takes the kept facts (vocabulary size, special ids, the vocabulary's digest)
+    and parses the tokenizer only once it is used: an engine that never tokenizes never parses
+    it. A kept file damaged after the load that trusted it is rebuilt from the GGUF file on use."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = default_model_path()
+    meta = read_gguf(path).meta
+    first = tokenizer_from_gguf(meta, (), path)
+    later = tokenizer_from_gguf(meta, (), path)
+    cached = gguf_tokenizer_cache(path)
+    assert later._backend is None and later.source_file == cached == first.source_file
+    assert later.vocabulary_digest() == first.vocabulary_digest() and later._backend is None
+    same_tokenizer(later, first)
+    assert later._backend is not None
+    cached.write_bytes(b" " * cached.stat().st_size)             # damaged in place, same size
+    damaged = tokenizer_from_gguf(meta, (), path)
+    assert damaged._backend is None, "the facts still match the file's size: trusted until used"
+    same_tokenizer(damaged, first)
+    assert tokenizer_from_gguf(meta, (), path).backend.to_str() == first.backend.to_str(), "kept again"
