@@ -1,5 +1,6 @@
 """The small ops between a layer's linears as op calls: RMSNorm, rotary, SiLU-and-multiply
-(and Gemma's: its (1 + weight) RMSNorm, tanh-GELU-and-multiply).
+(and Gemma's: its (1 + weight) RMSNorm, tanh-GELU-and-multiply; a mixture of experts' routing
+and the sums of its experts' outputs).
 
 ``duoserve::rms_norm``, ``duoserve::rotary`` and ``duoserve::silu_mul`` (defined in
 ``duoserve.kernels.ops``) have C++ kernels only (``csrc/cpu_ops.cpp``), over the functions of
@@ -58,3 +59,24 @@ class OpSiluAndMul(nn.Module):
 class OpGeluTanhAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.duoserve.gelu_tanh_mul(gate_up)
+
+
+class OpTopKRouting(nn.Module):
+    """A mixture of experts' routing as its op (csrc/glue.c's, the C++ decode step's too)."""
+
+    def __init__(self, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.duoserve.moe_route(logits, self.top_k, self.renormalize)
+
+
+class OpExpertSum(nn.Module):
+    def forward(self, out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> None:
+        torch.ops.duoserve.expert_add(out, rows, y, weights)
+
+
+class OpSharedExpertAdd(nn.Module):
+    def forward(self, out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duoserve.shared_expert_add(out, gate, shared)

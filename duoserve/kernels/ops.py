@@ -190,6 +190,12 @@ def define_ops() -> torch.library.Library:
                "float[] scales, int[] windows, float[] caps, int[] local_layers, Tensor[] blocks, "
                "int[] block_types, int[] runs, int gguf_exact, int embed_type, int gemma, float embed_scale) -> ()")
     lib.define("decode_model_release(int context) -> ()")
+    # a routed layer's MLP (its gate_up and down runs given as -1 to decode_model): the router, each
+    # expert's gate_up, each expert's down, and a shared expert's gate_up, down and gate, each
+    # packed or an empty tensor with its runs' blocks next in `blocks`; the experts' token counts
+    lib.define("decode_model_moe(int context, int layer, Tensor[] weights, Tensor[] blocks, int[] block_types, "
+               "int[] runs, int top_k, int renormalize, int inter, int shared_inter, Tensor expert_tokens, "
+               "int gguf_exact) -> ()")
     # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
     lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
                "Tensor block_tables, Tensor seq_lens) -> Tensor")
@@ -217,6 +223,17 @@ def _define_glue(lib: torch.library.Library) -> None:
     lib.define("gelu_tanh_mul(Tensor gate_up) -> Tensor")   # Gemma's MLP
     lib.impl("gelu_tanh_mul", lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)),
              "Meta")
+    # a mixture of experts' routing and sums (model/moe.py): the chosen experts [tokens, top_k] and
+    # their weights; an expert's weighted outputs added to its rows of out (in place); Qwen2-MoE's
+    # shared expert behind its sigmoid gate
+    lib.define("moe_route(Tensor logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
+    lib.impl("moe_route", lambda logits, top_k, renormalize: (
+        logits.new_empty((logits.shape[0], top_k), dtype=torch.long), logits.new_empty((logits.shape[0], top_k))),
+        "Meta")
+    lib.define("expert_add(Tensor(a!) out, Tensor rows, Tensor y, Tensor weights) -> ()")
+    lib.impl("expert_add", lambda out, rows, y, weights: None, "Meta")
+    lib.define("shared_expert_add(Tensor out, Tensor gate, Tensor shared) -> Tensor")
+    lib.impl("shared_expert_add", lambda out, gate, shared: out.new_empty(out.shape), "Meta")
 
 
 def _define_linears(lib: torch.library.Library) -> None:

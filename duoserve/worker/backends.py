@@ -28,12 +28,13 @@ from duoserve.heap import release_free_memory
 from duoserve.kernels.attention import CAttention, c_attention_serves
 from duoserve.kernels.dense import onednn_available
 from duoserve.kernels.gguf import BLOCK_TYPES, gguf_kernels
-from duoserve.kernels.glue import (OpGeluTanhAndMul, OpOffsetRMSNorm, OpRMSNorm, OpRotary, OpSiluAndMul,
-                                   glue_ops_available)
+from duoserve.kernels.glue import (OpExpertSum, OpGeluTanhAndMul, OpOffsetRMSNorm, OpRMSNorm, OpRotary,
+                                   OpSharedExpertAdd, OpSiluAndMul, OpTopKRouting, glue_ops_available)
 from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding, cpu_linear, int8_linear,
                                      replace_linears)
 from duoserve.model.layers import GeluTanhAndMul, OffsetRMSNorm, RMSNorm, Rotary, SiluAndMul
 from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
+from duoserve.model.moe import ExpertSum, SharedExpertAdd, TopKRouting
 from duoserve.model.weights import BlockModules
 from duoserve.platform import resolve_device, resolve_dtype
 
@@ -92,7 +93,8 @@ def use_cpu_kernels(model: nn.Module, kv_dtype: torch.dtype) -> None:
 
 def use_glue_ops(model: nn.Module) -> None:
     """Each ``RMSNorm`` (Gemma's ``OffsetRMSNorm`` too), ``Rotary``, ``SiluAndMul`` and
-    ``GeluTanhAndMul`` of the model becomes its op call, where the
+    ``GeluTanhAndMul`` of the model (a mixture of experts' ``TopKRouting``, ``ExpertSum`` and
+    ``SharedExpertAdd``) becomes its op call, where the
     ops are built (without them there is no compiled step to differ from the eager one)."""
     if not glue_ops_available():
         return
@@ -108,3 +110,9 @@ def use_glue_ops(model: nn.Module) -> None:
                 setattr(parent, name, OpRotary())
             elif isinstance(child, SiluAndMul):
                 setattr(parent, name, OpSiluAndMul())
+            elif isinstance(child, TopKRouting):
+                setattr(parent, name, OpTopKRouting(child.top_k, child.renormalize))
+            elif isinstance(child, ExpertSum):
+                setattr(parent, name, OpExpertSum())
+            elif isinstance(child, SharedExpertAdd):
+                setattr(parent, name, OpSharedExpertAdd())

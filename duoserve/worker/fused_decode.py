@@ -1,8 +1,10 @@
 """A step of decodes run whole in C++ (``kernels/csrc/decode_step.c``), beside the compiled graph.
 
-It takes the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, their sliding windows too) and
+It takes the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, their sliding windows too),
 Gemma 2 and 3 (their four norms a layer, tanh-GELU, local layers with their windows and rope,
-Gemma 2's capped scores; the logits' cap stays with the output projection, after it).
+Gemma 2's capped scores; the logits' cap stays with the output projection, after it) and the
+mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE: each row's experts
+chosen by glue.c's routing, each chosen expert run once over its rows, the others never read).
 
 At a few sequences a compiled step spends a good part of its time outside its weights: the
 graph's op calls through the dispatcher, their tensors allocated and freed, its small kernels
@@ -35,7 +37,8 @@ logger = logging.getLogger(__name__)
 # measured up to this (``benchmarks/step_ab.py --change decode-step``); larger steps are left to the graph
 MAX_ROWS = 64
 MAX_RUNS = 4   # block runs of one projection (decode_step.c)
-FAMILIES = {"llama": "silu", "gemma": "gelu_tanh"}   # the decoders it computes, and their MLP's activation
+FAMILIES = {"llama": "silu", "gemma": "gelu_tanh", "moe": "silu"}   # the decoders it computes, their MLPs' activation
+MAX_EXPERTS = 512   # a router's outputs (csrc/glue.h's GLUE_MAX_EXPERTS)
 
 
 def layer_norms(layer: nn.Module, family: str) -> tuple:
@@ -44,6 +47,22 @@ def layer_norms(layer: nn.Module, family: str) -> tuple:
     if family == "gemma":
         return layer.input_norm, layer.pre_ffn_norm, layer.post_attn_norm, layer.post_ffn_norm
     return layer.input_norm, layer.post_norm, None, None
+
+def routed(layer: nn.Module) -> nn.Module | None:
+    """A layer's routed MLP (model/moe.py's SparseMoE; inside a compiled model's EagerModule), or None."""
+    moe = getattr(layer, "moe", None)
+    return getattr(moe, "inner", moe)
+
+
+def mlp_linears(layer: nn.Module) -> list[nn.Module]:
+    """A layer's MLP projections: gate_up and down, or a routed MLP's router, every expert's
+    gate_up and down, and the shared expert's gate_up, down and gate."""
+    moe = routed(layer)
+    if moe is None:
+        return [layer.gate_up, layer.down]
+    shared = [] if moe.shared is None else [moe.shared.gate_up, moe.shared.down, moe.shared_gate]
+    return [moe.router, *(e.gate_up for e in moe.experts), *(e.down for e in moe.experts), *shared]
+
 
 def _packed(linear: nn.Module, dtype: torch.dtype, bias_allowed: bool) -> bool:
     return (isinstance(linear, CPULinear) and linear.packed is not None and linear.packed.dtype == dtype
@@ -63,9 +82,8 @@ def _linears_why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
     mode = modes.pop() if modes else None
     packed = False
     for layer in model.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            linear = getattr(layer, name)
-            if _packed(linear, dtype, name == "qkv"):
+        for linear in (layer.qkv, layer.o_proj, *mlp_linears(layer)):
+            if _packed(linear, dtype, linear is layer.qkv):
                 packed = True
             elif not (mode and _blocks(linear, mode)):
                 return "a linear layer neither packed in the model's dtype nor in GGUF blocks (at most 4 block types)"
@@ -98,8 +116,8 @@ def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
     if not decode_step_available():
         return "csrc/cpu_ops.cpp is not built"
     arch = getattr(model, "arch", None)
-    if arch is not None and arch.family == "moe":
-        return "a mixture of experts (the C++ decode step computes dense MLPs; routed ones run in the graph)"
+    if arch is not None and arch.family == "moe" and arch.num_experts > MAX_EXPERTS:
+        return f"{arch.num_experts} experts (at most {MAX_EXPERTS})"
     if arch is None or not hasattr(model, "layers") or not hasattr(model, "rotary") or arch.family not in FAMILIES:
         return "not a Llama-family or Gemma decoder"
     if arch.hidden_act != FAMILIES[arch.family]:
@@ -128,6 +146,28 @@ def why_not_takes(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
     return None
 
 
+class _Projections:
+    """Projections as decode_model takes them: ``take(linear)`` is its packed weight, or an empty
+    tensor with its runs' blocks and type ids appended to ``blocks`` and ``block_types``; ``runs``
+    gets each one's number of runs (0: packed)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.empty = torch.empty(0, dtype=dtype)
+        self.blocks: list[torch.Tensor] = []
+        self.block_types: list[int] = []
+        self.runs: list[int] = []
+
+    def __call__(self, linear: nn.Module) -> torch.Tensor:
+        if not isinstance(linear, GGUFLinear):
+            self.runs.append(0)
+            return linear.packed
+        self.runs.append(len(linear.runs))
+        for name, type_id, _ in linear.runs:
+            self.blocks.append(getattr(linear, name))
+            self.block_types.append(type_id)
+        return self.empty
+
+
 class FusedDecodeStep:
     """``step(input_ids, positions, meta)``: the final hidden states of a step of decodes."""
 
@@ -137,30 +177,21 @@ class FusedDecodeStep:
         with the context's scale, window and cap: the ones its attention op uses."""
         arch, dtype = model.arch, model.dtype
         tensors: list[torch.Tensor] = []
-        blocks: list[torch.Tensor] = []
-        block_types: list[int] = []
-        runs: list[int] = []
-        empty = torch.empty(0, dtype=dtype)
-
-        def weight(linear: nn.Module) -> torch.Tensor:
-            """The packed weight, or an empty tensor with the runs' blocks appended to ``blocks``."""
-            if not isinstance(linear, GGUFLinear):
-                runs.append(0)
-                return linear.packed
-            runs.append(len(linear.runs))
-            for name, type_id, _ in linear.runs:
-                blocks.append(getattr(linear, name))
-                block_types.append(type_id)
-            return empty
-
+        take = _Projections(dtype)
+        empty = take.empty
         gemma = arch.family == "gemma"
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             norms = [empty if norm is None else norm.weight for norm in layer_norms(layer, arch.family)]
             qk_norms = [layer.q_norm.weight, layer.k_norm.weight] if arch.qk_norm else [empty, empty]
             # GGUFLinear adds bias.to(y.dtype): the rounding made once here
             bias = empty if layer.qkv.bias is None else layer.qkv.bias.to(dtype).contiguous()
-            tensors += [*norms, *qk_norms, weight(layer.qkv), bias, weight(layer.o_proj), weight(layer.gate_up),
-                        weight(layer.down), k_cache, v_cache]
+            qkv, o_proj = take(layer.qkv), take(layer.o_proj)   # in this order: the runs are listed so
+            if routed(layer) is None:
+                mlp = [take(layer.gate_up), take(layer.down)]
+            else:   # given to decode_model_moe below
+                mlp = [empty, empty]
+                take.runs += [-1, -1]
+            tensors += [*norms, *qk_norms, qkv, bias, o_proj, *mlp, k_cache, v_cache]
         shape = [arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size]
         local = getattr(model, "local_rotary", model.rotary)   # Gemma 3's local layers' own rope
         local_layers = [int(gemma and bool(w)) for w in context.windows]
@@ -168,13 +199,22 @@ class FusedDecodeStep:
         embed_scale = torch.tensor(arch.hidden_size ** 0.5, dtype=dtype).item() if gemma else 1.0
         embed = model.embed
         gguf_embed = isinstance(embed, GGUFEmbedding)
-        modes = {m.mode for m in model.modules() if isinstance(m, GGUFLinear)}
+        exact = int("exact" in {m.mode for m in model.modules() if isinstance(m, GGUFLinear)})
         torch.ops.duoserve.decode_model(context.handle, tensors, model.norm.weight, model.rotary.cos,
                                         model.rotary.sin, local.cos, local.sin,
                                         embed.blocks if gguf_embed else embed.packed, arch.vocab_size, shape,
                                         arch.rms_norm_eps, context.scales, context.windows, context.caps,
-                                        local_layers, blocks, block_types, runs, int("exact" in modes),
+                                        local_layers, take.blocks, take.block_types, take.runs, exact,
                                         embed.type_id if gguf_embed else -1, int(gemma), embed_scale)
+        for index, layer in enumerate(model.layers):
+            moe = routed(layer)
+            if moe is not None:
+                take = _Projections(dtype)
+                weights = [take(linear) for linear in mlp_linears(layer)]
+                torch.ops.duoserve.decode_model_moe(
+                    context.handle, index, weights, take.blocks, take.block_types, take.runs, moe.top_k,
+                    int(moe.renormalize), arch.moe_intermediate_size, arch.shared_expert_intermediate_size or 0,
+                    moe.expert_tokens, exact)
         self.context = context.handle
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:

@@ -21,10 +21,14 @@ def mixed_prompts(vocab: int, lengths=(1, 5, 17, 33, 64, 9, 100)) -> list[list[i
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "mistral-window",
                                   "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_greedy_batch_matches_transformers(tiny_dir, kind):
-    """gemma3, gemma2 and mistral-window: windows of 8, shorter than most prompts and every continuation."""
+    """gemma3, gemma2 and mistral-window: windows of 8, shorter than most prompts and every continuation.
+    Every family's decode steps run in the C++ decode step where its packed weights can be read."""
+    from duoserve.kernels.dense import packed_linear_supported
+
     path = tiny_dir(kind="mistral", sliding_window=8) if kind == "mistral-window" else tiny_dir(kind=kind)
     prompts = mixed_prompts(256)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    assert (llm.engine.runner.forward.fused is not None) == packed_linear_supported(torch.float32)
     outs = llm.generate(prompts, GREEDY32, use_tqdm=False)
     ref = hf_model(path)
     with torch.no_grad():

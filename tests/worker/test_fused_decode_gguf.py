@@ -1,6 +1,7 @@
 """The C++ decode step computed from GGUF blocks, against the eager step.
 
-Tiny GGUF files (Llama; Qwen2 with its q/k/v bias; Gemma 2 and 3, from blocks and dense) of
+Tiny GGUF files (Llama; Qwen2 with its q/k/v bias; Gemma 2 and 3 and the mixtures of experts,
+from blocks and dense) of
 several block types, a Qwen2 whose fused
 projections mix block types (as Qwen2.5-Coder's Q5_0/Q8_0/Q4_K/Q6_K file does), both modes,
 float32 and bfloat16: for a batch of decodes, step after step, ``FusedDecodeStep`` and the eager
@@ -159,6 +160,37 @@ def test_gemma_decodes_as_eager(tiny_dir, tmp_path, kind, source, dtype):
     assert (arch.attn_logit_softcap is not None) == (kind == "gemma2") and arch.qk_norm == (kind == "gemma3")
     tokens = assert_decodes_equal(model, steps=6)
     assert len({t for step in tokens for t in step}) > 1, "a degenerate model would prove little"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["Q8_0", "dense"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_mixtures_of_experts_decode_as_eager(tiny_dir, tmp_path, kind, source, dtype):
+    """A routed MLP in the C++ step: each row's top 2 of 4 experts (Qwen2-MoE's weights not
+    renormalized, and its shared expert behind a sigmoid gate; Qwen3-MoE's q/k norms), each chosen
+    expert run once over its rows, the step's experts counted as the eager model counts them."""
+    if source == "dense":
+        model = _load(tiny_dir(kind=kind), dtype, None)
+        if not packed_linear_supported(model.dtype):
+            assert why_not(model, []) == ("a linear layer neither packed in the model's dtype nor in GGUF "
+                                          "blocks (at most 4 block types)")
+            return
+    else:
+        path = tmp_path / f"tiny-{kind}.gguf"
+        write_gguf(tiny_dir(kind=kind), path, source)
+        model = _load(path, dtype, "fast")
+        assert isinstance(model.layers[0].moe.experts[0].gate_up, GGUFLinear)
+    arch = model.arch
+    assert arch.family == "moe" and arch.num_experts == 4 and arch.experts_per_token == 2
+    assert (arch.shared_expert_intermediate_size > 0) == (kind == "qwen2_moe")
+    moes = [layer.moe for layer in model.layers]
+    counted = [moe.expert_tokens.clone() for moe in moes]
+    tokens = assert_decodes_equal(model, steps=5)
+    assert len({t for step in tokens for t in step}) > 1, "a degenerate model would prove little"
+    # prefill (eager) + 5 steps of 3 rows, each through both paths: every row's 2 picks counted
+    picks = 2 * (sum(map(len, PROMPTS)) + 2 * 5 * len(PROMPTS))
+    assert all(int((moe.expert_tokens - before).sum()) == picks for moe, before in zip(moes, counted))
+    assert all(int((moe.expert_tokens - before).count_nonzero()) > 1 for moe, before in zip(moes, counted))
 
 
 def test_the_default_model_takes_the_decode_step():

@@ -28,11 +28,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "decode_step.h"
 #include "glue.h"
 
 extern "C" {
@@ -49,36 +51,6 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int num_seqs,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                            float scale, int window, float cap, int num_threads);
-#define MAX_RUNS 4
-struct decode_linear {  // as in decode_step.c
-    const void *packed;
-    const uint8_t *blocks[MAX_RUNS];
-    int types[MAX_RUNS], rows[MAX_RUNS];
-    int num_runs, exact;
-};
-struct decode_layer {
-    const void *input_norm, *post_norm;
-    const void *attn_out_norm, *mlp_out_norm;
-    const void *q_norm, *k_norm;
-    decode_linear qkv, o_proj, gate_up, down;
-    const void *qkv_bias;
-    void *k_cache, *v_cache;
-    float scale, cap;
-    int window, local;
-};
-struct decode_shape {
-    int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
-    float eps;
-    int embed_type;
-    int64_t embed_row_bytes;
-    int gemma;
-    float embed_scale;
-};
-int decode_step(const decode_layer *layers, int num_layers, const void *final_norm, const decode_shape *s,
-                const float *const *cos_tables, const float *const *sin_tables, const void *embedding,
-                const int64_t *ids, void *x,
-                void *out, const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
-                const int64_t *seq_lens, int m, int max_blocks, int num_threads);
 }
 
 namespace {
@@ -267,6 +239,8 @@ at::Tensor paged_attention(const at::Tensor &q, const at::Tensor &k, const at::T
 struct DecodeModel {
     std::vector<at::Tensor> tensors;   // what the pointers below point into
     std::vector<decode_layer> layers;
+    std::deque<decode_moe> moes;                          // routed layers' MLPs (decode_model_moe):
+    std::deque<std::vector<decode_linear>> expert_linears;  // deques, so the layers' pointers stay put
     decode_shape shape;
     const void *final_norm, *embedding;
     const float *cos[2], *sin[2];   // global and local layers' rotary tables
@@ -333,7 +307,8 @@ struct DecodeTensors {
 // [vocab, hidden] packed as a linear layer's weight (PackedEmbedding), or its GGUF blocks [vocab,
 // bytes per row] of type embed_type. A projection from GGUF blocks: its runs' blocks [rows, bytes
 // per row] next in `blocks` and their type ids in `block_types`; `runs` gives each projection's
-// number of runs (qkv, o, gate_up, down of every layer; 0: packed), gguf_exact its mode.
+// number of runs (qkv, o, gate_up, down of every layer; 0: packed; -1 for gate_up and down: a
+// routed layer, whose MLP decode_model_moe gives next), gguf_exact its mode.
 void decode_model(int64_t context, at::TensorList layers, const at::Tensor &final_norm, const at::Tensor &cos,
                   const at::Tensor &sin, const at::Tensor &local_cos, const at::Tensor &local_sin,
                   const at::Tensor &embedding, int64_t vocab, c10::IntArrayRef shape, double eps,
@@ -374,8 +349,10 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
         layer.qkv = take.linear(t[6], counts ? counts[0] : 0, q_size + 2 * kv_size, hidden);
         layer.qkv_bias = take.ptr(t[7]);
         layer.o_proj = take.linear(t[8], counts ? counts[1] : 0, hidden, q_size);
-        layer.gate_up = take.linear(t[9], counts ? counts[2] : 0, 2 * inter, hidden);
-        layer.down = take.linear(t[10], counts ? counts[3] : 0, hidden, inter);
+        if (!(counts && counts[2] < 0 && counts[3] < 0)) {   // -1, -1: routed (decode_model_moe gives its MLP)
+            layer.gate_up = take.linear(t[9], counts ? counts[2] : 0, 2 * inter, hidden);
+            layer.down = take.linear(t[10], counts ? counts[3] : 0, hidden, inter);
+        }
         layer.k_cache = take.ptr(k_cache);
         layer.v_cache = take.ptr(v_cache);
         layer.scale = (float)scales[l];
@@ -415,6 +392,55 @@ void decode_model_release(int64_t context) {
     decode_models.erase(context);
 }
 
+// a routed layer's MLP (model/moe.py's SparseMoE), given after decode_model: `weights` the router,
+// every expert's gate_up, every expert's down, then with a shared expert (shared_inter > 0) its
+// gate_up, down and one-row gate; each packed, or an empty tensor whose `runs` block tensors come
+// next in `blocks` (as decode_model's). expert_tokens int64 [experts]: counted into, as SparseMoE.
+void decode_model_moe(int64_t context, int64_t layer, at::TensorList weights, at::TensorList blocks,
+                      c10::IntArrayRef block_types, c10::IntArrayRef runs, int64_t top_k, int64_t renormalize,
+                      int64_t inter, int64_t shared_inter, const at::Tensor &expert_tokens, int64_t gguf_exact) {
+    std::lock_guard<std::mutex> lock(decode_models_mutex);
+    auto found = decode_models.find(context);
+    TORCH_CHECK(found != decode_models.end(), "decode_model_moe: no model ", context, " (duoserve::decode_model)");
+    DecodeModel &model = found->second;
+    TORCH_CHECK(layer >= 0 && layer < (int64_t)model.layers.size() && !model.layers[layer].gate_up.packed &&
+                    !model.layers[layer].gate_up.num_runs && !model.layers[layer].moe,
+                "decode_model_moe: layer ", layer, " is not a routed layer waiting for its MLP");
+    const int64_t experts = expert_tokens.numel(), n_weights = 1 + 2 * experts + (shared_inter > 0 ? 3 : 0);
+    TORCH_CHECK(expert_tokens.scalar_type() == at::kLong && expert_tokens.is_contiguous() && experts > 0 &&
+                    experts <= GLUE_MAX_EXPERTS && top_k > 0 && top_k <= experts && inter > 0,
+                "decode_model_moe: 1 to ", GLUE_MAX_EXPERTS, " experts counted in int64, top_k of them");
+    TORCH_CHECK((int64_t)weights.size() == n_weights && (int64_t)runs.size() == n_weights &&
+                    blocks.size() == block_types.size(),
+                "decode_model_moe: a router, two projections an expert, three for a shared expert, each's runs");
+    DecodeTensors take{model, blocks, block_types, gguf_exact != 0};
+    const int64_t hidden = model.shape.hidden;
+    std::vector<decode_linear> &linears = model.expert_linears.emplace_back();
+    linears.reserve(2 * experts);
+    decode_moe moe{};
+    moe.router = take.linear(weights[0], runs[0], experts, hidden);
+    for (int64_t e = 0; e < experts; e++) linears.push_back(take.linear(weights[1 + e], runs[1 + e], 2 * inter, hidden));
+    for (int64_t e = 0; e < experts; e++)
+        linears.push_back(take.linear(weights[1 + experts + e], runs[1 + experts + e], hidden, inter));
+    if (shared_inter > 0) {
+        const int64_t at = 1 + 2 * experts;
+        moe.shared_gate_up = take.linear(weights[at], runs[at], 2 * shared_inter, hidden);
+        moe.shared_down = take.linear(weights[at + 1], runs[at + 1], hidden, shared_inter);
+        moe.shared_gate = take.linear(weights[at + 2], runs[at + 2], 1, hidden);
+    }
+    TORCH_CHECK(take.next_block == blocks.size(), "decode_model_moe: block tensors left over");
+    model.tensors.push_back(expert_tokens);
+    moe.gate_up = linears.data();
+    moe.down = linears.data() + experts;
+    moe.num_experts = (int)experts;
+    moe.top_k = (int)top_k;
+    moe.renormalize = renormalize != 0;
+    moe.inter = (int)inter;
+    moe.shared_inter = (int)shared_inter;
+    moe.expert_tokens = expert_tokens.data_ptr<int64_t>();
+    model.layers[layer].moe = &model.moes.emplace_back(moe);
+}
+
 at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at::Tensor &positions,
                           const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens) {
     const DecodeModel *model = nullptr;
@@ -441,6 +467,9 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
         TORCH_CHECK(slot >= 0 && slot < model->num_slots, "decode_step: slot ", slot, " outside the cache's ",
                     model->num_slots);
     }
+    for (const decode_layer &layer : model->layers)
+        TORCH_CHECK(layer.moe || layer.gate_up.packed || layer.gate_up.num_runs,
+                    "decode_step: a routed layer without its experts (duoserve::decode_model_moe)");
     const auto options = at::TensorOptions().dtype(model->dtype);
     at::Tensor residual = at::empty({m, model->shape.hidden}, options);
     at::Tensor out = at::empty({m, model->shape.hidden}, options);
@@ -560,6 +589,64 @@ at::Tensor gelu_tanh_mul_op(const at::Tensor &gate_up) {
     });
 }
 
+// logits [tokens, experts] -> (chosen int64 [tokens, top_k], weights [tokens, top_k] in logits' dtype)
+std::tuple<at::Tensor, at::Tensor> moe_route_op(const at::Tensor &logits, int64_t top_k, bool renormalize) {
+    TORCH_CHECK(glue_takes(logits, logits) && logits.dim() == 2 && logits.size(1) <= GLUE_MAX_EXPERTS &&
+                    top_k > 0 && top_k <= logits.size(1),
+                "moe_route: float32 or bfloat16 logits [tokens, at most ", GLUE_MAX_EXPERTS, " experts], top_k of them");
+    const at::Tensor in = logits.contiguous();
+    const int64_t tokens = in.size(0), experts = in.size(1), elem = in.element_size();
+    at::Tensor chosen = at::empty({tokens, top_k}, in.options().dtype(at::kLong));
+    at::Tensor weights = at::empty({tokens, top_k}, in.options());
+    const int bf = in.scalar_type() == at::kBFloat16;
+    const char *src = static_cast<const char *>(in.data_ptr());
+    char *w = static_cast<char *>(weights.data_ptr());
+    int64_t *c = chosen.data_ptr<int64_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; t++)
+            glue_moe_route_row(src + t * experts * elem, (int)experts, (int)top_k, renormalize, bf, c + t * top_k,
+                               w + t * top_k * elem);
+    });
+    return {chosen, weights};
+}
+
+// out [tokens, hidden] + sigmoid(gate [tokens, 1]) * shared [tokens, hidden], a new tensor
+at::Tensor shared_expert_add_op(const at::Tensor &out, const at::Tensor &gate, const at::Tensor &shared) {
+    if (!(glue_takes(out, gate) && glue_takes(out, shared) && out.dim() == 2 && shared.sizes() == out.sizes() &&
+          gate.dim() == 2 && gate.size(0) == out.size(0) && gate.size(1) == 1))
+        return (out + at::sigmoid(gate) * shared).contiguous();
+    at::Tensor result = out.contiguous().clone();
+    const at::Tensor g = gate.contiguous(), y = shared.contiguous();
+    const int64_t tokens = out.size(0), hidden = out.size(1), elem = out.element_size();
+    const int bf = out.scalar_type() == at::kBFloat16;
+    char *dst = static_cast<char *>(result.data_ptr());
+    const char *gp = static_cast<const char *>(g.data_ptr()), *yp = static_cast<const char *>(y.data_ptr());
+    at::parallel_for(0, tokens, 8, [&](int64_t lo, int64_t hi) {
+        for (int64_t t = lo; t < hi; t++)
+            glue_shared_expert_add_row(dst + t * hidden * elem, gp + t * elem, yp + t * hidden * elem, (int)hidden, bf);
+    });
+    return result;
+}
+
+// out [tokens, hidden]: out[rows[i]] += rounded(y[i] * weights[i]) for each i in order (index_add_ of
+// the weighted outputs of one expert), in place
+void expert_add_op(const at::Tensor &out, const at::Tensor &rows, const at::Tensor &y, const at::Tensor &weights) {
+    TORCH_CHECK(glue_takes(out, y) && glue_takes(out, weights) && out.is_contiguous() && out.dim() == 2 &&
+                    y.dim() == 2 && y.size(1) == out.size(1) && rows.numel() == y.size(0) &&
+                    weights.numel() == y.size(0) && rows.scalar_type() == at::kLong,
+                "expert_add: out [tokens, hidden], a row index and a weight for each row of y");
+    const at::Tensor r = rows.contiguous(), in = y.contiguous(), w = weights.to(at::kFloat).contiguous();
+    const int64_t n = in.size(0), hidden = in.size(1), elem = in.element_size();
+    const int bf = out.scalar_type() == at::kBFloat16;
+    char *dst = static_cast<char *>(out.data_ptr());
+    const char *src = static_cast<const char *>(in.data_ptr());
+    for (int64_t i = 0; i < n; i++) {   // rows may repeat across experts, never within one: order kept
+        const int64_t row = r.data_ptr<int64_t>()[i];
+        TORCH_CHECK(row >= 0 && row < out.size(0), "expert_add: row ", row, " out of range");
+        glue_expert_add_row(dst + row * hidden * elem, src + i * hidden * elem, w.data_ptr<float>()[i], (int)hidden, bf);
+    }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
@@ -574,10 +661,14 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("silu_mul", &silu_mul_op);
     m.impl("offset_rms_norm", &offset_rms_norm_op);
     m.impl("gelu_tanh_mul", &gelu_tanh_mul_op);
+    m.impl("moe_route", &moe_route_op);
+    m.impl("shared_expert_add", &shared_expert_add_op);
+    m.impl("expert_add", &expert_add_op);
 }
 
 TORCH_LIBRARY_IMPL(duoserve, CatchAll, m) {
     m.impl("attention_step", &attention_step);
     m.impl("decode_model", &decode_model);
     m.impl("decode_model_release", &decode_model_release);
+    m.impl("decode_model_moe", &decode_model_moe);
 }

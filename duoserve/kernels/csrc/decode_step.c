@@ -40,11 +40,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "decode_step.h"
 #include "glue.h"
 #include "gguf_team.h"
 
 #define MAX_HEAD_DIM 512   /* decode_step() refuses larger heads */
-#define MAX_RUNS 4         /* block runs of a projection (fused_decode.py refuses more) */
 
 void packed_linear_team(const void *x, const void *packed, const void *bias, void *y, int is_bf16, int m, int n,
                         int k);
@@ -53,35 +53,6 @@ void paged_decode_team(const float *q, const void *k_cache, const void *v_cache,
                        const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *rows,
                        int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                        float scale, int window, float cap, int num_threads, int *failed);
-
-/* a projection: packed weights, or runs of GGUF blocks whose outputs sit side by side (a fused
- * projection of parts of different block types) */
-struct decode_linear {
-    const void *packed;                   /* packed_linear.c's layout, or NULL for blocks */
-    const uint8_t *blocks[MAX_RUNS];      /* [rows[r], bytes per row] each */
-    int types[MAX_RUNS], rows[MAX_RUNS];  /* gguf_blocks.h's type ids */
-    int num_runs, exact;                  /* exact: gguf_linear_exact's arithmetic, else fast */
-};
-
-struct decode_layer {
-    const void *input_norm, *post_norm;                    /* [hidden]: before attention, before the MLP */
-    const void *attn_out_norm, *mlp_out_norm;              /* [hidden] (Gemma's sandwich) or NULL */
-    const void *q_norm, *k_norm;                           /* [head_dim] (Qwen3, Gemma 3) or NULL */
-    struct decode_linear qkv, o_proj, gate_up, down;
-    const void *qkv_bias;                                  /* [q + 2 kv] or NULL */
-    void *k_cache, *v_cache;                               /* [slots, num_kv_heads, head_dim] */
-    float scale, cap;                                      /* cap: the scores' soft cap, or 0 */
-    int window, local;                                     /* window: keys seen, or 0; local: its rope table */
-};
-
-struct decode_shape {
-    int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
-    float eps;
-    int embed_type;        /* the embedding's GGUF block type, or -1: packed as a linear weight */
-    int64_t embed_row_bytes;
-    int gemma;             /* Gemma's norms, MLP and scaled embedding */
-    float embed_scale;     /* Gemma's sqrt(hidden), in the model dtype */
-};
 
 static inline float load(const void *p, int64_t i, int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -231,9 +202,104 @@ static void embed_block_rows(const int64_t *ids, const uint8_t *blocks, const st
                             (char *)x + (int64_t)t * s->hidden * elem, s->is_bf16);
 }
 
+/* scratch of the routed MLPs of a step of m rows */
+struct moe_scratch {
+    void *logits, *weights, *x, *gate_up, *act, *y, *shared_gate_up, *shared_act, *shared_y, *gate;
+    int64_t *chosen;
+    int *picks, *counts, *offsets;
+};
+
+/* the largest routed MLP of the model: experts, top k, expert and shared expert widths (0s: none) */
+struct moe_dims {
+    int experts, k, inter, shared;
+};
+
+static struct moe_dims largest_moe(const struct decode_layer *layers, int num_layers) {
+    struct moe_dims d = {0, 0, 0, 0};
+    for (int l = 0; l < num_layers; l++) {
+        const struct decode_moe *e = layers[l].moe;
+        if (!e) continue;
+        if (e->num_experts > d.experts) d.experts = e->num_experts;
+        if (e->top_k > d.k) d.k = e->top_k;
+        if (e->inter > d.inter) d.inter = e->inter;
+        if (e->shared_inter > d.shared) d.shared = e->shared_inter;
+    }
+    return d;
+}
+
+/* moe_scratch's pieces for m rows from `at` (at == NULL: only their size); returns the bytes */
+static size_t moe_scratch_take(char *at, struct moe_dims d, int m, int hidden, int elem, struct moe_scratch *w) {
+    if (!d.experts) return 0;
+    const size_t sizes[14] = {(size_t)m * d.experts * elem, (size_t)m * d.k * elem, (size_t)m * d.k * 8,
+                              (size_t)m * d.k * 4, (size_t)d.experts * 4, (size_t)d.experts * 4,
+                              (size_t)m * hidden * elem, (size_t)m * 2 * d.inter * elem, (size_t)m * d.inter * elem,
+                              (size_t)m * hidden * elem, (size_t)m * 2 * d.shared * elem, (size_t)m * d.shared * elem,
+                              (size_t)m * hidden * elem, (size_t)m * elem};
+    void **slots[14] = {&w->logits, &w->weights, (void **)&w->chosen, (void **)&w->picks, (void **)&w->counts,
+                        (void **)&w->offsets, &w->x, &w->gate_up, &w->act, &w->y, &w->shared_gate_up,
+                        &w->shared_act, &w->shared_y, &w->gate};
+    size_t total = 0;
+    for (int i = 0; i < 14; i++) {
+        if (at) *slots[i] = at + total;
+        total += (sizes[i] + 63) / 64 * 64;
+    }
+    return total;
+}
+
+/* y [m, hidden] = the routed MLP of x [m, hidden] (SparseMoE.forward): each row's experts chosen
+ * (glue.c's routing), the picks grouped by expert in row order, each chosen expert run once over
+ * its rows (the others never read) and its weighted output added to them in expert order, then
+ * the shared expert behind its gate. Every thread runs this; the routing is one thread's. */
+static void moe_mlp(const struct decode_moe *e, const void *x, void *y, int m, const struct decode_shape *s,
+                    const struct moe_scratch *w, const struct gguf_rows *rows, int *failed) {
+    const int bf = s->is_bf16, elem = bf ? 2 : 4, hidden = s->hidden, k = e->top_k, inter = e->inter;
+    const int64_t row = (int64_t)hidden * elem;
+    linear_team(&e->router, NULL, x, w->logits, m, e->num_experts, hidden, bf, rows, failed);
+    #pragma omp single
+    {
+        for (int t = 0; t < m; t++)
+            glue_moe_route_row((const char *)w->logits + (int64_t)t * e->num_experts * elem, e->num_experts, k,
+                               e->renormalize, bf, w->chosen + (int64_t)t * k, (char *)w->weights + (int64_t)t * k * elem);
+        for (int ex = 0; ex < e->num_experts; ex++) w->counts[ex] = 0;
+        for (int p = 0; p < m * k; p++) w->counts[w->chosen[p]]++;
+        for (int ex = 0, at = 0; ex < e->num_experts; at += w->counts[ex], ex++) {
+            w->offsets[ex] = at;
+            e->expert_tokens[ex] += w->counts[ex];
+        }
+        for (int p = 0; p < m * k; p++) w->picks[w->offsets[w->chosen[p]]++] = p;   /* stable: rows in order */
+        for (int ex = 0; ex < e->num_experts; ex++) w->offsets[ex] -= w->counts[ex];
+        memset(y, 0, (size_t)m * row);
+    }
+    for (int ex = 0; ex < e->num_experts; ex++) {
+        const int count = w->counts[ex];
+        if (count == 0) continue;   /* an expert no row chose is never read */
+        const int *picks = w->picks + w->offsets[ex];
+        #pragma omp for schedule(static)
+        for (int i = 0; i < count; i++) memcpy((char *)w->x + i * row, (const char *)x + (picks[i] / k) * row, row);
+        linear_team(&e->gate_up[ex], NULL, w->x, w->gate_up, count, 2 * inter, hidden, bf, rows, failed);
+        gate_mul(w->gate_up, w->act, count, inter, bf, 0);
+        linear_team(&e->down[ex], NULL, w->act, w->y, count, hidden, inter, bf, rows, failed);
+        #pragma omp for schedule(static)
+        for (int i = 0; i < count; i++)
+            glue_expert_add_row((char *)y + (picks[i] / k) * row, (const char *)w->y + i * row,
+                                load(w->weights, picks[i], bf), hidden, bf);
+    }
+    if (e->shared_inter) {
+        linear_team(&e->shared_gate_up, NULL, x, w->shared_gate_up, m, 2 * e->shared_inter, hidden, bf, rows, failed);
+        gate_mul(w->shared_gate_up, w->shared_act, m, e->shared_inter, bf, 0);
+        linear_team(&e->shared_down, NULL, w->shared_act, w->shared_y, m, hidden, e->shared_inter, bf, rows, failed);
+        linear_team(&e->shared_gate, NULL, x, w->gate, m, 1, hidden, bf, rows, failed);
+        #pragma omp for schedule(static)
+        for (int t = 0; t < m; t++)
+            glue_shared_expert_add_row((char *)y + t * row, (const char *)w->gate + (int64_t)t * elem,
+                                       (const char *)w->shared_y + t * row, hidden, bf);
+    }
+}
+
 static int any_packed(const struct decode_layer *layers, int num_layers) {
     for (int l = 0; l < num_layers; l++)
-        if (layers[l].qkv.packed || layers[l].o_proj.packed || layers[l].gate_up.packed || layers[l].down.packed)
+        if (layers[l].qkv.packed || layers[l].o_proj.packed || layers[l].gate_up.packed || layers[l].down.packed ||
+            (layers[l].moe && (layers[l].moe->router.packed || layers[l].moe->shared_gate.packed)))
             return 1;
     return 0;
 }
@@ -249,14 +315,19 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     const int q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
     if ((any_packed(layers, num_layers) && !packed_linear_supported(bf)) || s->head_dim > MAX_HEAD_DIM) return -1;
     /* x's rows for the block projections: converted and quantized, at most the widest input */
-    const int widest = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size);
+    const struct moe_dims moe_dims = largest_moe(layers, num_layers);
+    int widest = hidden > inter ? (hidden > q_size ? hidden : q_size) : (inter > q_size ? inter : q_size);
+    if (moe_dims.inter > widest) widest = moe_dims.inter;
+    if (moe_dims.shared > widest) widest = moe_dims.shared;
     struct gguf_rows rows;
     if (gguf_rows_alloc(&rows, m, widest, 1, 1) != 0) return -2;
     /* activations: qkv, q and attention out (float32), attention out (model dtype), o / down out,
      * gate_up, act */
     const size_t bytes = (size_t)m * ((size_t)qkv_size * elem + (size_t)q_size * 8 + (size_t)q_size * elem +
                                       (size_t)hidden * elem + (size_t)3 * inter * elem) + 64 * 6;
-    char *scratch = malloc(bytes);
+    struct moe_scratch moe = {0};
+    const size_t moe_bytes = moe_scratch_take(NULL, moe_dims, m, hidden, elem, &moe);
+    char *scratch = malloc(bytes + moe_bytes);
     if (!scratch) {
         gguf_rows_free(&rows);
         return -2;
@@ -271,6 +342,7 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     void *gate_up = TAKE((size_t)m * 2 * inter * elem);
     void *act = TAKE((size_t)m * inter * elem);
 #undef TAKE
+    moe_scratch_take(scratch + bytes, moe_dims, m, hidden, elem, &moe);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -294,9 +366,13 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
             }
             linear_team(&layer->o_proj, NULL, attn, proj, m, hidden, q_size, bf, &rows, &failed);
             residual_norm(x, proj, layer->attn_out_norm, layer->post_norm, out, m, s);
-            linear_team(&layer->gate_up, NULL, out, gate_up, m, 2 * inter, hidden, bf, &rows, &failed);
-            gate_mul(gate_up, act, m, inter, bf, s->gemma);
-            linear_team(&layer->down, NULL, act, proj, m, hidden, inter, bf, &rows, &failed);
+            if (layer->moe) {
+                moe_mlp(layer->moe, out, proj, m, s, &moe, &rows, &failed);
+            } else {
+                linear_team(&layer->gate_up, NULL, out, gate_up, m, 2 * inter, hidden, bf, &rows, &failed);
+                gate_mul(gate_up, act, m, inter, bf, s->gemma);
+                linear_team(&layer->down, NULL, act, proj, m, hidden, inter, bf, &rows, &failed);
+            }
             residual_norm(x, proj, layer->mlp_out_norm, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm,
                           out, m, s);
         }

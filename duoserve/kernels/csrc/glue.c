@@ -13,6 +13,8 @@
  * model dtype before its weight is applied, as RMSNorm does (Gemma's: times 1 + weight in float32,
  * rounded once); rotate-half with cos/sin rounded to the model dtype, as eager does; SiLU * up
  * rounded once; Gemma's tanh-GELU rounded, then times up. In float32 every rounding is none.
+ * A mixture of experts' routing (softmax, top-k) and the adds of its experts' outputs are here
+ * too, for the same reason: which experts a token takes must not depend on the path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,5 +88,49 @@ void glue_gelu_tanh_mul_chunk(const void *gate_up_row, void *act_row, int inter,
         const float g = load(gate_up_row, i, bf);
         const float gelu = 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
         store(act_row, i, rounded(gelu, bf) * load(gate_up_row, inter + i, bf), bf);
+    }
+}
+
+/* A token's experts (a mixture of experts' routing, SparseMoE.route): the softmax of its router
+ * logits in float32, the top_k largest (the lower index first among equals) with their
+ * probabilities, divided by their sum where renormalize, stored in the model dtype. */
+void glue_moe_route_row(const void *logits, int num_experts, int top_k, int renormalize, int bf, int64_t *chosen,
+                        void *weights) {
+    float probs[GLUE_MAX_EXPERTS], top[GLUE_MAX_EXPERTS], max = -INFINITY, sum = 0.f;
+    for (int e = 0; e < num_experts; e++) {
+        probs[e] = load(logits, e, bf);
+        if (probs[e] > max) max = probs[e];
+    }
+    for (int e = 0; e < num_experts; e++) sum += probs[e] = expf(probs[e] - max);
+    for (int e = 0; e < num_experts; e++) probs[e] /= sum;
+    float kept = 0.f;
+    for (int j = 0; j < top_k; j++) {
+        int best = -1;
+        for (int e = 0; e < num_experts; e++)
+            if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+        chosen[j] = best;
+        top[j] = probs[best];
+        kept += top[j];
+        probs[best] = -1.f;   /* taken */
+    }
+    for (int j = 0; j < top_k; j++) store(weights, j, renormalize ? top[j] / kept : top[j], bf);
+}
+
+/* out += rounded(y * weight), a row of n: one chosen expert's output added to its token's MLP
+ * output as SparseMoE does it (the product rounded to the model dtype, then the sum) */
+void glue_expert_add_row(void *out, const void *y, float weight, int n, int bf) {
+    for (int i = 0; i < n; i++) {
+        volatile float product = rounded(load(y, i, bf) * weight, bf);   /* volatile: never fused into an FMA */
+        store(out, i, load(out, i, bf) + product, bf);
+    }
+}
+
+/* out += sigmoid(gate) * shared, a row of n: Qwen2-MoE's shared expert behind its one-value gate,
+ * the sigmoid, the product and the sum each rounded to the model dtype */
+void glue_shared_expert_add_row(void *out, const void *gate, const void *shared, int n, int bf) {
+    const float g = rounded(1.f / (1.f + expf(-load(gate, 0, bf))), bf);
+    for (int i = 0; i < n; i++) {
+        volatile float product = rounded(g * load(shared, i, bf), bf);
+        store(out, i, load(out, i, bf) + product, bf);
     }
 }
