@@ -100,19 +100,19 @@ def use_glue_ops(model: nn.Module) -> None:
         return
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, RMSNorm):
-                setattr(parent, name, OpRMSNorm(child.weight, child.eps))
-            elif isinstance(child, OffsetRMSNorm):
-                setattr(parent, name, OpOffsetRMSNorm(child.weight, child.eps))
-            elif isinstance(child, GeluTanhAndMul):
-                setattr(parent, name, OpGeluTanhAndMul())
-            elif isinstance(child, Rotary):
-                setattr(parent, name, OpRotary())
-            elif isinstance(child, SiluAndMul):
-                setattr(parent, name, OpSiluAndMul())
-            elif isinstance(child, TopKRouting):
-                setattr(parent, name, OpTopKRouting(child.top_k, child.renormalize))
-            elif isinstance(child, ExpertSum):
-                setattr(parent, name, OpExpertSum())
-            elif isinstance(child, SharedExpertAdd):
-                setattr(parent, name, OpSharedExpertAdd())
+            op = next((make(child) for kind, make in _GLUE_OPS if isinstance(child, kind)), None)
+            if op is not None:
+                setattr(parent, name, op)
+
+
+# each module of model/layers.py and model/moe.py with an op, and how its op is made from it
+_GLUE_OPS = (
+    (RMSNorm, lambda m: OpRMSNorm(m.weight, m.eps)),
+    (OffsetRMSNorm, lambda m: OpOffsetRMSNorm(m.weight, m.eps)),
+    (GeluTanhAndMul, lambda m: OpGeluTanhAndMul()),
+    (Rotary, lambda m: OpRotary()),
+    (SiluAndMul, lambda m: OpSiluAndMul()),
+    (TopKRouting, lambda m: OpTopKRouting(m.top_k, m.renormalize)),
+    (ExpertSum, lambda m: OpExpertSum()),
+    (SharedExpertAdd, lambda m: OpSharedExpertAdd()),
+)

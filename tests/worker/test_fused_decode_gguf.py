@@ -65,6 +65,22 @@ def mix_block_types(model, mode: str) -> None:
         layer.down = GGUFLinear([_blocks("Q6_K", hidden, inter, seed + 6)], None, mode)
 
 
+def load_tiny(tiny_dir, tmp_path, kind: str, source: str, dtype: str):
+    """The tiny checkpoint of ``kind`` as the runner prepares it, from ``source`` (a GGUF block type
+    in fast mode, or "dense": its packed weights); None where bfloat16 cannot be packed here (no
+    AVX-512), after checking that the step declines the model, saying why."""
+    if source != "dense":
+        path = tmp_path / f"tiny-{kind}.gguf"
+        write_gguf(tiny_dir(kind=kind), path, source)
+        return _load(path, dtype, "fast")
+    model = _load(tiny_dir(kind=kind), dtype, None)
+    if not packed_linear_supported(model.dtype):   # no packed copy to read: decodes run eagerly
+        assert why_not(model, []) == ("a linear layer neither packed in the model's dtype nor in GGUF "
+                                      "blocks (at most 4 block types)")
+        return None
+    return model
+
+
 def assert_decodes_equal(model, steps: int = 4) -> list[list[int]]:
     """Prefill PROMPTS eagerly, then `steps` steps of decodes through both paths from the same
     caches: the same hidden states, caches and greedy tokens, bit for bit. Returns the tokens."""
@@ -142,19 +158,10 @@ def test_gemma_decodes_as_eager(tiny_dir, tmp_path, kind, source, dtype):
     """Gemma's differences in the C++ step: four norms a layer, each times (1 + weight), tanh-GELU,
     embedding rows times sqrt(hidden); a local layer with a window of 8 (the contexts here grow
     past it, to 15) and, in Gemma 3, its own rope table and q/k norms; Gemma 2's capped scores."""
-    if source == "dense":
-        model = _load(tiny_dir(kind=kind), dtype, None)
-        assert isinstance(model.layers[0].qkv, CPULinear)
-        if not packed_linear_supported(model.dtype):   # bfloat16 without AVX-512: no packed copy to read,
-            # so the step declines the model, saying why, and its decodes run eagerly
-            assert why_not(model, []) == ("a linear layer neither packed in the model's dtype nor in GGUF "
-                                          "blocks (at most 4 block types)")
-            return
-    else:
-        path = tmp_path / f"tiny-{kind}.gguf"
-        write_gguf(tiny_dir(kind=kind), path, source)
-        model = _load(path, dtype, "fast")
-        assert isinstance(model.layers[0].qkv, GGUFLinear)
+    model = load_tiny(tiny_dir, tmp_path, kind, source, dtype)
+    if model is None:
+        return
+    assert isinstance(model.layers[0].qkv, CPULinear if source == "dense" else GGUFLinear)
     arch = model.arch
     assert arch.family == "gemma" and arch.window(0) == 8 and arch.window(1) is None
     assert (arch.attn_logit_softcap is not None) == (kind == "gemma2") and arch.qk_norm == (kind == "gemma3")
@@ -169,17 +176,10 @@ def test_mixtures_of_experts_decode_as_eager(tiny_dir, tmp_path, kind, source, d
     """A routed MLP in the C++ step: each row's top 2 of 4 experts (Qwen2-MoE's weights not
     renormalized, and its shared expert behind a sigmoid gate; Qwen3-MoE's q/k norms), each chosen
     expert run once over its rows, the step's experts counted as the eager model counts them."""
-    if source == "dense":
-        model = _load(tiny_dir(kind=kind), dtype, None)
-        if not packed_linear_supported(model.dtype):
-            assert why_not(model, []) == ("a linear layer neither packed in the model's dtype nor in GGUF "
-                                          "blocks (at most 4 block types)")
-            return
-    else:
-        path = tmp_path / f"tiny-{kind}.gguf"
-        write_gguf(tiny_dir(kind=kind), path, source)
-        model = _load(path, dtype, "fast")
-        assert isinstance(model.layers[0].moe.experts[0].gate_up, GGUFLinear)
+    model = load_tiny(tiny_dir, tmp_path, kind, source, dtype)
+    if model is None:
+        return
+    assert isinstance(model.layers[0].moe.experts[0].gate_up, CPULinear if source == "dense" else GGUFLinear)
     arch = model.arch
     assert arch.family == "moe" and arch.num_experts == 4 and arch.experts_per_token == 2
     assert (arch.shared_expert_intermediate_size > 0) == (kind == "qwen2_moe")
