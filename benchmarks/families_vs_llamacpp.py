@@ -8,7 +8,9 @@ Each server runs alone, started and stopped here, on the same file with duoserve
 (blocks, fast mode) and llama.cpp's (2 threads, a slot per stream). The client is ``duoserve bench
 serve`` (random 128-token prompts counted with the file's tokenizer, 128 output tokens,
 ``--ignore-eos``) at 1 and 16 concurrent streams. Also recorded: seconds to a healthy server and
-the peak resident memory of the server's process tree. Prints one JSON document.
+the peak resident memory of the server's process tree: the sum of its processes' RSS (pages two
+processes share counted in both) and of their PSS (each page once), with each process's PSS at
+that peak. Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main() -> None:
             results[name] = {"startup_s": round(server.startup_s, 1),
                              "c1": summary(bench(server, args.gguf, 1, args.single_prompts)),
                              "c16": summary(bench(server, args.gguf, 16, args.batch_prompts)),
-                             "peak_rss_mb": round(server.peak_kb / 1024)}
+                             "peak_rss_mb": round(server.peak_kb / 1024), "peak_pss_mb": round(server.peak_pss_kb / 1024),
+                             "pss_by_process_mb": {k: round(v / 1024) for k, v in server.peak_pss_by_process.items()}}
         finally:
             server.stop()
     if "duoserve" in results and "llamacpp" in results:

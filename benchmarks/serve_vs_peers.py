@@ -43,6 +43,23 @@ def tree_rss_kb(pid: int) -> tuple[int, int]:
     return total, largest
 
 
+def tree_pss_kb(pid: int) -> dict[str, int]:
+    """Proportional set size of a process and each descendant, by ``pid name`` (KiB): pages shared
+    between them (a fork server's imports and its engines', libraries) counted once in the sum,
+    which RSS counts in every process that maps them."""
+    sizes, stack = {}, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+            sizes[f"{p} {name}"] = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:")))
+            stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, StopIteration, ProcessLookupError, PermissionError):
+            pass
+    return sizes
+
+
 class Running:
     def __init__(self, cmd: list[str], port: int, env: dict | None = None, health: str = "/health") -> None:
         self.port = port
@@ -50,7 +67,8 @@ class Running:
         start = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                      start_new_session=True)
-        self.peak_kb = self.peak_largest_kb = 0
+        self.peak_kb = self.peak_largest_kb = self.peak_pss_kb = 0
+        self.peak_pss_by_process: dict[str, int] = {}
         try:
             wait_healthy(f"http://127.0.0.1:{port}{health}", 600, lambda: self.proc.poll() is None)
         except RuntimeError as exc:
@@ -61,6 +79,9 @@ class Running:
     def sample_memory(self) -> None:
         total, largest = tree_rss_kb(self.proc.pid)
         self.peak_kb, self.peak_largest_kb = max(self.peak_kb, total), max(self.peak_largest_kb, largest)
+        pss = tree_pss_kb(self.proc.pid)
+        if sum(pss.values()) > self.peak_pss_kb:
+            self.peak_pss_kb, self.peak_pss_by_process = sum(pss.values()), pss
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
