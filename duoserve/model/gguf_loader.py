@@ -13,6 +13,8 @@ each expert is a contiguous run of its blocks, presented as a tensor of its own
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -273,11 +275,28 @@ class GGUFSource:
         if found is None or found[0].tensor_type.name not in types or len(found[2]) != 2:
             return None
         tensor, raw, (rows, cols) = found
-        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(rows, -1)
         if self._permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._arch.num_heads if "q_proj" in name else self._arch.num_kv_heads
-            data = _unpermute(data, heads).contiguous()
+            data = _unpermute(torch.from_numpy(np.array(raw, copy=True)).reshape(rows, -1), heads).contiguous()
+        else:
+            data = _mapped(raw).reshape(rows, -1)
         return GGUFBlocks(data, tensor.tensor_type.name, rows, cols)
+
+
+def _mapped(raw: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over the file's own pages (its read-only map: no second copy of the weights,
+    and pages the kernel can drop and read again). Nothing writes to blocks; a write would fault
+    rather than change the file. torch warns that it could not write there, said once here. Each
+    page is read once now, so the weights are resident before the memory report counts them and
+    the first request does not fault them in one by one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        data = torch.from_numpy(raw)
+    int(data[::_PAGE].sum())
+    return data
+
+
+_PAGE = mmap.PAGESIZE
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
