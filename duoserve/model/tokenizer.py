@@ -81,7 +81,7 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         # the kept tokenizer.json the backend was (or will be) parsed from: its exact to_str()
         self.source_file = source_file
-        facts = facts or tokenizer_facts(backend)
+        facts = facts or tokenizer_facts(backend, digest=False)   # the digest when asked (0.8 s for Gemma's)
         self.vocab_size: int = facts["vocab_size"]
         self.special_token_ids = frozenset(facts["special_token_ids"])
         self._vocabulary_digest: str | None = facts.get("vocabulary_digest")
@@ -143,14 +143,15 @@ def _vocabulary_digest(backend: HFTokenizer) -> str:
                                      ensure_ascii=False).encode()).hexdigest()
 
 
-def tokenizer_facts(backend: HFTokenizer) -> dict[str, Any]:
+def tokenizer_facts(backend: HFTokenizer, digest: bool = True) -> dict[str, Any]:
     """What a Tokenizer knows of its backend without asking it again (kept beside a kept
-    tokenizer.json, so a later start needs no parse)."""
+    tokenizer.json, so a later start needs no parse); without ``digest``, all but the
+    vocabulary's digest (computed on first use then)."""
     added = backend.get_added_tokens_decoder()
-    return {"vocab_size": backend.get_vocab_size(with_added_tokens=True),
-            "special_token_ids": sorted(i for i, tok in added.items() if tok.special),
-            "vocabulary_digest": _vocabulary_digest(backend),
-            "end_of_turn_id": backend.token_to_id(_END_OF_TURN)}
+    facts = {"vocab_size": backend.get_vocab_size(with_added_tokens=True),
+             "special_token_ids": sorted(i for i, tok in added.items() if tok.special),
+             "end_of_turn_id": backend.token_to_id(_END_OF_TURN)}
+    return {**facts, "vocabulary_digest": _vocabulary_digest(backend)} if digest else facts
 
 
 # Gemma's end of a chat turn: llama.cpp ends generation on it by its text (the file's eos is <eos>)
