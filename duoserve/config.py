@@ -333,6 +333,7 @@ class DisaggConfig:
 
 
 CLUSTERS = ("local", "ray")
+ROUTINGS = ("prefix", "least-loaded")   # frontend/router.py
 
 
 @dataclass(frozen=True)
@@ -345,10 +346,13 @@ class ClusterConfig:
     ray_namespace: str = "duoserve"   # one deployment's engines are the named actors of this namespace
     auth_key_file: str | None = None  # the deployment key; None: $DUOSERVE_AUTH_KEY*, else the engines' own
     num_engines: int = 1              # colocated engines launched on this host (each takes a share of its cores)
+    routing: str = "prefix"           # among engines of a role: the likeliest prefix-cache hit, or least-loaded
 
     def __post_init__(self) -> None:
         if self.kind not in CLUSTERS:
             raise ConfigError("cluster", self.kind, f"one of {', '.join(CLUSTERS)}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError("routing", self.routing, f"one of {', '.join(ROUTINGS)}")
         if not isinstance(self.num_engines, int) or self.num_engines < 1:
             raise ConfigError("num_engines", self.num_engines, "a positive number of engines")
         if self.kind == "ray" and self.num_engines != 1:

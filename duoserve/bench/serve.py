@@ -33,6 +33,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="tokens to generate (default: 128)")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by this fraction")
     parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: the shared tokens (default: 512)")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="shared-prefix: how many different prefixes, one drawn at random a prompt (default: 1)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: 100)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly output-len")
@@ -140,7 +142,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     model = args.model or first_model(args.base_url, args.api_key)
     tokenizer = load_tokenizer(args.tokenizer)
     requests = workloads.build(args.dataset, tokenizer, args.num_prompts, args.input_len, args.output_len,
-                               args.range_ratio, args.prefix_len, args.seed)
+                               args.range_ratio, args.prefix_len, args.seed, args.num_prefixes)
     metrics = DuoserveMetrics(args.base_url, auth_headers(args.api_key))
     sampler = threading.Thread(target=metrics.sample, daemon=True)
     sampler.start()
@@ -192,7 +194,7 @@ def run_bench_sweep(args: argparse.Namespace) -> int:
         raise ConfigError(by, text, "a comma-separated list of numbers") from None
     model = args.model or first_model(args.base_url, args.api_key)
     requests = workloads.build(args.dataset, load_tokenizer(args.tokenizer), args.num_prompts, args.input_len,
-                               args.output_len, args.range_ratio, args.prefix_len, args.seed)
+                               args.output_len, args.range_ratio, args.prefix_len, args.seed, args.num_prefixes)
     results, best = sweep.sweep(args.base_url, args.endpoint, model, requests, points, by,
                                 report.parse_goodput(args.goodput), args.slo_fraction, args.ignore_eos,
                                 args.api_key, args.seed)

@@ -4,7 +4,8 @@
   tokens; ``range_ratio`` r draws each length uniformly from [len * (1 - r), len * (1 + r)].
 - ``mixed``: a short/long mix, e.g. ``64:0.8,1500:0.2`` (length:share), ``output_len`` each.
 - ``shared-prefix``: every prompt opens with the same ``prefix_len`` random tokens (what a
-  prefix cache and a KV store serve), then ``input_len`` tokens of its own.
+  prefix cache and a KV store serve), then ``input_len`` tokens of its own; with
+  ``num_prefixes`` N, with one of N such prefixes drawn at random (N system prompts, their users).
 - ``jsonl:FILE``: one JSON object a line, ``{"prompt": "...", "output_len": 128}`` (the output
   length optional: ``output_len`` otherwise). A ShareGPT export converts with::
 
@@ -74,7 +75,7 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
 
 
 def build(dataset: str, tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-          prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+          prefix_len: int = 0, seed: int = 0, num_prefixes: int = 1) -> list[BenchRequest]:
     rng = random.Random(seed)
     vocab = tokenizer.vocab_size
 
@@ -89,9 +90,12 @@ def build(dataset: str, tokenizer, num_prompts: int, input_len: int, output_len:
         lengths = rng.choices([length for length, _ in mix], weights=[share for _, share in mix], k=num_prompts)
         return [made(_random_text(tokenizer, rng, n, vocab), output_len) for n in lengths]
     if dataset == "shared-prefix":
-        prefix = _random_text(tokenizer, rng, prefix_len, vocab)
-        return [made(prefix + " " + _random_text(tokenizer, rng, input_len, vocab), output_len)
-                for _ in range(num_prompts)]
+        if num_prefixes < 1:
+            raise ConfigError("num_prefixes", num_prefixes, "a positive number of shared prefixes")
+        prefixes = [_random_text(tokenizer, rng, prefix_len, vocab) for _ in range(num_prefixes)]
+        # one prefix: no draw (the same prompts as before --num-prefixes for a given seed)
+        return [made((prefixes[rng.randrange(num_prefixes)] if num_prefixes > 1 else prefixes[0]) + " "
+                     + _random_text(tokenizer, rng, input_len, vocab), output_len) for _ in range(num_prompts)]
     if dataset.startswith("jsonl:"):
         path = Path(dataset[len("jsonl:"):])
         if not path.is_file():

@@ -12,7 +12,7 @@ import os
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
-from duoserve.config import CLUSTERS, KV_TRANSPORTS, PREFILL_DEVICES, ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.config import CLUSTERS, KV_TRANSPORTS, PREFILL_DEVICES, ROUTINGS, ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
@@ -196,6 +196,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                    help="colocated engines to launch on this host, each on its share of the cores; a request "
                         "whose engine goes down goes on on another (default: 1; with --disagg use "
                         "--num-decode-engines)")
+    r.add_argument("--routing", default=ClusterConfig.routing, choices=ROUTINGS,
+                   help="which of several engines of a role takes a request: prefix, the one that probably holds "
+                        "the longest start of its prompt in its prefix cache unless it is 4 requests busier than "
+                        "the least loaded; least-loaded, the one with the fewest queued (default: prefix)")
     r.add_argument("--cluster", default=ClusterConfig.kind, choices=CLUSTERS,
                    help="launch the engines on this host, or place them on a Ray cluster (default: local)")
     r.add_argument("--ray-address", default=None,

@@ -17,7 +17,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(kind=args.cluster, ray_address=args.ray_address, ray_namespace=args.ray_namespace,
-                         auth_key_file=args.auth_key_file, num_engines=args.num_engines)
+                         auth_key_file=args.auth_key_file, num_engines=args.num_engines,
+                         routing=args.routing)
 
 
 def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:

@@ -107,6 +107,7 @@ class AsyncEngine:
         self.disagg = disagg
         self.frontend_id = new_frontend_id()   # engines keep this frontend's requests apart from others'
         decode, prefill = plan_deployment(config, disagg, cluster, self.frontend_id)
+        self.routing = (cluster or ClusterConfig()).routing
         self.supervisor = EngineSupervisor(decode, prefill, self)
         self.group: EngineGroup | None = None        # once the first decode engine is up
         self.inputs: InputProcessor | None = None    # likewise (it needs the engines' tokenizer)
@@ -271,7 +272,8 @@ class AsyncEngine:
 
     def engine_up(self, client: EngineClient) -> None:
         if self.group is None and client in self.decode_clients:
-            router = None if self.disagg is None else Router(self.disagg.prefill_device, self.disagg.max_prefill_len)
+            router = (Router(routing=self.routing) if self.disagg is None
+                      else Router(self.disagg.prefill_device, self.disagg.max_prefill_len, self.routing))
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
             self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
             self.inputs = InputProcessor(self.group.tokenizer, self.group.vocab_size, self.group.eos_token_ids)

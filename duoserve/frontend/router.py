@@ -5,11 +5,14 @@ seed documents' mode) sends a prompt of at most ``--max-prefill-len`` tokens to 
 prefill engine and prefills a longer one on its decode engine itself, chunked. With
 no prefill engine up, every prompt is prefilled on its decode engine.
 
-Among engines of one role the least loaded takes the request (queue depth, counted
-here exactly: a decode engine's unfinished requests, a prefill engine's requests not
-yet prefilled); between equals the first in its list (``decode-0`` before
-``decode-1``), and an engine that is down is passed over. The frontend does not see
-the engines' prefix caches, so "uncached part" is judged by the whole prompt's length.
+Among engines of one role (``--routing prefix``, the default) the engine that probably
+holds the longest start of the prompt in its prefix cache takes it (``prefix_map``: what
+this frontend placed where), unless it has ``IMBALANCE`` or more requests queued beyond the
+least loaded one; with no such engine, or ``--routing least-loaded``, the least loaded
+takes it (queue depth, counted here exactly: a decode engine's unfinished requests, a
+prefill engine's requests not yet prefilled); between equals the first in its list
+(``decode-0`` before ``decode-1``), and an engine that is down is passed over. The
+prefill-or-not choice of ``auto`` judges "uncached part" by the whole prompt's length.
 
 Migration (``migrate``): a request whose engine went down is placed again. One no sample of
 which has a token yet starts over, placed like a new request; otherwise each unfinished
@@ -29,14 +32,20 @@ from dataclasses import dataclass, field
 
 from duoserve.core.request import Request
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
+from duoserve.frontend.prefix_map import PrefixMap
 
 logger = logging.getLogger(__name__)
 
+# queued requests beyond the least loaded engine's at which a prefix match no longer wins: a hot
+# prefix must not pile every request on one engine while another idles
+IMBALANCE = 4
+
 
 class Router:
-    def __init__(self, prefill_device: str = "cpu", max_prefill_len: int = 512) -> None:
+    def __init__(self, prefill_device: str = "cpu", max_prefill_len: int = 512, routing: str = "prefix") -> None:
         self.prefill_device = prefill_device
         self.max_prefill_len = max_prefill_len
+        self.routing = routing
 
     def prefill_remotely(self, num_prompt_tokens: int) -> bool:
         return self.prefill_device != "auto" or num_prompt_tokens <= self.max_prefill_len
@@ -109,10 +118,13 @@ class EngineGroup:
         self.aliases: dict[str, str] = {}   # a migrated request's engine id -> the frontend's id
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
         self.on_resume: list = []  # hooks(seconds from the migration to the stream's next token)
+        self.prefixes = PrefixMap(first.ready.block_size)
 
     def engine_up(self, client: EngineClient) -> None:
-        """An engine came up (late, or again): the context is what every engine can hold."""
+        """An engine came up (late, or again): the context is what every engine can hold, and
+        its prefix cache starts empty."""
         self.max_model_len = min(self.max_model_len, client.ready.max_model_len)
+        self.prefixes.forget(client.name)
 
     @property
     def vocab_size(self) -> int:
@@ -139,18 +151,33 @@ class EngineGroup:
         load = self.load
         return min(up, key=lambda c: load[c.name])
 
+    def _best(self, clients: list[EngineClient], hashes: list[int]) -> EngineClient | None:
+        """The engine the request goes to among ``clients`` (the module docstring's rule)."""
+        least = self._least_loaded(clients)
+        if least is None or self.router.routing != "prefix" or not hashes:
+            return least
+        load, up = self.load, [c for c in clients if c.is_up()]
+        best = max(up, key=lambda c: (self.prefixes.matched(c.name, hashes), -load[c.name]))
+        if self.prefixes.matched(best.name, hashes) == 0 or load[best.name] - load[least.name] >= IMBALANCE:
+            return least
+        return best
+
     def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None]:
         """(decode engine, prefill engine or None) for a new request; the placement rules are
         the module docstring's. Raises EngineDeadError when no decode engine is up."""
-        decode = self._least_loaded(self.decode)
+        hashes = self.prefixes.hashes(request.prompt_token_ids) if self.router.routing == "prefix" else []
+        decode = self._best(self.decode, hashes)
         if decode is None:
             raise EngineDeadError("no decode engine is up")
         prefill = None
         if self.prefill and self.router.prefill_remotely(request.num_prompt_tokens):
-            prefill = self._least_loaded(self.prefill)
+            prefill = self._best(self.prefill, hashes)
             if prefill is None and not self._warned_fallback:
                 logger.warning("no prefill engine is up: prefilling on the decode engines")
             self._warned_fallback = prefill is None
+        for client in (decode, prefill):   # both hold the prompt's blocks once it is prefilled
+            if client is not None and hashes:
+                self.prefixes.record(client.name, hashes, client.ready.num_blocks)
         return decode, prefill
 
     def add_request(self, request: Request, original: Request | None = None) -> None:

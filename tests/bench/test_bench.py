@@ -136,6 +136,10 @@ def test_workloads_have_the_lengths_they_promise(tmp_path):
     shared = workloads.build("shared-prefix", tokenizer, 3, 16, 8, prefix_len=100, seed=3)
     heads = {r.prompt[:200] for r in shared}
     assert len(heads) == 1 and all(r.prompt_len >= 110 for r in shared)
+    several = workloads.build("shared-prefix", tokenizer, 30, 16, 8, prefix_len=100, seed=3, num_prefixes=3)
+    assert len({r.prompt[:200] for r in several}) == 3
+    with pytest.raises(ConfigError, match="num_prefixes"):
+        workloads.build("shared-prefix", tokenizer, 3, 16, 8, prefix_len=100, num_prefixes=0)
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "Hello there", "output_len": 5}\n{"prompt": "Bye"}\n')
     from_file = workloads.build(f"jsonl:{path}", tokenizer, 3, 0, 9)

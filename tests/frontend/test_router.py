@@ -17,10 +17,10 @@ from duoserve.frontend.router import EngineGroup, Router
 
 
 class FakeClient:
-    def __init__(self, name: str, max_model_len: int = 64) -> None:
+    def __init__(self, name: str, max_model_len: int = 64, num_blocks: int = 8) -> None:
         self.name = name
         self.ready = SimpleNamespace(instance_id=f"{name}-1", max_model_len=max_model_len, vocab_size=10,
-                                     eos_token_ids=[0])
+                                     eos_token_ids=[0], block_size=4, num_blocks=num_blocks)
         self.tokenizer = None
         self.up = True
         self.added: list[tuple[str, str | None, str | None]] = []   # (request id, kv peer, its instance)
@@ -249,3 +249,51 @@ def test_the_resume_hook_hears_the_first_token_after_a_migration_once():
     assert heard == []
     group.note_outputs(d1, outs("a#1", "a#1"))
     assert len(heard) == 1 and 0 <= heard[0] < 5
+
+
+def place_prompts(group: EngineGroup, prompts: dict[str, list[int]]) -> list[str]:
+    """Add one request a prompt, in order; each one's decode engine."""
+    for request_id, tokens in prompts.items():
+        group.add_request(Request(request_id, tokens, SamplingParams(max_tokens=4), (0,), 64))
+    return [group.placements[r].decode for r in prompts]
+
+
+SYSTEM_A, SYSTEM_B = list(range(1, 9)), list(range(100, 108))   # two blocks of 4 each
+
+
+def test_a_prompt_goes_to_the_engine_that_holds_its_start_unless_that_one_is_4_busier():
+    group, _, _ = engines(2)
+    assert place_prompts(group, {"a": SYSTEM_A + [50], "b": SYSTEM_B + [51]}) == ["decode-0", "decode-1"]
+    # B's users follow B to decode-1 while it is less than 4 requests busier than decode-0
+    later = {f"b{i}": SYSTEM_B + [60 + i] for i in range(5)}
+    assert place_prompts(group, later) == ["decode-1"] * 4 + ["decode-0"]
+    assert group.load == {"decode-0": 2, "decode-1": 5}
+    # a prompt sharing only B's first block still counts as a match; one sharing none goes by load
+    assert place_prompts(group, {"c": SYSTEM_B[:4] + [9, 9, 9, 9], "d": [7] * 8}) == ["decode-0", "decode-0"]
+
+
+def test_least_loaded_routing_ignores_the_prefixes():
+    group, _, _ = engines(2, router=Router(routing="least-loaded"))
+    prompts = {f"b{i}": SYSTEM_B + [60 + i] for i in range(4)}
+    assert place_prompts(group, prompts) == ["decode-0", "decode-1", "decode-0", "decode-1"]
+
+
+def test_a_relaunched_engine_is_known_to_hold_nothing_and_the_map_forgets_past_its_pool():
+    group, (d0, d1), _ = engines(2)
+    place_prompts(group, {"a": SYSTEM_A, "b": SYSTEM_B})
+    group.engine_up(d1)   # decode-1 came back: its prefix cache is empty
+    assert group.prefixes.matched("decode-1", group.prefixes.hashes(SYSTEM_B)) == 0
+    assert group.prefixes.matched("decode-0", group.prefixes.hashes(SYSTEM_A)) == 2
+    # decode-0 holds 8 blocks: four more prompts of two blocks push SYSTEM_A's out
+    for i in range(4):
+        group.prefixes.record("decode-0", group.prefixes.hashes([200 + 10 * i] * 8), d0.ready.num_blocks)
+    assert group.prefixes.matched("decode-0", group.prefixes.hashes(SYSTEM_A)) == 0
+
+
+def test_the_prefill_engine_is_chosen_by_prefix_too_and_the_decode_engine_recorded():
+    group, _, prefill = engines(2, 2, Router("cpu"))
+    group.add_request(Request("a", SYSTEM_A, SamplingParams(max_tokens=4), (0,), 64))
+    group.add_request(Request("b", SYSTEM_B, SamplingParams(max_tokens=4), (0,), 64))
+    group.add_request(Request("c", SYSTEM_A + [5], SamplingParams(max_tokens=4), (0,), 64))
+    assert [(group.placements[r].prefill, group.placements[r].decode) for r in "abc"] == [
+        ("prefill-0", "decode-0"), ("prefill-1", "decode-1"), ("prefill-0", "decode-0")]
