@@ -122,6 +122,8 @@ class EngineStats(msgspec.Struct):
     grammar_mask_steps: int = 0
     grammar_num_masks: int = 0
     grammar_mask_seconds: float = 0.0
+    draining: bool = False          # SIGTERM'd: finishing what it holds, taking nothing new
+
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -113,12 +113,12 @@ def run_engine(args: argparse.Namespace) -> int:
     """``duoserve prefill|decode --listen ADDR``: one engine in this process until SIGTERM/SIGINT."""
     import dataclasses
     import logging
-    import signal
 
     import msgspec
 
-    from duoserve.transport.auth import check_listen, load_key
+    from duoserve.engine.lifecycle import StopSignals
     from duoserve.engine.process import engine_main
+    from duoserve.transport.auth import check_listen, load_key
 
     check_engine_address(args.listen, "listen")
     key = load_key(args.auth_key_file)
@@ -126,13 +126,15 @@ def run_engine(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config_from_args(args), role=args.command,
                                  cpus=parse_cpu_list(args.cpus, "cpus"),
                                  kv_lease_timeout=getattr(args, "kv_lease_timeout", 30.0))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like on Ctrl-C
+    # SIGTERM/SIGINT: at once while starting, a drain once serving (its frontends send it nothing
+    # new, it finishes what it holds, then exits), at once again on a second one
+    signals = StopSignals().install()
     try:
         return engine_main(msgspec.msgpack.encode(config), args.listen, logging.INFO,
-                           auth_secret=None if key is None else key.secret)
-    except KeyboardInterrupt:  # before the engine was up (engine_main logs a stop once it serves)
+                           auth_secret=None if key is None else key.secret, signals=signals)
+    except (KeyboardInterrupt, SystemExit) as exc:   # before the engine was up
         logging.getLogger("duoserve").info("%s engine stopped while starting", args.command)
-        return 0
+        return exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 0
 
 
 def run_keygen(args: argparse.Namespace) -> int:

@@ -295,12 +295,14 @@ class EngineServer:
                 outputs += self.core.step()
             now = time.monotonic()
             stats = None
-            signature = self.core.load_signature()
+            draining = self.signals is not None and self.signals.draining
+            signature = (self.core.load_signature(), draining)   # a drain's start is told at once
             changed = signature != last_signature and (not self.core.has_work() or
                                                        now - last_stats >= STATS_ON_CHANGE_S)
             if changed or now - last_stats >= STATS_INTERVAL:
                 # the stats double as a probe: a frontend whose connection is gone is dropped here
                 stats, last_stats, last_signature = self.core.stats(), now, signature
+                stats.draining = draining
                 # the serving loop's check, where stop_with_launcher found no pidfd to wait on
                 if self.parent_pid is not None and not _pid_alive(self.parent_pid):
                     self.log.warning("the process that launched this engine is gone: stopping")

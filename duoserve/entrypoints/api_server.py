@@ -322,6 +322,23 @@ async def prometheus(raw: Request):
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@router.post("/v1/engines/{name}/drain")
+async def drain_engine(name: str, raw: Request):
+    """Drain one engine this server launched: no new work goes to it, it finishes what it holds,
+    stops, and is launched again (a rolling restart drains each engine in turn). 202 once it
+    drains; 404 for no such engine; 409 for one that runs elsewhere (SIGTERM it on its host:
+    it drains the same way) or that is not up."""
+    engine = raw.app.state.engine
+    try:
+        held = engine.drain_engine(name)
+    except KeyError:
+        raise APIError(404, f"no engine {name!r}: the engines are {', '.join(c.name for c in engine.clients)}",
+                       param="name") from None
+    except ValueError as exc:
+        raise APIError(409, str(exc), param="name") from None
+    return JSONResponse({"engine": name, "draining": True, "requests_held": held}, status_code=202)
+
+
 @router.get("/v1/memory")
 async def memory(raw: Request):
     """Each engine's start-up memory report, and this API process's resident size."""

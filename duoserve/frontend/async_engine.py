@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -38,7 +39,7 @@ from duoserve.errors import DuoserveError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id
 from duoserve.frontend.frontend import tell_engines
 from duoserve.frontend.input_processor import InputProcessor
-from duoserve.frontend.launcher import plan_deployment
+from duoserve.frontend.launcher import plan_deployment, signal_engine
 from duoserve.frontend.output_processor import OutputProcessor
 from duoserve.frontend.router import EngineGroup, Router
 from duoserve.frontend.supervisor import EngineSupervisor, call_hooks
@@ -182,6 +183,22 @@ class AsyncEngine:
     def started(self) -> bool:
         """The engines have been up once: the tokenizer and the model's limits are known."""
         return self.group is not None
+
+    def drain_engine(self, name: str) -> int:
+        """SIGTERM a launched engine: it drains (its stats then say so; new work goes elsewhere from
+        now), stops once it holds nothing, and the supervisor launches it again. The requests it
+        holds now. KeyError: no such engine; ValueError: it runs elsewhere, or is not up."""
+        client = next((c for c in self.clients if c.name == name), None)
+        if client is None:
+            raise KeyError(name)
+        if not client.launched:
+            raise ValueError(f"{name} runs elsewhere ({client.address}): send it SIGTERM on its host, it drains "
+                             "the same way")
+        if not client.is_up() or client.draining:
+            raise ValueError(f"{name} is not up, or drains already")
+        client.draining = True   # before its stats can say so: nothing new goes there from now
+        signal_engine(client, signal.SIGTERM)
+        return 0 if self.group is None else self.group.load.get(name, 0)
 
     def slow_engines(self) -> list[str]:
         """Engines silent past the silence timeout while their connection answers (busy, not dead)."""

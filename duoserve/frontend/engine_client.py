@@ -106,6 +106,7 @@ class EngineClient:
         self._refused = False           # ... because the engine refused this side's key
         self._connections = 0           # sockets made so far (told in each hello: a late one is ignored)
         self.slow_since: float | None = None  # silent past SILENCE_TIMEOUT while its connection answers
+        self.draining = False                 # its stats say it drains (SIGTERM'd): no new work for it
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready: msg.EngineReady | None = None
         self.tokenizer: Tokenizer | None = None

@@ -11,7 +11,8 @@ this frontend placed where), unless it has ``IMBALANCE`` or more requests queued
 least loaded one; with no such engine, or ``--routing least-loaded``, the least loaded
 takes it (queue depth, counted here exactly: a decode engine's unfinished requests, a
 prefill engine's requests not yet prefilled); between equals the first in its list
-(``decode-0`` before ``decode-1``), and an engine that is down is passed over. The
+(``decode-0`` before ``decode-1``), and an engine that is down, or draining (its stats say
+so: it got SIGTERM and finishes what it holds before it stops), is passed over. The
 prefill-or-not choice of ``auto`` judges "uncached part" by the whole prompt's length.
 
 Migration (``migrate``): a request whose engine went down is placed again. One no sample of
@@ -144,8 +145,14 @@ class EngineGroup:
                 load[p.prefill] += 1
         return load
 
-    def _least_loaded(self, clients: list[EngineClient]) -> EngineClient | None:
+    @staticmethod
+    def _takers(clients: list[EngineClient]) -> list[EngineClient]:
+        """The engines that take new work: up and not draining (all that are up, if every one drains)."""
         up = [c for c in clients if c.is_up()]
+        return [c for c in up if not getattr(c, "draining", False)] or up
+
+    def _least_loaded(self, clients: list[EngineClient]) -> EngineClient | None:
+        up = self._takers(clients)
         if not up:
             return None
         load = self.load
@@ -156,7 +163,7 @@ class EngineGroup:
         least = self._least_loaded(clients)
         if least is None or self.router.routing != "prefix" or not hashes:
             return least
-        load, up = self.load, [c for c in clients if c.is_up()]
+        load, up = self.load, self._takers(clients)
         best = max(up, key=lambda c: (self.prefixes.matched(c.name, hashes), -load[c.name]))
         if self.prefixes.matched(best.name, hashes) == 0 or load[best.name] - load[least.name] >= IMBALANCE:
             return least

@@ -204,6 +204,7 @@ class EngineSupervisor:
 
     def _engine_down(self, client: EngineClient, reason: str) -> None:
         self.stats.pop(client.name, None)
+        client.draining = False   # whatever comes back takes work
         call_hooks(self.on_engine_down, client.name)
         self.events.engine_down(client, reason)
 
@@ -235,6 +236,7 @@ class EngineSupervisor:
             batch = await client.recv()
             if batch.stats is not None:
                 self.stats[client.name] = batch.stats
+                client.draining = batch.stats.draining
                 call_hooks(self.on_stats, client.name, instance_id, batch.stats)
             if batch.outputs:
                 self.events.engine_outputs(client, batch.outputs)

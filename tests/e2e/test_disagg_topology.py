@@ -14,7 +14,7 @@ import time
 import pytest
 
 from duoserve import SamplingParams
-from duoserve.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig
+from duoserve.config import CacheConfig, ClusterConfig, DisaggConfig, EngineConfig, ModelConfig
 from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError
 from tests.disagg_helpers import GREEDY, assert_same, generate_all, prompts, settled_stats
 from tests.server_helpers import free_port
@@ -29,11 +29,13 @@ async def final_stats(engine: AsyncEngine) -> dict:
 
 
 def test_two_prefill_and_two_decode_engines_balance_by_queue_depth(tiny_dir, disagg_reference):
+    """--routing least-loaded (prefix routing would send r6 after the prompt it shares blocks with)."""
     disagg = DisaggConfig(num_prefill_engines=2, num_decode_engines=2, prefill_threads=1, decode_threads=1,
                           prefill_block_size=16)
 
     async def main():
-        engine = AsyncEngine(engine_config(tiny_dir(kind="llama")), disagg=disagg)
+        engine = AsyncEngine(engine_config(tiny_dir(kind="llama")), disagg=disagg,
+                             cluster=ClusterConfig(routing="least-loaded"))
         await engine.start()
         try:
             async def one(i, prompt):

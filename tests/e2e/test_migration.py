@@ -93,3 +93,53 @@ def test_the_streams_of_an_engine_that_goes_down_go_on_on_the_other(tiny_dir, ho
     assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in stats.values()), "every pool whole"
     print(f"{how!r}: streams finished {finished_in:.1f} s after the engine went down; resumed in "
           f"{', '.join(f'{r:.2f}' for r in resumes)} s")
+
+
+def test_a_rolling_drain_of_both_engines_loses_nothing_and_moves_no_token(tiny_dir):
+    """Each engine drained in turn under load (``AsyncEngine.drain_engine``, what ``POST
+    /v1/engines/{name}/drain`` calls): new work goes to the other one at once, the drained one
+    finishes every stream it holds (nothing migrates), stops, and is launched again; every stream
+    ends with an undisturbed run's tokens."""
+    migrations = []
+
+    async def main():
+        engine = AsyncEngine(config(tiny_dir(kind="llama")), cluster=ClusterConfig(num_engines=2))
+        engine.on_migrate.append(lambda *args: migrations.append(args))
+        await engine.start()
+        try:
+            reference = [await stream(engine, f"ref-{rid}", params, prompt) for rid, params, prompt in STREAMS]
+            late_reference = await stream(engine, "ref-late", GREEDY, list(range(7, 30)))
+            placed, relaunched, results = {}, [], []
+            for client in engine.clients:   # a rolling restart: one engine, then the other
+                started = asyncio.Event()
+                tasks = [asyncio.ensure_future(stream(engine, f"{client.name}-{rid}", params, prompt,
+                                                      started if rid == "r0" else None))
+                         for rid, params, prompt in STREAMS]
+                await asyncio.wait_for(started.wait(), 60)
+                first_pid = client.process.pid
+                engine.drain_engine(client.name)
+                with pytest.raises(ValueError, match="drains already"):
+                    engine.drain_engine(client.name)
+                late = asyncio.ensure_future(stream(engine, f"{client.name}-late", GREEDY, list(range(7, 30))))
+                await asyncio.sleep(0)
+                placed[f"{client.name}-late"] = engine.group.placements[f"{client.name}-late"].decode
+                results += await asyncio.wait_for(asyncio.gather(*tasks, late), 120)
+                for _ in range(600):   # drained, stopped, launched again
+                    if engine.ready and client.process.pid != first_pid and not client.draining:
+                        break
+                    await asyncio.sleep(0.1)
+                relaunched.append(client.process.pid != first_pid)
+            with pytest.raises(KeyError):
+                engine.drain_engine("engine-9")
+            return reference + [late_reference], placed, relaunched, results, await settled_stats(engine)
+        finally:
+            await engine.shutdown()
+
+    reference, placed, relaunched, results, stats = asyncio.run(main())
+    assert placed == {"engine-0-late": "engine-1", "engine-1-late": "engine-0"}, "new work avoids a draining engine"
+    assert relaunched == [True, True] and migrations == []
+    expected = [*reference[:-1], reference[-1]] * 2
+    for (want, _), (got, delivered) in zip(expected, results):
+        assert [list(s.token_ids) for s in got] == delivered
+        assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in stats.values()), "every pool whole"

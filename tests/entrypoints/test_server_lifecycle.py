@@ -232,3 +232,39 @@ def test_a_slow_engine_is_not_a_dead_one(tmp_path, monkeypatch):
         assert "is down" not in text and "relaunch" not in text
     finally:
         srv.stop()
+
+
+def test_drain_an_engine_over_http_while_a_stream_runs_there(tmp_path):
+    """``POST /v1/engines/engine-0/drain`` (the API key asked for like every /v1 route): 202 at
+    once; a stream it holds ends with the tokens an undisturbed run gives, new requests go to
+    engine-1 meanwhile, then engine-0 stops and is launched again (a new process), and /health is
+    ok. An unknown engine is a 404 in the OpenAI error shape."""
+    srv = Server("--num-engines", "2", "--kv-cache-memory", "0.1", "--max-model-len", "2048", api_key="k3y",
+                 log=tmp_path / "log")
+    try:
+        url, headers = srv.url, srv.headers
+        body = {"prompt": "Tell me a long story", "max_tokens": 64, "ignore_eos": True, "temperature": 0}
+        want = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120).json()["choices"][0]["text"]
+        assert httpx.post(f"{url}/v1/engines/engine-0/drain", timeout=10).status_code == 401
+        missing = httpx.post(f"{url}/v1/engines/engine-9/drain", headers=headers, timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "name"
+        before = set(engine_children(srv.proc.pid))
+        lines, drained = [], {}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3 and not drained:
+                    drained["reply"] = httpx.post(f"{url}/v1/engines/engine-0/drain", headers=headers, timeout=10)
+                    drained["again"] = httpx.post(f"{url}/v1/engines/engine-0/drain", headers=headers, timeout=10)
+                    drained["new"] = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+        assert drained["reply"].status_code == 202 and drained["reply"].json()["engine"] == "engine-0"
+        assert drained["again"].status_code == 409
+        assert drained["new"].status_code == 200 and drained["new"].json()["choices"][0]["text"] == want
+        text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1])
+        assert lines[-1] == "data: [DONE]" and text == want
+        _wait_for(lambda: len(set(engine_children(srv.proc.pid)) - before) == 1, 60)   # relaunched
+        _wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200, 60)
+    finally:
+        srv.stop()

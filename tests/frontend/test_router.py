@@ -297,3 +297,14 @@ def test_the_prefill_engine_is_chosen_by_prefix_too_and_the_decode_engine_record
     group.add_request(Request("c", SYSTEM_A + [5], SamplingParams(max_tokens=4), (0,), 64))
     assert [(group.placements[r].prefill, group.placements[r].decode) for r in "abc"] == [
         ("prefill-0", "decode-0"), ("prefill-1", "decode-1"), ("prefill-0", "decode-0")]
+
+
+def test_a_draining_engine_takes_no_new_work_unless_every_engine_drains():
+    group, (d0, d1), _ = engines(2)
+    place_prompts(group, {"a": SYSTEM_A})                # decode-0 holds SYSTEM_A, and is least loaded after
+    place_prompts(group, {"b": SYSTEM_B, "c": SYSTEM_B + [1]})
+    group.release("b")
+    d0.draining = True
+    assert place_prompts(group, {"d": SYSTEM_A + [2], "e": [9] * 3}) == ["decode-1", "decode-1"]
+    d1.draining = True
+    assert place_prompts(group, {"f": [8] * 3}) == ["decode-0"], "all draining: work still goes somewhere"
