@@ -272,3 +272,45 @@ def test_serve_started_before_its_engines_waits_for_them(tiny_dir, tmp_path):
         for proc in engines:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=20)
+
+
+def test_a_rolling_drain_of_two_prefill_and_two_decode_engines_under_load(tiny_dir, disagg_reference):
+    """Every engine of a 2 + 2 deployment drained in turn while requests keep coming (each round's
+    eight placed as its engine starts draining): no request fails, every one ends with the
+    undisturbed run's tokens, each drained engine is launched again. (A request can still migrate
+    when a prefill engine's drain ends: seen once in three runs, with the same tokens after it.)"""
+    disagg = DisaggConfig(num_prefill_engines=2, num_decode_engines=2, prefill_threads=1, decode_threads=1,
+                          prefill_block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    migrations = []
+
+    async def main():
+        engine = AsyncEngine(engine_config(tiny_dir(kind="llama")), disagg=disagg)
+        engine.on_migrate.append(lambda *args: migrations.append(args))
+        await engine.start()
+        try:
+            reference = await generate_all(engine, prompts(), params)
+            rounds, relaunched, held = [], [], []
+            for client in [*engine.prefill_clients, *engine.decode_clients]:
+                first_pid = client.process.pid
+                load = asyncio.ensure_future(generate_all(engine, prompts(), params))
+                await asyncio.sleep(0.05)   # some placed before the drain, the rest after it
+                held.append(engine.drain_engine(client.name))
+                rounds.append(await asyncio.wait_for(load, 120))
+                for _ in range(600):
+                    if engine.ready and client.process.pid != first_pid and not client.draining:
+                        break
+                    await asyncio.sleep(0.1)
+                relaunched.append(client.process.pid != first_pid)
+            return reference, rounds, relaunched, held, await final_stats(engine)
+        finally:
+            await engine.shutdown()
+
+    reference, rounds, relaunched, held, stats = asyncio.run(main())
+    assert relaunched == [True] * 4
+    assert all(cause == "exited" for cause, *_ in migrations), migrations
+    assert sum(held[2:]) > 0, "decode engines were drained with streams on them"
+    for outs in rounds:
+        assert [o.finish_reason for o in outs] == ["length"] * len(outs)
+        assert_same(outs, reference)
+    assert all(s.kv_cache_usage == 0 and s.num_running == 0 for s in stats.values()), "every pool whole"
