@@ -259,9 +259,12 @@ class EngineGroup:
 
     def stranded_by(self, client: EngineClient) -> list[str]:
         """The requests that die with ``client``: all it decodes, and those it prefills with a sample
-        not yet handed over."""
+        not yet handed over, unless it stopped after a drain having reported them prefilled (a
+        draining prefill engine exits only once the decode engine acknowledged their KV)."""
+        drained = getattr(client, "draining", False)
         return [rid for rid, p in self.placements.items()
-                if p.decode == client.name or (p.prefill == client.name and not p.decoding)]
+                if p.decode == client.name
+                or (p.prefill == client.name and not p.decoding and not (drained and p.prefilled))]
 
     def _engines_of(self, request_id: str) -> list[EngineClient]:
         placement = self.placements.get(request_id)

@@ -204,9 +204,9 @@ class EngineSupervisor:
 
     def _engine_down(self, client: EngineClient, reason: str) -> None:
         self.stats.pop(client.name, None)
-        client.draining = False   # whatever comes back takes work
         call_hooks(self.on_engine_down, client.name)
-        self.events.engine_down(client, reason)
+        self.events.engine_down(client, reason)   # (which reads whether it was draining)
+        client.draining = False   # whatever comes back takes work
 
     async def _bring_back(self, client: EngineClient) -> bool:
         """Relaunch a launched engine (a few tries), or wait for a remote one for as long as it takes."""

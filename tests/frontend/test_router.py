@@ -308,3 +308,16 @@ def test_a_draining_engine_takes_no_new_work_unless_every_engine_drains():
     assert place_prompts(group, {"d": SYSTEM_A + [2], "e": [9] * 3}) == ["decode-1", "decode-1"]
     d1.draining = True
     assert place_prompts(group, {"f": [8] * 3}) == ["decode-0"], "all draining: work still goes somewhere"
+
+
+def test_a_drained_prefill_engine_strands_only_what_it_had_not_prefilled():
+    """A prefill engine that exits after a drain held every lease until the decode engine had the
+    KV: the requests it reported prefilled live on the decode engine; one not yet prefilled (or any,
+    after an exit that was no drain) moves."""
+    group, _, (p0, _) = engines(2, 2, Router("cpu"))
+    place(group, "a", "b", "c")
+    assert [group.placements[r].prefill for r in "abc"] == ["prefill-0", "prefill-1", "prefill-0"]
+    group.placements["a"].prefilled = True
+    assert group.stranded_by(p0) == ["a", "c"], "died: both moved (neither was handed over yet)"
+    p0.draining = True
+    assert group.stranded_by(p0) == ["c"]
