@@ -109,3 +109,20 @@ def test_compiled_calls_compute_the_eager_bits_where_inductors_loops_do_not(dtyp
     # the same functions traced into: Inductor's loops move the last bits of at least one
     traced = torch.compile(layer_glue, dynamic=True)(ModelFunctions, hidden, residual, qk, gate_up)
     assert not all(torch.equal(t, e) for t, e in zip(traced, eager))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_is_softmax_top_k_and_never_leaves_the_experts(dtype):
+    """duoserve::moe_route (glue.c's routing, the C++ decode step's too) against torch's softmax
+    and topk: the same experts, weights within rounding, renormalized or not; NaN logits (a broken
+    model) still name experts that exist."""
+    from duoserve.model.moe import TopKRouting
+
+    logits = torch.randn(32, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for renormalize in (True, False):
+        chosen, weights = torch.ops.duoserve.moe_route(logits, 2, renormalize)
+        want_chosen, want_weights = TopKRouting(2, renormalize)(logits)
+        assert torch.equal(chosen, want_chosen)
+        assert weights.dtype == dtype and torch.allclose(weights.float(), want_weights.float(), rtol=1e-2, atol=1e-6)
+    chosen, _ = torch.ops.duoserve.moe_route(torch.full((2, 8), float("nan"), dtype=dtype), 3, True)
+    assert ((chosen >= 0) & (chosen < 8)).all() and all(len(set(row.tolist())) == 3 for row in chosen)

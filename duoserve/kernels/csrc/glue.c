@@ -104,14 +104,15 @@ void glue_moe_route_row(const void *logits, int num_experts, int top_k, int reno
     for (int e = 0; e < num_experts; e++) sum += probs[e] = expf(probs[e] - max);
     for (int e = 0; e < num_experts; e++) probs[e] /= sum;
     float kept = 0.f;
+    char taken[GLUE_MAX_EXPERTS] = {0};
     for (int j = 0; j < top_k; j++) {
-        int best = -1;
+        int best = -1;   /* the first untaken one at least: NaN logits still give an expert in range */
         for (int e = 0; e < num_experts; e++)
-            if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+            if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
         chosen[j] = best;
         top[j] = probs[best];
         kept += top[j];
-        probs[best] = -1.f;   /* taken */
+        taken[best] = 1;
     }
     for (int j = 0; j < top_k; j++) store(weights, j, renormalize ? top[j] / kept : top[j], bf);
 }
