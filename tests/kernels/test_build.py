@@ -48,5 +48,5 @@ def test_build_kernels_names_the_library_or_says_why_not(monkeypatch, capsys):
     assert out.startswith("the C kernels of this machine are in ") and str(build.kernel_dir()) in out
     assert build.op_library().exists()
     monkeypatch.setenv("DUOSERVE_C_KERNELS", "0")
-    assert main(["build-kernels"]) == 1
+    assert main(["build-kernels"]) == 0, "the README's install goes on to serve, on the torch paths"
     assert "DUOSERVE_C_KERNELS=0: nothing to build" in capsys.readouterr().err
