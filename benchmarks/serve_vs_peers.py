@@ -28,36 +28,36 @@ from _common import wait_healthy
 NAME = "smollm2-135m"
 
 
-def tree_rss_kb(pid: int) -> tuple[int, int]:
-    """Resident memory of a process and its descendants, and of the largest one of them, in KiB."""
-    total, largest, stack = 0, 0, [pid]
+def tree_kb(pid: int, file: str, field: str) -> dict[int, int]:
+    """``field`` of ``/proc/PID/file`` (KiB) for a process and each descendant alive, by pid."""
+    values, stack = {}, [pid]
     while stack:
         p = stack.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
-            rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-            total, largest = total + rss, max(largest, rss)
+            text = Path(f"/proc/{p}/{file}").read_text()
+            values[p] = int(next(line.split()[1] for line in text.splitlines() if line.startswith(field)))
             stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
+        except (FileNotFoundError, StopIteration, ProcessLookupError, PermissionError):
             pass
-    return total, largest
+    return values
+
+
+def tree_rss_kb(pid: int) -> tuple[int, int]:
+    """Resident memory of a process and its descendants, and of the largest one of them, in KiB."""
+    rss = tree_kb(pid, "status", "VmRSS")
+    return sum(rss.values()), max(rss.values(), default=0)
 
 
 def tree_pss_kb(pid: int) -> dict[str, int]:
     """Proportional set size of a process and each descendant, by ``pid name`` (KiB): pages shared
     between them (a fork server's imports and its engines', libraries) counted once in the sum,
     which RSS counts in every process that maps them."""
-    sizes, stack = {}, [pid]
-    while stack:
-        p = stack.pop()
+    def name(p: int) -> str:
         try:
-            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
-            name = Path(f"/proc/{p}/comm").read_text().strip()
-            sizes[f"{p} {name}"] = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:")))
-            stack += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except (FileNotFoundError, StopIteration, ProcessLookupError, PermissionError):
-            pass
-    return sizes
+            return Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            return "?"
+    return {f"{p} {name(p)}": kb for p, kb in tree_kb(pid, "smaps_rollup", "Pss:").items()}
 
 
 class Running:

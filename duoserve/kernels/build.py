@@ -6,8 +6,9 @@ headers once and loaded as a torch library (it registers the C++ kernels of ``du
 Libraries live in ``kernel_dir()`` (beside the installed package, where ``duoserve build-kernels``
 puts them at install, so a first start with an empty home builds nothing) under a tag of their
 sources, csrc/'s headers, the flags, the CPU, the compilers and (for the C++ one) the torch
-version, so a library built from other sources or for another CPU is never loaded. Without a compiler, or with ``DUOSERVE_C_KERNELS=0``, the
-callers run their torch or Python paths; a failed build says so once in the log.
+version, so a library built from other sources or for another CPU is never loaded. Without a
+compiler, or with ``DUOSERVE_C_KERNELS=0``, the callers run their torch or Python paths; a failed
+build says so once in the log.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _cached_build(stem: str, sources: list[Path], salt: str,
     """``<cache>/<stem>-<tag>.so``, built by ``stages(tmp_dir, output)`` unless there: stage after
     stage, the commands of a stage run side by side (a first start waits for this, and a machine's
     cores compile separate files at once). The tag covers the sources, the shared headers of
-    csrc/, the C flags, the CPU and ``salt`` (compilers, torch version). None, with one log line, when a
-    command fails."""
+    csrc/, the C flags, the CPU and ``salt`` (compilers, torch version). None, with one log line,
+    when a command fails."""
     text = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
     tag = hashlib.sha256(text + " ".join(flags).encode() + (salt + cpu_identity()).encode()).hexdigest()[:16]
     target = kernel_dir() / f"{stem}-{tag}.so"
