@@ -27,13 +27,10 @@ from _common import wait_healthy
 
 SETUPS = {
     "colocated": ["--mode", "colocated", "--num-threads", "2", "--max-num-batched-tokens", "512"],
-    "disagg-cpu": ["--mode", "disaggregated", "--prefill-device", "cpu", "--prefill-threads", "1",
-                   "--decode-threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1"],
-    "disagg-cpu-256": ["--mode", "disaggregated", "--prefill-device", "cpu", "--prefill-threads", "1",
-                       "--decode-threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1",
-                       "--prefill-max-num-batched-tokens", "256"],
-    "disagg-auto": ["--mode", "disaggregated", "--prefill-device", "auto", "--prefill-threads", "1",
-                    "--decode-threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1"],
+    "disagg": ["--mode", "disaggregated"],     # what a user gets: every prompt remote, every core in turns
+    "disagg-auto": ["--mode", "disaggregated", "--prefill-device", "auto"],   # placed by predicted TTFT
+    "disagg-split": ["--mode", "disaggregated", "--core-sharing", "split"],   # a core for each role
+    "disagg-auto-split": ["--mode", "disaggregated", "--prefill-device", "auto", "--core-sharing", "split"],
 }
 
 

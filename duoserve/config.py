@@ -208,6 +208,15 @@ class KVStoreConfig:
 
 
 @dataclass(frozen=True)
+class TurnsConfig:
+    """An engine's place in its host's core turns (``duoserve.engine.core_turns``): set by the
+    launcher where prefill and decode engines share the same cores, never by users."""
+    path: str              # the shared file the launcher created
+    slot: int              # this engine's slot in it
+    quantum: float = 0.2   # prefill: seconds on the cores before a waiting decode step gets its turn
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -220,6 +229,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_store: KVStoreConfig | None = None         # None: no shared KV tier
     shutdown_timeout: float = 30.0   # a launched engine's SIGTERM gives its requests this long (serve's flag)
+    turns: TurnsConfig | None = None # cores shared with engines of the other role (launcher.py)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -234,6 +244,7 @@ class EngineConfig:
 
 PREFILL_DEVICES = ("cpu", "cuda", "gpu", "auto")
 KV_TRANSPORTS = ("shm", "tcp")
+CORE_SHARINGS = ("turns", "split")   # launched CPU engines of both roles on this host (launcher.py)
 
 
 def parse_cpu_list(value: str | None, field_name: str) -> tuple[int, ...] | None:
@@ -286,8 +297,14 @@ class DisaggConfig:
     engine_host: str = "127.0.0.1"    # where launched engines listen when they use TCP
     auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.transport.auth); None: $DUOSERVE_AUTH_KEY*
     insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
+    core_sharing: str = "turns"       # turns: both roles on every core, in turn; split: each role its own cores
+    prefill_turn: float = 0.2         # turns: seconds a prompt holds the cores while a decode step waits
 
     def __post_init__(self) -> None:
+        if self.core_sharing not in CORE_SHARINGS:
+            raise ConfigError("core_sharing", self.core_sharing, f"one of {', '.join(CORE_SHARINGS)}")
+        if not self.prefill_turn > 0:
+            raise ConfigError("prefill_turn", self.prefill_turn, "a positive number of seconds")
         for name in ("num_prefill_engines", "num_decode_engines"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "a positive number of engines")

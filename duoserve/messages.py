@@ -123,6 +123,12 @@ class EngineStats(msgspec.Struct):
     grammar_num_masks: int = 0
     grammar_mask_seconds: float = 0.0
     draining: bool = False          # SIGTERM'd: finishing what it holds, taking nothing new
+    # measured rates (moving averages; 0 until measured), for placement (frontend/placement.py):
+    # prompt tokens a second of steps that compute prompts, a step of decodes alone, and (prefill
+    # role) seconds per prompt token of reading and sending KV
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    handoff_s_per_token: float = 0.0
 
 
 

@@ -102,6 +102,13 @@ class ServerMetrics:
                                        "engine that took them", registry=r)
         self.migration_resume = Histogram("duoserve:migration_resume_seconds", "From a migration to the "
                                           "stream's next token", buckets=b, registry=r)
+        self.predicted_ttft = Histogram("duoserve:placement_predicted_ttft_seconds", "Time to first token "
+                                        "predicted where a prompt was placed (prefill=remote: on a prefill "
+                                        "engine, local: on its decode engine)", ["prefill"], buckets=b, registry=r)
+        self.prediction_error = Histogram("duoserve:placement_ttft_error_seconds", "Measured minus predicted "
+                                          "time to first token of placed prompts", ["prefill"], registry=r,
+                                          buckets=(-5, -2, -1, -0.5, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.5,
+                                                   1, 2, 5))
         self.log_interval = log_interval
         self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
         self._engines: dict[str, EngineStats] = {}      # engine name -> its latest stats
@@ -138,6 +145,11 @@ class ServerMetrics:
     def observe_migration(self, cause: str, lost_engine: str, num_tokens: int) -> None:
         self.migrations.labels(cause).inc()
         self.migrated_tokens.inc(num_tokens)
+
+    def observe_prediction(self, remote: bool, predicted: float, measured: float) -> None:
+        where = "remote" if remote else "local"
+        self.predicted_ttft.labels(where).observe(predicted)
+        self.prediction_error.labels(where).observe(measured - predicted)
 
     def observe_placement(self, request_id: str, prefill_engine: str | None, decode_engine: str) -> None:
         self.placements.labels(prefill_engine or "local", decode_engine).inc()

@@ -12,7 +12,8 @@ import os
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
-from duoserve.config import CLUSTERS, KV_TRANSPORTS, PREFILL_DEVICES, ROUTINGS, ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.config import (CLUSTERS, CORE_SHARINGS, KV_TRANSPORTS, PREFILL_DEVICES, ROUTINGS, ClusterConfig, DisaggConfig,
+                             EngineConfig)
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
@@ -149,9 +150,10 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group(
         "disaggregated serving (--mode disaggregated)",
         "Engines launched on this host share its cores: unless one of --prefill-threads, --decode-threads, "
-        "--prefill-cpus or --decode-cpus is given, decode engines are pinned to the first half of the cores "
-        "and prefill engines to the rest, one thread per core (2 cores: prefill on CPU 1, decode on CPU 0). "
-        "With --prefill-device cuda the CPU engines are not pinned.")
+        "--prefill-cpus or --decode-cpus is given, every engine uses every core and the roles take turns "
+        "(--core-sharing turns: a decode step waits at most --prefill-turn for a prompt), or decode engines "
+        "are pinned to the first half of the cores and prefill engines to the rest (--core-sharing split; "
+        "2 cores: prefill on CPU 1, decode on CPU 0). With --prefill-device cuda the CPU engines are not pinned.")
     d.add_argument("--prefill-device", default=DisaggConfig.prefill_device, choices=PREFILL_DEVICES,
                    help="where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or "
                         "auto: prompts of at most --max-prefill-len tokens on a CPU prefill engine, longer "
@@ -165,6 +167,12 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--prefill-cpus", default=None,
                    help="pin the prefill engines to these CPUs: 0, 0-1, 0,2 (default: see above)")
     d.add_argument("--decode-cpus", default=None, help="pin the decode engines to these CPUs (default: see above)")
+    d.add_argument("--core-sharing", default=DisaggConfig.core_sharing, choices=CORE_SHARINGS,
+                   help="how launched engines of both roles share this host's cores: every core, in turns, "
+                        "or split between the roles (default: turns)")
+    d.add_argument("--prefill-turn", type=float, default=DisaggConfig.prefill_turn,
+                   help="turns: seconds a prompt step keeps the cores while a decode step waits "
+                        f"(default: {DisaggConfig.prefill_turn:g})")
     d.add_argument("--kv-transport", default=DisaggConfig.kv_transport, choices=KV_TRANSPORTS,
                    help="how KV moves between the engines: shared memory or TCP (default: shm)")
     d.add_argument("--kv-lease-timeout", type=float, default=DisaggConfig.kv_lease_timeout,

@@ -44,4 +44,5 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
                         prefill_addrs=parse_address_list(args.prefill_addrs, "prefill_addrs"),
                         decode_addrs=parse_address_list(args.decode_addrs, "decode_addrs"),
                         engine_host=args.engine_host, auth_key_file=args.auth_key_file,
-                        insecure_no_auth=args.insecure_no_auth)
+                        insecure_no_auth=args.insecure_no_auth, core_sharing=args.core_sharing,
+                        prefill_turn=args.prefill_turn)

@@ -24,6 +24,7 @@ from duoserve.core.scheduler import Scheduler, SchedulerSetup
 from duoserve.core.speculation import SpeculationPolicy
 from duoserve.core.swap_space import SwapCost, SwapSpace
 from duoserve.engine.core import EngineCore
+from duoserve.engine.core_turns import CoreTurns
 from duoserve.engine.handoff import Handoff, ReceiveKV, SendKV
 from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
@@ -94,7 +95,8 @@ class EngineBuilder:
             runner.grammar_masks = GrammarMasks(grammars, loaded.arch.vocab_size)
         engine = EngineCore(config=config, loaded=loaded, max_model_len=self.max_model_len, scheduler=scheduler,
                             runner=runner, handoff=_handoff(config, scheduler, runner), store=store, swap=swap,
-                            draft=draft, memory=self._memory_report(runner, num_blocks, draft), grammars=grammars)
+                            draft=draft, memory=self._memory_report(runner, num_blocks, draft), grammars=grammars,
+                            turns=self._turns(runner))
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
         # out of the garbage collector's sight, a collection during a step scans only new ones.
         gc.collect()
@@ -102,6 +104,19 @@ class EngineBuilder:
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
                     time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget)
         return engine
+
+    def _turns(self, runner: ModelRunner) -> CoreTurns | None:
+        """Its turns on cores shared with the other role's engines; a prefill engine offers the
+        decode engines a turn between two layers of a prompt step (an eager step's: a compiled
+        one offers it between steps only)."""
+        config = self.config
+        if config.turns is None or config.role not in ("prefill", "decode"):
+            return None
+        turns = CoreTurns(config.turns, config.role)
+        if config.role == "prefill" and not runner.compiled:
+            for layer in self.loaded.model.layers:
+                layer.register_forward_pre_hook(lambda module, args: turns.checkpoint())
+        return turns
 
     def _grammars(self) -> GrammarCache | None:
         """Structured outputs' grammars over this model's vocabulary (none without a tokenizer:

@@ -9,15 +9,18 @@ turns them into text.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 from duoserve.config import EngineConfig
 from duoserve.core.kv_sources import SwapSource
 from duoserve.core.outputs import EngineCoreOutput, SchedulerOutput
+from duoserve.core.rates import moving_average
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
 from duoserve.core.swap_space import SwapCost
+from duoserve.engine.core_turns import CoreTurns
 from duoserve.engine.handoff import Handoff
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.messages import EngineStats
@@ -35,7 +38,7 @@ class EngineCore:
     def __init__(self, *, config: EngineConfig, loaded: LoadedModel, max_model_len: int, scheduler: Scheduler,
                  runner: ModelRunner, handoff: Handoff, store: StoreSource | None = None,
                  swap: SwapSource | None = None, draft=None, memory: dict | None = None,
-                 grammars: GrammarCache | None = None) -> None:
+                 grammars: GrammarCache | None = None, turns: CoreTurns | None = None) -> None:
         self.config = config
         self.loaded = loaded
         self.arch = loaded.arch
@@ -51,8 +54,11 @@ class EngineCore:
         self.draft = draft       # speculative decoding's draft model, or None
         self.memory = memory or {}   # where the engine's memory goes (builder), for /v1/memory
         self.grammars = grammars     # structured outputs' compiled grammars, or None (no tokenizer)
+        self.turns = turns           # turns on cores shared with the other role's engines, or None
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.prefill_tokens_per_s = 0.0   # measured (moving averages, 0 until measured): stats
+        self.decode_step_s = 0.0
         self._fingerprint_values: dict | None = None
 
     @property
@@ -80,6 +86,8 @@ class EngineCore:
         self.handoff.connector = connector
 
     def close(self) -> None:
+        if self.turns is not None:
+            self.turns.close()
         if self.store is not None:
             self.store.store.close()
         if self.grammars is not None:
@@ -151,9 +159,10 @@ class EngineCore:
             if self.grammars is not None and self.grammars.compiling:   # only grammars to wait for
                 self.grammars.wait(0.05)
             return early
-        start = time.perf_counter()
         try:
-            result = self.runner.execute(plan)
+            with self._turn():
+                start = time.perf_counter()   # after the turn came: the rates are the step's own
+                result = self.runner.execute(plan)
         except Exception as exc:  # one bad batch fails its requests, never the engine
             logger.exception("model runner failed; finishing the %d scheduled requests with an error",
                              len(plan.scheduled))
@@ -173,13 +182,24 @@ class EngineCore:
         self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
+    def _turn(self):
+        """The cores for one step: at once, or in turn with the other role's engines."""
+        if self.turns is None:
+            return contextlib.nullcontext()
+        return self.turns.prefill_step() if self.config.role == "prefill" else self.turns.decode_step()
+
     def _measure_rates(self, plan: SchedulerOutput, seconds: float) -> None:
-        """Keep the swap-or-recompute rates current: prefill tokens a second (from steps that are
-        mostly prefill) and swap copy bytes a second."""
-        if self.swap is None:  # the rates only choose between swap and recompute
+        """Keep the measured rates current: prompt tokens a second (from steps that compute 32
+        or more), a step of decodes alone (placement, in the stats); the swap-or-recompute
+        choice's prefill tokens a second (from steps mostly of prompts) and copy bytes a second."""
+        prompt_tokens = sum(i.num_known_tokens for i in plan.scheduled if i.num_known_tokens > 1)
+        if prompt_tokens >= 32:
+            self.prefill_tokens_per_s = moving_average(self.prefill_tokens_per_s, prompt_tokens / seconds)
+        elif prompt_tokens == 0 and not plan.swap_in and not plan.swap_out:
+            self.decode_step_s = moving_average(self.decode_step_s, seconds)
+        if self.swap is None:  # the rest only chooses between swap and recompute
             return
         cost = self.swap.cost
-        prompt_tokens = sum(i.num_known_tokens for i in plan.scheduled if i.num_known_tokens > 1)
         if prompt_tokens >= 64 and not plan.swap_in and not plan.swap_out:
             cost.prefill_tokens_per_s = 0.8 * cost.prefill_tokens_per_s + 0.2 * prompt_tokens / seconds
         runner = self.runner
@@ -198,6 +218,8 @@ class EngineCore:
             swap_usage=self.swap.space.usage if self.swap is not None else 0.0,
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.handoff.num_transfer_bytes,
             kv_transfer_seconds=self.handoff.drain_transfer_seconds(), num_kv_leased=scheduler.num_leased,
+            prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=self.decode_step_s,
+            handoff_s_per_token=self.handoff.seconds_per_token,
             **self._spec_stats(), **(self.store.store.stats() if self.store is not None else {}),
             **(self.runner.grammar_masks.stats() if self.runner.grammar_masks is not None else {}))
 

@@ -21,6 +21,7 @@ import logging
 import time
 
 from duoserve.core.outputs import EngineCoreOutput, SchedulerOutput
+from duoserve.core.rates import moving_average
 from duoserve.core.request import RequestStatus
 from duoserve.core.scheduler import Scheduler
 from duoserve.kv.connector import KVTransfer
@@ -38,6 +39,7 @@ class Handoff:
     def __init__(self) -> None:
         self.connector = None
         self.num_transfer_bytes = 0   # cumulative bytes of KV sent
+        self.seconds_per_token = 0.0  # prefill role: reading and sending KV, per prompt token (average)
 
     def before_step(self) -> list[EngineCoreOutput]:
         """Take the other side's messages; returns the outputs they finish."""
@@ -90,6 +92,7 @@ class SendKV(Handoff):
         leased = self.scheduler.drain_leased()
         if not leased:
             return
+        start = time.perf_counter()
         if self.scheduler.pending_copies:  # a forked sample's tail block must be in place first
             self.runner.copy_blocks(self.scheduler.pending_copies)
         first_logprobs = {o.request_id: o.new_logprobs[0] for o in outputs if o.new_logprobs}
@@ -115,6 +118,8 @@ class SendKV(Handoff):
                 continue
             self.num_transfer_bytes += transfer.num_bytes
             self.recent_transfer_seconds.append(getattr(self.connector, "last_transfer", (0, 0.0))[1])
+        num_tokens = sum(request.num_prompt_tokens for request, _ in leased)
+        self.seconds_per_token = moving_average(self.seconds_per_token, (time.perf_counter() - start) / num_tokens)
 
     def drain_transfer_seconds(self) -> list[float]:
         seconds, self.recent_transfer_seconds = self.recent_transfer_seconds, []

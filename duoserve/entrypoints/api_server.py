@@ -153,6 +153,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     for hooks, hook in ((engine.on_output, metrics.observe_output), (engine.on_stats, metrics.observe_stats),
                         (engine.on_place, metrics.observe_placement), (engine.on_migrate, metrics.observe_migration),
                         (engine.on_resume, metrics.migration_resume.observe),
+                        (engine.on_first_token, metrics.observe_prediction),
                         (engine.on_engine_down, metrics.engine_down)):
         hooks.append(hook)
 

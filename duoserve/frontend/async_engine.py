@@ -119,6 +119,7 @@ class AsyncEngine:
         self.on_place: list[Callable[[str, str | None, str], None]] = []
         self.on_migrate: list[Callable[[str, str, int], None]] = []   # (cause, lost engine, tokens to restore)
         self.on_resume: list[Callable[[float], None]] = []            # seconds from migration to next token
+        self.on_first_token: list[Callable[[bool, float, float], None]] = []   # (remote, predicted, measured TTFT)
         self.parked: dict[str, tuple[str, str, str]] = {}   # request -> (lost engine, reason, cause): waiting
         self.on_stats = self.supervisor.on_stats                      # (name, instance id, stats)
         self.on_engine_down = self.supervisor.on_engine_down
@@ -289,10 +290,14 @@ class AsyncEngine:
 
     def engine_up(self, client: EngineClient) -> None:
         if self.group is None and client in self.decode_clients:
+            turns = any(c.config is not None and c.config.turns is not None for c in self.decode_clients)
             router = (Router(routing=self.routing) if self.disagg is None
-                      else Router(self.disagg.prefill_device, self.disagg.max_prefill_len, self.routing))
+                      else Router(self.disagg.prefill_device, self.disagg.max_prefill_len, self.routing,
+                                  self.config.scheduler.token_budget(client.ready.max_model_len),
+                                  self.disagg.prefill_turn, self.disagg.prefill_turn if turns else 0.0))
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
             self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
+            self.group.on_first_token = self.on_first_token
             self.inputs = InputProcessor(self.group.tokenizer, self.group.vocab_size, self.group.eos_token_ids)
             # The tokenizer and the server's modules are long-lived (tens of thousands of
             # objects): moved out of the collector's sight, a full collection while serving

@@ -36,6 +36,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from duoserve.config import EngineConfig
+from duoserve.frontend.placement import Rates
 from duoserve.core.request import Request
 from duoserve import messages as msg
 from duoserve.errors import DuoserveError
@@ -107,6 +108,7 @@ class EngineClient:
         self._connections = 0           # sockets made so far (told in each hello: a late one is ignored)
         self.slow_since: float | None = None  # silent past SILENCE_TIMEOUT while its connection answers
         self.draining = False                 # its stats say it drains (SIGTERM'd): no new work for it
+        self.rates = Rates()                  # what its last stats measured (placement.py)
         self.process: multiprocessing.process.BaseProcess | None = None
         self.ready: msg.EngineReady | None = None
         self.tokenizer: Tokenizer | None = None

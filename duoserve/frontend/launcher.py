@@ -17,9 +17,11 @@ Every engine gets the deployment's auth key (``--auth-key-file``); when none is 
 every engine is launched here, they share a fresh key that never leaves this process tree.
 
 Engines launched on one host share its cores. Unless a ``--prefill-*``/``--decode-*``
-threads or CPUs flag says otherwise, the cores this process may use are split between
-the roles (see ``split_cores``): two engines spinning OpenMP threads on the same cores
-stall each other at every barrier.
+threads or CPUs flag says otherwise, every engine of a role uses every core (several of one
+role split them) and the roles take turns on them (``--core-sharing turns``,
+``duoserve.engine.core_turns``: a shared file this launcher creates and removes), or the
+cores are split between the roles (``split``, see ``split_cores``). Never two engines spinning
+OpenMP threads on the same cores at once: they would stall each other at every barrier.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import uuid
 
 import msgspec
 
-from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig, TurnsConfig
 from duoserve.errors import ConfigError
+from duoserve.engine.core_turns import create_turns_file
 from duoserve.engine.process import launched_engine_main
 from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient, process_running
 from duoserve.frontend.ray_cluster import plan_ray_engines
@@ -49,7 +52,8 @@ def _ipc_address(name: str) -> str:
 
 
 def sweep_orphaned_sockets(directory: str | None = None) -> list[str]:
-    """Remove the ``ipc://`` socket files of frontends that died without shutting down."""
+    """Remove the ``ipc://`` socket files (and core turn files) of frontends that died without
+    shutting down."""
     import stat
 
     directory = directory or tempfile.gettempdir()
@@ -58,7 +62,9 @@ def sweep_orphaned_sockets(directory: str | None = None) -> list[str]:
         pid = name[len("duoserve-"):].partition("-")[0] if name.startswith("duoserve-") else ""
         path = os.path.join(directory, name)
         try:
-            if not pid.isdigit() or not stat.S_ISSOCK(os.lstat(path).st_mode) or os.lstat(path).st_uid != os.getuid():
+            mode = os.lstat(path).st_mode
+            ours = stat.S_ISSOCK(mode) or (stat.S_ISREG(mode) and name.endswith("-turns"))
+            if not pid.isdigit() or not ours or os.lstat(path).st_uid != os.getuid():
                 continue
             os.kill(int(pid), 0)
         except ProcessLookupError:
@@ -91,6 +97,32 @@ def split_cores(cpus: list[int], num_prefill: int, num_decode: int) -> tuple[lis
         return [tuple(pool[len(pool) * i // count: len(pool) * (i + 1) // count]) for i in range(count)]
 
     return share(cpus[num_for_decode:], num_prefill), share(cpus[:num_for_decode], num_decode)
+
+
+def _taking_turns(prefill: list[EngineConfig], decode: list[EngineConfig], cpus: list[int],
+                  quantum: float) -> tuple[list[EngineConfig], list[EngineConfig]]:
+    """Each role's engines split every core among themselves, and the roles take turns on them."""
+    path = os.path.join(tempfile.gettempdir(), f"duoserve-{os.getpid()}-{uuid.uuid4().hex[:8]}-turns")
+    create_turns_file(path, len(prefill) + len(decode))
+    slots = iter(range(len(prefill) + len(decode)))
+
+    def share(configs: list[EngineConfig]) -> list[EngineConfig]:
+        n = len(configs)
+        oversubscribed = len(cpus) < n
+        return [dataclasses.replace(_pinned(c, tuple(cpus) if n == 1 else tuple(cpus[len(cpus) * i // n:
+                                                                                       len(cpus) * (i + 1) // n]),
+                                            oversubscribed), turns=TurnsConfig(path, next(slots), quantum))
+                for i, c in enumerate(configs)]
+
+    return share(prefill), share(decode)
+
+
+def remove_turns_file(clients: list[EngineClient]) -> None:
+    """After the launched engines stopped: the file they took turns through, if they had one."""
+    for client in clients:
+        turns = client.config.turns if client.config is not None else None
+        if turns is not None and os.path.exists(turns.path):
+            os.unlink(turns.path)
 
 
 def _pinned(config: EngineConfig, cpus: tuple[int, ...], oversubscribed: bool) -> EngineConfig:
@@ -127,7 +159,10 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None, frontend_id:
     num_prefill = 0 if disagg.prefill_addrs else disagg.num_prefill_engines
     num_decode = 0 if disagg.decode_addrs else disagg.num_decode_engines
     prefill_configs, decode_configs = [prefill_config] * num_prefill, [decode_config] * num_decode
-    if disagg.splits_cores_by_default and num_prefill and num_decode:
+    if disagg.splits_cores_by_default and num_prefill and num_decode and disagg.core_sharing == "turns":
+        prefill_configs, decode_configs = _taking_turns(prefill_configs, decode_configs,
+                                                        sorted(os.sched_getaffinity(0)), disagg.prefill_turn)
+    elif disagg.splits_cores_by_default and num_prefill and num_decode:
         cpus = sorted(os.sched_getaffinity(0))
         oversubscribed = len(cpus) < num_prefill + num_decode
         prefill_cpus, decode_cpus = split_cores(cpus, num_prefill, num_decode)

@@ -1,9 +1,11 @@
 """Placement: which engines prefill and decode a request.
 
-``--prefill-device cpu|cuda`` sends every prompt to a prefill engine; ``auto`` (the
-seed documents' mode) sends a prompt of at most ``--max-prefill-len`` tokens to a
-prefill engine and prefills a longer one on its decode engine itself, chunked. With
-no prefill engine up, every prompt is prefilled on its decode engine.
+``--prefill-device cpu|cuda`` sends every prompt to a prefill engine; ``auto`` (the default)
+prefills each prompt where its predicted time to first token is lowest, on a prefill engine or
+on its decode engine itself (``duoserve.frontend.placement``: from the rates the engines
+measure, the backlogs counted here; before any rate is measured, the seed documents' rule: a
+prompt of at most ``--max-prefill-len`` tokens on a prefill engine, a longer one on its decode
+engine, chunked). With no prefill engine up, every prompt is prefilled on its decode engine.
 
 Among engines of one role (``--routing prefix``, the default) the engine that probably
 holds the longest start of the prompt in its prefix cache takes it (``prefix_map``: what
@@ -13,7 +15,8 @@ takes it (queue depth, counted here exactly: a decode engine's unfinished reques
 prefill engine's requests not yet prefilled); between equals the first in its list
 (``decode-0`` before ``decode-1``), and an engine that is down, or draining (its stats say
 so: it got SIGTERM and finishes what it holds before it stops), is passed over. The
-prefill-or-not choice of ``auto`` judges "uncached part" by the whole prompt's length.
+prefill-or-not choice of ``auto`` judges "uncached part" by the whole prompt's length. The
+decode engine is chosen first, then the prefill engine, then where the prompt is prefilled.
 
 Migration (``migrate``): a request whose engine went down is placed again. One no sample of
 which has a token yet starts over, placed like a new request; otherwise each unfinished
@@ -32,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from duoserve.core.request import Request
+from duoserve.frontend import placement
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.prefix_map import PrefixMap
 
@@ -43,13 +47,23 @@ IMBALANCE = 4
 
 
 class Router:
-    def __init__(self, prefill_device: str = "cpu", max_prefill_len: int = 512, routing: str = "prefix") -> None:
+    def __init__(self, prefill_device: str = "cpu", max_prefill_len: int = 512, routing: str = "prefix",
+                 step_budget: int = 512, max_stall: float = 0.2, turn_wait: float = 0.0) -> None:
         self.prefill_device = prefill_device
         self.max_prefill_len = max_prefill_len
         self.routing = routing
+        self.step_budget = step_budget   # a decode engine's prompt tokens in one step
+        self.max_stall = max_stall       # the longest a prompt may hold up a decode engine's decodes
+        self.turn_wait = turn_wait       # the longest a decode step waits for its turn on shared cores
 
-    def prefill_remotely(self, num_prompt_tokens: int) -> bool:
-        return self.prefill_device != "auto" or num_prompt_tokens <= self.max_prefill_len
+    def where(self, num_tokens: int, decode: EngineClient, decode_backlog: int, prefill: EngineClient | None,
+              prefill_backlog: int) -> placement.Choice:
+        """Prefill on ``prefill`` (remote) or on ``decode`` itself, with the predicted TTFT."""
+        if self.prefill_device != "auto":
+            return placement.Choice(prefill is not None, None)
+        return placement.choose(num_tokens, decode.rates, decode_backlog, prefill.rates if prefill else None,
+                                prefill_backlog, self.step_budget, self.max_stall, self.max_prefill_len,
+                                self.turn_wait)
 
 
 @dataclass
@@ -64,6 +78,8 @@ class Placement:
     resumed: list[int] = field(default_factory=list)     # migrated samples added one by one
     lost_on: list[str] = field(default_factory=list)     # the engines it was on when they went down
     migrated_at: float | None = None   # until its first token after the migration (time to resume)
+    predicted: float | None = None     # its predicted time to first token (placement.py), until it comes
+    placed_at: float = 0.0
 
     def engine_ids(self) -> list[str]:
         """Its ids on the engines: the request's, or each resumed sample's."""
@@ -119,6 +135,7 @@ class EngineGroup:
         self.aliases: dict[str, str] = {}   # a migrated request's engine id -> the frontend's id
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
         self.on_resume: list = []  # hooks(seconds from the migration to the stream's next token)
+        self.on_first_token: list = []   # hooks(prefilled remotely, predicted TTFT, measured TTFT)
         self.prefixes = PrefixMap(first.ready.block_size)
 
     def engine_up(self, client: EngineClient) -> None:
@@ -169,33 +186,45 @@ class EngineGroup:
             return least
         return best
 
-    def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None]:
-        """(decode engine, prefill engine or None) for a new request; the placement rules are
-        the module docstring's. Raises EngineDeadError when no decode engine is up."""
+    def backlog(self, name: str) -> int:
+        """Prompt tokens placed on engine ``name`` still to be computed there (exact here: the
+        placements' prompts without their first token)."""
+        total = 0
+        for p in self.placements.values():
+            if p.prefill == name and not p.prefilled or p.prefill is None and p.decode == name and not p.handed_over:
+                total += p.request.num_prompt_tokens if p.request is not None else 0
+        return total
+
+    def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, float | None]:
+        """(decode engine, prefill engine or None, predicted TTFT or None) for a new request; the
+        placement rules are the module docstring's. Raises EngineDeadError when no decode engine is up."""
         hashes = self.prefixes.hashes(request.prompt_token_ids) if self.router.routing == "prefix" else []
         decode = self._best(self.decode, hashes)
         if decode is None:
             raise EngineDeadError("no decode engine is up")
-        prefill = None
-        if self.prefill and self.router.prefill_remotely(request.num_prompt_tokens):
-            prefill = self._best(self.prefill, hashes)
-            if prefill is None and not self._warned_fallback:
-                logger.warning("no prefill engine is up: prefilling on the decode engines")
-            self._warned_fallback = prefill is None
+        prefill = self._best(self.prefill, hashes) if self.prefill else None
+        if self.prefill and prefill is None and not self._warned_fallback:
+            logger.warning("no prefill engine is up: prefilling on the decode engines")
+        self._warned_fallback = bool(self.prefill) and prefill is None
+        n = request.num_prompt_tokens
+        where = self.router.where(n, decode, self.backlog(decode.name), prefill,
+                                  self.backlog(prefill.name) if prefill else 0)
+        if not where.remote:
+            prefill = None
         for client in (decode, prefill):   # both hold the prompt's blocks once it is prefilled
             if client is not None and hashes:
                 self.prefixes.record(client.name, hashes, client.ready.num_blocks)
-        return decode, prefill
+        return decode, prefill, where.predicted
 
     def add_request(self, request: Request, original: Request | None = None) -> None:
-        decode, prefill = self.choose(request)
+        decode, prefill, predicted = self.choose(request)
         if prefill is not None:
             prefill.add_request(request, kv_peer=decode.name, kv_peer_instance=decode.ready.instance_id)
         else:
             decode.add_request(request)
         self.placements[(original or request).request_id] = Placement(
             decode.name, prefill.name if prefill else None, samples=request.params.n, request=original or request,
-            engine_id=request.request_id)
+            engine_id=request.request_id, predicted=predicted, placed_at=time.monotonic())
         self._placed(request.request_id, prefill, decode)
 
     def _placed(self, request_id: str, prefill: EngineClient | None, decode: EngineClient) -> None:
@@ -249,6 +278,10 @@ class EngineGroup:
                     placement.handed_over.add(int(suffix[1:]) if suffix else 0)
                 elif client.name == placement.prefill:
                     placement.prefilled = True
+                if placement.predicted is not None and out.new_token_ids:
+                    for hook in self.on_first_token:
+                        hook(placement.prefill is not None, placement.predicted, time.monotonic() - placement.placed_at)
+                    placement.predicted = None
                 if placement.migrated_at is not None and out.new_token_ids:
                     for hook in self.on_resume:
                         hook(time.monotonic() - placement.migrated_at)

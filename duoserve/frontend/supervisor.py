@@ -24,7 +24,9 @@ from typing import Protocol
 
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
-from duoserve.frontend.launcher import engine_running, kill_engine, remove_socket, signal_engine, spawn_engine
+from duoserve.frontend.placement import Rates
+from duoserve.frontend.launcher import (engine_running, kill_engine, remove_socket, remove_turns_file, signal_engine,
+                                       spawn_engine)
 from duoserve.frontend.tokenizer_preload import preload as preload_tokenizer
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe_difference
@@ -155,6 +157,7 @@ class EngineSupervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(stop_engine(client, timeout) for client in self.clients))
+        remove_turns_file(self.clients)
 
     # ---- one task per engine ------------------------------------------------------------
 
@@ -237,6 +240,8 @@ class EngineSupervisor:
             if batch.stats is not None:
                 self.stats[client.name] = batch.stats
                 client.draining = batch.stats.draining
+                client.rates = Rates(batch.stats.prefill_tokens_per_s, batch.stats.decode_step_s,
+                                     batch.stats.handoff_s_per_token)
                 call_hooks(self.on_stats, client.name, instance_id, batch.stats)
             if batch.outputs:
                 self.events.engine_outputs(client, batch.outputs)

@@ -47,6 +47,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, kv_dtype, device)
         self.generator = torch.Generator().manual_seed(seed)
         self.forward = self.model
+        self.compiled = False   # the step runs as one compiled graph (no Python between its layers)
         if compile_model:
             self._compile(block_size)
         elif self.model.device.type == "cpu":
@@ -89,7 +90,7 @@ class ModelRunner:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             logger.warning("cannot compile the model step, running it eagerly (as without --compile): %s", reason)
             return
-        self.forward = compiled
+        self.forward, self.compiled = compiled, True
         logger.info("compiled the model step in %.1fs (graphs: %d; cache in %s)", seconds, compiled.num_compiles,
                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 

@@ -79,17 +79,42 @@ def test_default_core_split(cpus, engines, expected):
     assert split_cores(cpus, *engines) == expected
 
 
-def test_disaggregated_defaults_pin_each_role_to_its_cores(monkeypatch):
+def test_disaggregated_defaults_take_turns_on_every_core(monkeypatch, tmp_path):
+    import os
+
     from duoserve.config import DisaggConfig, EngineConfig
     from duoserve.frontend import launcher
 
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(launcher.tempfile, "gettempdir", lambda: str(tmp_path))
     decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig())
+    assert (prefill[0].config.cpus, prefill[0].config.num_threads) == ((0, 1), 2)
+    assert (decode[0].config.cpus, decode[0].config.num_threads) == ((0, 1), 2)
+    turns = [c.config.turns for c in (*prefill, *decode)]
+    assert [t.slot for t in turns] == [0, 1] and turns[0].path == turns[1].path and turns[0].quantum == 0.2
+    assert os.path.getsize(turns[0].path) == 2 * 3 * 8, "one slot of three words per engine"
+    launcher.remove_turns_file([*prefill, *decode])
+    assert not os.path.exists(turns[0].path)
+    decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(num_prefill_engines=2, num_decode_engines=2))
+    assert [(c.config.cpus, c.config.num_threads, c.config.turns.slot) for c in (*prefill, *decode)] == \
+        [((0,), 1, 0), ((1,), 1, 1), ((0,), 1, 2), ((1,), 1, 3)], "a role's engines split the cores"
+    launcher.remove_turns_file([*prefill, *decode])
+
+
+def test_disaggregated_split_pins_each_role_to_its_cores(monkeypatch):
+    from duoserve.config import DisaggConfig, EngineConfig
+    from duoserve.frontend import launcher
+
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(core_sharing="split"))
     assert (prefill[0].config.cpus, prefill[0].config.num_threads) == ((1,), 1)
     assert (decode[0].config.cpus, decode[0].config.num_threads) == ((0,), 1)
+    assert prefill[0].config.turns is None and decode[0].config.turns is None
     decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(decode_threads=2))
     assert prefill[0].config.cpus is None and decode[0].config.num_threads == 2, "a flag given: no default split"
-    decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(num_prefill_engines=2, num_decode_engines=2))
+    assert decode[0].config.turns is None, "threads given: no turns either"
+    decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(core_sharing="split", num_prefill_engines=2,
+                                                                         num_decode_engines=2))
     assert [c.config.num_threads for c in (*prefill, *decode)] == [1, 1, 1, 1], "more engines than cores"
 
 

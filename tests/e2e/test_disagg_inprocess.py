@@ -12,19 +12,20 @@ import pytest
 import time
 
 from duoserve import SamplingParams
-from duoserve.config import CacheConfig, EngineConfig, ModelConfig
+from duoserve.config import CacheConfig, EngineConfig, ModelConfig, TurnsConfig
 from duoserve.core.request import Request, RequestStatus
 from duoserve.engine.builder import build_engine
 from duoserve.entrypoints.llm import LLM
 from tests.disagg_helpers import joined_in_process
 
 
-def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0):
-    def make(role, block):
+def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0, turns_file=None):
+    def make(role, block, slot):
+        turns = TurnsConfig(turns_file, slot, quantum=0.0) if turns_file else None
         return build_engine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
                                          cache=CacheConfig(block_size=block, kv_cache_memory=0.01),
-                                         role=role, kv_lease_timeout=lease_timeout))
-    return joined_in_process(make("prefill", prefill_block), make("decode", decode_block))
+                                         role=role, kv_lease_timeout=lease_timeout, turns=turns))
+    return joined_in_process(make("prefill", prefill_block, 0), make("decode", decode_block, 1))
 
 
 def run(prefill, decode, prompts, params, limit=2000):
@@ -68,6 +69,60 @@ def test_greedy_and_seeded_equal_colocated_across_block_sizes(tiny_dir, kind):
         assert prefill.kv.num_hits > 0, "the shared prefix must hit the prefill side's cache"
         assert pool_whole(prefill) and pool_whole(decode)
         assert prefill.handoff.num_transfer_bytes > 0
+
+
+def test_engines_measure_the_rates_placement_reads(tiny_dir):
+    prefill, decode = engines(tiny_dir(kind="llama"))
+    run(prefill, decode, prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    sent, took = prefill.stats(), decode.stats()
+    assert sent.prefill_tokens_per_s > 0 and sent.handoff_s_per_token > 0 and sent.decode_step_s == 0
+    assert took.decode_step_s > 0 and took.prefill_tokens_per_s == 0, "its prompts came as KV"
+    assert took.handoff_s_per_token == 0
+
+
+def test_engines_taking_turns_on_shared_cores_give_the_same_tokens(tiny_dir, tmp_path):
+    """The decode engine steps in a thread of its own while the prefill engine computes prompts:
+    with a quantum of 0 the prompt steps pause at their layers for it, and nothing changes."""
+    import threading
+
+    from duoserve.engine.core_turns import IDLE, create_turns_file
+
+    path = tiny_dir(kind="llama")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    colocated = LLM(str(path), dtype="float32", kv_cache_memory=0.01)
+    want = [o.outputs[0].token_ids for o in colocated.generate(prompts(), params, use_tqdm=False)]
+    create_turns_file(str(tmp_path / "turns"), 2)
+    prefill, decode = engines(path, turns_file=str(tmp_path / "turns"))
+    tokens = {f"r{i}": [] for i in range(len(prompts()))}
+    done = threading.Event()
+
+    def decode_loop():
+        while not done.is_set():
+            for out in decode.step():
+                tokens[out.request_id][out.position:] = out.new_token_ids
+            time.sleep(0.0005)
+
+    decoder = threading.Thread(target=decode_loop)
+    decoder.start()
+    try:
+        prefill.add_request(Request("r0", prompts()[0], params, (), 512))   # one decodes while the rest prefill
+        while not tokens["r0"]:
+            prefill.step()
+        for i, prompt in enumerate(prompts()[1:], 1):
+            prefill.add_request(Request(f"r{i}", prompt, params, (), 512))
+            while prefill.has_work():
+                for out in prefill.step():
+                    tokens[out.request_id][out.position:] = out.new_token_ids
+        deadline = time.monotonic() + 120
+        while any(len(t) < 40 for t in tokens.values()) and time.monotonic() < deadline:
+            prefill.step()
+            time.sleep(0.001)
+    finally:
+        done.set()
+        decoder.join()
+    assert [tokens[f"r{i}"] for i in range(len(prompts()))] == want
+    assert prefill.turns.num_pauses > 0, "a prompt step paused for a waiting decode step"
+    assert prefill.turns.words[1] == IDLE and decode.turns.words[4] == IDLE
 
 
 def test_first_token_that_finishes_never_ships_kv(tiny_dir):

@@ -13,6 +13,7 @@ from duoserve import SamplingParams
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request
 from duoserve.frontend.engine_client import EngineDeadError
+from duoserve.frontend.placement import Rates
 from duoserve.frontend.router import EngineGroup, Router
 
 
@@ -23,6 +24,7 @@ class FakeClient:
                                      eos_token_ids=[0], block_size=4, num_blocks=num_blocks)
         self.tokenizer = None
         self.up = True
+        self.rates = Rates()    # what its stats measured: nothing yet
         self.added: list[tuple[str, str | None, str | None]] = []   # (request id, kv peer, its instance)
         self.requests: list[Request] = []
         self.told: list[tuple[str, str]] = []                       # (abort|finish_stopped|release, request id)

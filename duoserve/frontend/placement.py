@@ -1,0 +1,60 @@
+"""Where a prompt is prefilled under ``--prefill-device auto``: the option with the lowest predicted
+time to first token, from rates the engines measure as they run.
+
+Two options per request: its decode engine prefills it itself (``local``), or a prefill engine
+does and hands the KV over (``remote``). Each engine reports, in its stats, the prompt tokens a
+second of its steps that compute prompts (waits for a turn on shared cores included), the time of
+a step of decodes alone, and (a prefill engine) the seconds per prompt token of reading and
+sending the KV. The frontend knows each engine's backlog exactly: the prompt tokens of the
+requests it placed there that have no first token yet. Then
+
+- remote: ``(backlog + n) / rate + n * handoff``
+- local: ``(backlog + n) / rate + decode step``, plus ``turn_wait`` while the prefill engine has
+  a backlog and the roles take turns on shared cores (the decode engine's step waits for its
+  turn); offered only when the prompt's step (at most the step budget of it) takes no longer
+  than ``max_stall``: a prompt computed on a decode engine holds up every decode there for that
+  long, and ``--prefill-turn`` is what a decode step may wait for a prompt anywhere.
+
+An engine that has not measured a rate yet is assumed to run at the other role's measured one
+(the same model on the same kind of cores); when neither has, the fixed threshold decides
+(``--max-prefill-len``: shorter prompts remote). Prefix-cache hits are not subtracted: a
+prediction errs long for a prompt whose start is cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One engine's measured rates (0: not measured yet)."""
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    handoff_s_per_token: float = 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    remote: bool                   # prefill on a prefill engine (else on the decode engine)
+    predicted: float | None        # seconds to first token; None: the threshold decided
+
+
+def choose(num_tokens: int, local: Rates, local_backlog: int, remote: Rates | None, remote_backlog: int,
+           step_budget: int, max_stall: float, max_prefill_len: int, turn_wait: float = 0.0) -> Choice:
+    """Local or remote for a prompt of ``num_tokens`` (``remote`` None: no prefill engine up)."""
+    local_rate = local.prefill_tokens_per_s or (remote.prefill_tokens_per_s if remote else 0.0)
+    remote_rate = (remote.prefill_tokens_per_s or local.prefill_tokens_per_s) if remote else 0.0
+    local_ttft = None
+    if local_rate > 0 and min(num_tokens, step_budget) / local_rate <= max_stall:
+        local_ttft = (local_backlog + num_tokens) / local_rate + local.decode_step_s
+        if remote_backlog:
+            local_ttft += turn_wait
+    if remote is None:
+        return Choice(False, local_ttft)
+    if remote_rate <= 0:
+        return Choice(num_tokens <= max_prefill_len, None)
+    remote_ttft = (remote_backlog + num_tokens) / remote_rate + num_tokens * remote.handoff_s_per_token
+    if local_ttft is not None and local_ttft < remote_ttft:
+        return Choice(False, local_ttft)
+    return Choice(True, remote_ttft)

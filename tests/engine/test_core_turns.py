@@ -1,0 +1,103 @@
+"""Turns on shared cores (duoserve.engine.core_turns): who runs when, read from the shared words."""
+
+import threading
+import time
+
+import pytest
+
+from duoserve.config import TurnsConfig
+from duoserve.engine.core_turns import DECODE, IDLE, PAUSED, PREFILL, RUNNING, WANT, CoreTurns, create_turns_file
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A prefill engine's and a decode engine's turns over one file."""
+    path = str(tmp_path / "turns")
+    create_turns_file(path, 2)
+    prefill = CoreTurns(TurnsConfig(path, 0, quantum=0.05), "prefill")
+    decode = CoreTurns(TurnsConfig(path, 1), "decode")
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def state(turns: CoreTurns, slot: int) -> tuple[int, int, int]:
+    """(role, state, steps) of ``slot`` as every engine reads them."""
+    return tuple(turns.words[slot * 3: slot * 3 + 3])
+
+
+def test_a_decode_step_runs_at_once_while_no_prompt_is_computed(host):
+    prefill, decode = host
+    assert state(decode, 0) == (PREFILL, IDLE, 0) and state(decode, 1) == (DECODE, IDLE, 0)
+    with decode.decode_step():
+        assert state(prefill, 1) == (DECODE, RUNNING, 0)
+    with decode.decode_step():
+        pass
+    assert state(prefill, 1) == (DECODE, IDLE, 2)
+
+
+def test_a_prompt_lends_the_cores_to_a_waiting_decode_step_after_its_quantum(host):
+    prefill, decode = host
+    entered = threading.Event()
+
+    def step():
+        with decode.decode_step():
+            entered.set()
+
+    with prefill.prefill_step():
+        assert state(decode, 0)[1] == RUNNING
+        waiter = threading.Thread(target=step)
+        waiter.start()
+        while state(prefill, 1)[1] != WANT:
+            time.sleep(0.001)
+        prefill.checkpoint()
+        assert not entered.is_set() and prefill.num_pauses == 0, "within its quantum a prompt keeps the cores"
+        prefill.since -= prefill.quantum          # its quantum is spent
+        prefill.checkpoint()                      # returns once the decode step ran
+        assert entered.is_set() and prefill.num_pauses == 1
+        assert state(decode, 0)[1] == RUNNING and state(decode, 1) == (DECODE, IDLE, 1)
+        waiter.join()
+        prefill.since -= prefill.quantum
+        prefill.checkpoint()
+        assert prefill.num_pauses == 1, "no decode step waits: no pause"
+    assert state(decode, 0) == (PREFILL, IDLE, 0)
+
+
+def test_a_paused_prompt_shows_paused_and_a_running_decode_step_is_never_cut(host):
+    prefill, decode = host
+    seen = []
+
+    def step():
+        with decode.decode_step():
+            seen.append(state(decode, 0)[1])   # the prompt's state while this step runs
+
+    with prefill.prefill_step():
+        waiter = threading.Thread(target=step)
+        waiter.start()
+        while state(prefill, 1)[1] != WANT:
+            time.sleep(0.001)
+        prefill.since -= prefill.quantum
+        prefill.checkpoint()
+        waiter.join()
+    assert seen == [PAUSED]
+    started = threading.Event()
+
+    def prompt_step():
+        with prefill.prefill_step():
+            started.set()
+
+    with decode.decode_step():
+        later = threading.Thread(target=prompt_step)
+        later.start()
+        assert not started.wait(0.02), "a prompt step does not start while a decode step runs"
+    later.join()
+    assert started.is_set() and state(decode, 0)[1] == IDLE
+
+
+def test_slots_are_checked(tmp_path):
+    path = str(tmp_path / "turns")
+    with pytest.raises(ValueError, match="at most 64"):
+        create_turns_file(path, 65)
+    create_turns_file(path, 1)
+    with pytest.raises(ValueError, match="turn slot 1 is not among the file's 1"):
+        CoreTurns(TurnsConfig(path, 1), "decode")

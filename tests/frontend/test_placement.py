@@ -1,0 +1,73 @@
+"""Placement by predicted time to first token (``duoserve.frontend.placement``), from recorded
+rates: the choice, the prediction, the fallback, and the router's backlogs behind them."""
+
+from __future__ import annotations
+
+import pytest
+
+from duoserve.frontend.placement import Choice, Rates, choose
+from duoserve.frontend.router import Router
+from tests.frontend.test_router import engines, outs, place
+
+# rates an engine of the default model reported on a 2-core Xeon (session 23): prompt tokens a
+# second with both cores, a step of 4 decodes, and the KV handoff per prompt token
+MEASURED = Rates(prefill_tokens_per_s=490.0, decode_step_s=0.02, handoff_s_per_token=0.0001)
+
+
+def test_a_long_prompt_is_never_prefilled_where_it_would_hold_up_decodes():
+    # 512 tokens (the step budget's worth) at 490 a second stall the decodes 1.04 s > 0.2 s
+    choice = choose(1500, MEASURED, 0, MEASURED, 0, step_budget=512, max_stall=0.2, max_prefill_len=512)
+    assert choice == Choice(True, pytest.approx(1500 / 490 + 1500 * 0.0001))
+
+
+def test_a_short_prompt_goes_where_it_gets_its_first_token_first():
+    # the prefill engine is busy with a long prompt: the decode engine takes the short one
+    choice = choose(64, MEASURED, 0, MEASURED, 1500, 512, 0.2, 512)
+    assert choice == Choice(False, pytest.approx(64 / 490 + 0.02))
+    # the decode engine has prompts of its own queued and the prefill engine is idle: remote
+    choice = choose(64, MEASURED, 400, MEASURED, 0, 512, 0.2, 512)
+    assert choice == Choice(True, pytest.approx(64 / 490 + 64 * 0.0001))
+    # idle both: the handoff (6.4 ms) costs less than a decode step (20 ms)
+    assert choose(64, MEASURED, 0, MEASURED, 0, 512, 0.2, 512).remote
+
+
+def test_an_engine_not_measured_yet_is_taken_to_run_at_the_other_roles_rate():
+    unmeasured = Rates()
+    assert choose(64, unmeasured, 0, MEASURED, 1500, 512, 0.2, 512) == Choice(False, pytest.approx(64 / 490))
+    assert choose(1500, MEASURED, 0, unmeasured, 0, 512, 0.2, 512) == Choice(True, pytest.approx(1500 / 490))
+
+
+def test_before_any_rate_the_threshold_decides():
+    unmeasured = Rates()
+    assert choose(512, unmeasured, 0, unmeasured, 0, 512, 0.2, 512) == Choice(True, None)
+    assert choose(513, unmeasured, 0, unmeasured, 0, 512, 0.2, 512) == Choice(False, None)
+
+
+def test_with_no_prefill_engine_up_the_decode_engine_prefills():
+    assert choose(1500, MEASURED, 0, None, 0, 512, 0.2, 512) == Choice(False, None)
+    assert choose(64, MEASURED, 0, None, 0, 512, 0.2, 512) == Choice(False, pytest.approx(64 / 490 + 0.02))
+
+
+def test_the_router_places_by_prediction_with_backlogs_counted_from_its_placements():
+    group, (decode,), (prefill,) = engines(1, 1, Router("auto", max_prefill_len=512, step_budget=512, max_stall=0.2))
+    decode.rates = prefill.rates = MEASURED
+    seen = []
+    group.on_first_token.append(lambda remote, predicted, measured: seen.append((remote, predicted)))
+    assert place(group, "long", num_tokens=1500) == [("prefill-0", "decode-0")]
+    assert group.backlog("prefill-0") == 1500 and group.backlog("decode-0") == 0
+    assert place(group, "short", num_tokens=64) == [(None, "decode-0")], "behind a long prompt: local"
+    assert group.backlog("decode-0") == 64
+    group.note_outputs(decode, outs("short"))       # its first token: no backlog left
+    assert group.backlog("decode-0") == 0 and seen == [(False, pytest.approx(64 / 490 + 0.02))]
+    group.note_outputs(prefill, outs("long"))
+    assert group.backlog("prefill-0") == 0
+    assert seen[1] == (True, pytest.approx(1500 / 490 + 0.15))
+    assert place(group, "next", num_tokens=64) == [("prefill-0", "decode-0")], "both idle: remote"
+
+
+def test_every_prompt_goes_remote_unless_auto():
+    group, (decode,), (prefill,) = engines(1, 1, Router("cpu"))
+    decode.rates = prefill.rates = MEASURED
+    assert place(group, "a", "b", num_tokens=64) == [("prefill-0", "decode-0")] * 2
+    group.on_first_token.append(lambda *args: pytest.fail("no prediction was made"))
+    group.note_outputs(prefill, outs("a"))
