@@ -194,7 +194,10 @@ class EngineCore:
         choice's prefill tokens a second (from steps mostly of prompts) and copy bytes a second."""
         prompt_tokens = sum(i.num_known_tokens for i in plan.scheduled if i.num_known_tokens > 1)
         if prompt_tokens >= 32:
-            self.prefill_tokens_per_s = moving_average(self.prefill_tokens_per_s, prompt_tokens / seconds)
+            # the prompts' own share of a step that also decodes: what a prompt adds to a step
+            decodes = any(i.num_known_tokens == 1 for i in plan.scheduled)
+            own = max(seconds - self.decode_step_s, seconds / 2) if decodes else seconds
+            self.prefill_tokens_per_s = moving_average(self.prefill_tokens_per_s, prompt_tokens / own)
         elif prompt_tokens == 0 and not plan.swap_in and not plan.swap_out:
             self.decode_step_s = moving_average(self.decode_step_s, seconds)
         if self.swap is None:  # the rest only chooses between swap and recompute
