@@ -5,10 +5,13 @@
 
 Workload and client: ``duoserve bench``'s (``mixed:64:0.8,1500:0.2``: 80 % short prompts
 of 64 tokens, 20 % long ones of 1,500, 128 output tokens with ``ignore_eos``, Poisson
-arrivals at ``--rate`` requests/s, the same seed for every setup). Setups: colocated (one engine, 2 threads, chunked prefill, budget 512);
-disaggregated with a prefill engine on core 0 and a decode engine on core 1, with
-``--prefill-device cpu`` and with ``auto``. Reports TTFT p50/p99 for short and long
-prompts, ITL p50/p99 and output throughput, per setup, as JSON.
+arrivals at ``--rate`` requests/s, the same seed for every setup). Setups (``SETUPS``):
+colocated (one engine, 2 threads, chunked prefill, budget 512); disaggregated as a user gets
+it (every prompt on the prefill engine, both roles taking turns on every core), with
+``--prefill-device auto`` (each prompt placed by predicted time to first token), and with
+the cores split between the roles. A setup named twice runs twice (the VM drifts: alternate
+them). Reports TTFT p50/p99 for short and long prompts, ITL p50/p99 and output throughput,
+per setup, as JSON.
 
 ``--search-rates`` first runs colocated at each rate and takes the highest it sustains
 (output throughput at least 90 % of the offered rate x max_tokens), then runs every setup

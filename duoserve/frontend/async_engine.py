@@ -94,6 +94,11 @@ class ServerShuttingDownError(EngineUnavailableError):
     """The drain deadline passed while the request was still running."""
 
 
+# a prompt prefilled on its decode engine may hold up the decodes there for this many prefill
+# turns: a short prompt sent to a prefill engine busy with a long one waits seconds instead
+STALL_TURNS = 2
+
+
 class QueueFullError(DuoserveError):
     """``max_queue_len`` requests are already in flight."""
 
@@ -294,7 +299,7 @@ class AsyncEngine:
             router = (Router(routing=self.routing) if self.disagg is None
                       else Router(self.disagg.prefill_device, self.disagg.max_prefill_len, self.routing,
                                   self.config.scheduler.token_budget(client.ready.max_model_len),
-                                  self.disagg.prefill_turn, self.disagg.prefill_turn if turns else 0.0))
+                                  STALL_TURNS * self.disagg.prefill_turn, self.disagg.prefill_turn if turns else 0.0))
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
             self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
             self.group.on_first_token = self.on_first_token

@@ -12,8 +12,9 @@ requests it placed there that have no first token yet. Then
 - local: ``(backlog + n) / rate + decode step``, plus ``turn_wait`` while the prefill engine has
   a backlog and the roles take turns on shared cores (the decode engine's step waits for its
   turn); offered only when the prompt's step (at most the step budget of it) takes no longer
-  than ``max_stall``: a prompt computed on a decode engine holds up every decode there for that
-  long, and ``--prefill-turn`` is what a decode step may wait for a prompt anywhere.
+  than ``max_stall`` (two ``--prefill-turn``\ s: what a decode step may wait for a prompt on
+  shared cores, and its own prompts): a prompt computed on a decode engine holds up every decode
+  there for that long.
 
 An engine that has not measured a rate yet is assumed to run at the other role's measured one
 (the same model on the same kind of cores); when neither has, the fixed threshold decides

@@ -71,3 +71,18 @@ def test_every_prompt_goes_remote_unless_auto():
     assert place(group, "a", "b", num_tokens=64) == [("prefill-0", "decode-0")] * 2
     group.on_first_token.append(lambda *args: pytest.fail("no prediction was made"))
     group.note_outputs(prefill, outs("a"))
+
+
+def test_each_prediction_and_its_error_are_metrics():
+    from duoserve.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.observe_prediction(True, 3.0, 3.5)
+    metrics.observe_prediction(False, 0.2, 0.1)
+    value = metrics.registry.get_sample_value
+    assert value("duoserve:placement_predicted_ttft_seconds_sum", {"prefill": "remote"}) == 3.0
+    # negative buckets: Prometheus keeps no sum for such a histogram, the buckets say it all
+    assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "remote", "le": "0.5"}) == 1
+    assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "remote", "le": "0.2"}) == 0
+    assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "local", "le": "-0.1"}) == 1
+    assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "local", "le": "-0.2"}) == 0

@@ -92,6 +92,10 @@ def test_socket_files_of_dead_frontends_are_removed(tmp_path):
     for path in paths.values():
         pysocket.socket(pysocket.AF_UNIX).bind(str(path))
     (tmp_path / f"duoserve-{dead_pid}-not-a-socket").write_text("")
-    assert sweep_orphaned_sockets(str(tmp_path)) == [f"duoserve-{dead_pid}-ab-engine-0"]
+    (tmp_path / f"duoserve-{dead_pid}-ef-turns").write_bytes(bytes(48))          # its core turns file
+    (tmp_path / f"duoserve-{os.getpid()}-gh-turns").write_bytes(bytes(48))
+    assert sorted(sweep_orphaned_sockets(str(tmp_path))) == [f"duoserve-{dead_pid}-ab-engine-0",
+                                                             f"duoserve-{dead_pid}-ef-turns"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"duoserve-{os.getpid()}-cd-engine-0",
+                                                                 f"duoserve-{os.getpid()}-gh-turns",
                                                                  f"duoserve-{dead_pid}-not-a-socket"])
