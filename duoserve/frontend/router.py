@@ -1,6 +1,6 @@
 """Placement: which engines prefill and decode a request.
 
-``--prefill-device cpu|cuda`` sends every prompt to a prefill engine; ``auto`` (the default)
+``--prefill-device cpu|cuda`` (cpu, the default) sends every prompt to a prefill engine; ``auto``
 prefills each prompt where its predicted time to first token is lowest, on a prefill engine or
 on its decode engine itself (``duoserve.frontend.placement``: from the rates the engines
 measure, the backlogs counted here; before any rate is measured, the seed documents' rule: a
