@@ -129,6 +129,10 @@ class EngineStats(msgspec.Struct):
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     handoff_s_per_token: float = 0.0
+    # the prefix cache's block hashes (their first 8 bytes, little-endian; the newest
+    # CACHED_BLOCKS_REPORTED), sent at most once a second and only when the set changed: None
+    # means unchanged. The router's prefix map (frontend/prefix_map.py) reads them.
+    cached_blocks: list[int] | None = None
 
 
 

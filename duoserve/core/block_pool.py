@@ -91,6 +91,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self.version = 0   # changes whenever a hash joins or leaves ``cached`` (engines report the set)
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +113,7 @@ class BlockPool:
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1
+                self.version += 1
             block.ref_count = 1
             taken.append(block)
         return taken
@@ -146,4 +148,5 @@ class BlockPool:
             return False  # the same content computed twice at once: keep the published one
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.version += 1
         return True

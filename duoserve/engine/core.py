@@ -31,6 +31,9 @@ from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+CACHED_BLOCKS_INTERVAL = 1.0     # seconds between two reports of the cached block hashes, at least
+CACHED_BLOCKS_REPORTED = 8192    # the newest this many (64 KiB in a stats message)
+
 
 class EngineCore:
     """One engine, built by ``duoserve.engine.builder.build_engine`` from its parts."""
@@ -58,6 +61,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.prefill_tokens_per_s = 0.0   # measured (moving averages, 0 until measured): stats
+        self._reported_blocks = (-1, 0.0)   # (pool version, when) of the last cached-blocks report
         self.decode_step_s = 0.0
         self._fingerprint_values: dict | None = None
 
@@ -222,9 +226,21 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens, kv_transfer_bytes=self.handoff.num_transfer_bytes,
             kv_transfer_seconds=self.handoff.drain_transfer_seconds(), num_kv_leased=scheduler.num_leased,
             prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=self.decode_step_s,
-            handoff_s_per_token=self.handoff.seconds_per_token,
+            handoff_s_per_token=self.handoff.seconds_per_token, cached_blocks=self._cached_blocks(),
             **self._spec_stats(), **(self.store.store.stats() if self.store is not None else {}),
             **(self.runner.grammar_masks.stats() if self.runner.grammar_masks is not None else {}))
+
+    def _cached_blocks(self) -> list[int] | None:
+        """The prefix cache's block hashes for the stats, when they changed (at most once a
+        CACHED_BLOCKS_INTERVAL); else None."""
+        pool = self.kv.pool
+        version, at = self._reported_blocks
+        now = time.monotonic()
+        if not pool.enable_caching or pool.version == version or now - at < CACHED_BLOCKS_INTERVAL:
+            return None
+        self._reported_blocks = (pool.version, now)
+        newest = list(pool.cached)[-CACHED_BLOCKS_REPORTED:]   # the dict keeps the order they came in
+        return [int.from_bytes(h[:8], "little") for h in newest]
 
     def _spec_stats(self) -> dict:
         spec = self.speculation

@@ -127,6 +127,7 @@ class AsyncEngine:
         self.on_first_token: list[Callable[[bool, float, float], None]] = []   # (remote, predicted, measured TTFT)
         self.parked: dict[str, tuple[str, str, str]] = {}   # request -> (lost engine, reason, cause): waiting
         self.on_stats = self.supervisor.on_stats                      # (name, instance id, stats)
+        self.on_stats.append(self._cached_blocks)
         self.on_engine_down = self.supervisor.on_engine_down
         self._tasks: list[asyncio.Task] = []
         self._started = False
@@ -292,6 +293,11 @@ class AsyncEngine:
             self._abort(request_id)
 
     # ---- what the supervisor reports: up from the engines -------------------------------
+
+    def _cached_blocks(self, name: str, instance_id: str, stats) -> None:
+        """An engine's report of its prefix cache, for prefix routing."""
+        if stats.cached_blocks is not None and self.group is not None:
+            self.group.prefixes.report(name, stats.cached_blocks)
 
     def engine_up(self, client: EngineClient) -> None:
         if self.group is None and client in self.decode_clients:

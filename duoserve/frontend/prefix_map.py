@@ -2,41 +2,55 @@
 
 The frontend keeps, for each engine, the block hashes of the prompts it placed there, newest last,
 and forgets the oldest beyond that engine's pool (``num_blocks``): an engine evicts its least
-recently used free blocks first, so the map forgets roughly as the engine does. It is
-approximate by design (SGLang's router keeps such a tree of what it routed, not what the engines
-hold): an engine's own evictions, a relaunch (``forget``) or another frontend's requests move
-the truth under it, and a wrong guess costs a prefill the engine would have done anyway.
+recently used free blocks first, so the map forgets roughly as the engine does. Each engine
+also reports what its prefix cache holds (the first 8 bytes of its cached blocks' hashes, in
+its stats at most once a second when they changed: ``EngineStats.cached_blocks``), which
+replaces that engine's last report here: its own evictions and other frontends' requests then
+show within a second. It stays approximate (between reports, and a report omits a pool's
+oldest blocks beyond 8,192), and a wrong guess costs a prefill the engine would have done anyway.
 
-A block's hash chains its tokens to every block before it (as the engines' prefix caches key
-their blocks), so a match is always a prompt's first blocks.
+A block's hash is the engines' own (``core.block_pool.hash_block``: sha256 chaining its tokens to
+every block before it, from the request's cache salt), so a match is always a prompt's first
+blocks, and a report and a placement name a block alike.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from duoserve.core.block_pool import hash_block
+from duoserve.core.kv_cache_manager import salt_root
+
+
+def short_hash(block_hash: bytes) -> int:
+    """A block hash as engines report it: its first 8 bytes."""
+    return int.from_bytes(block_hash[:8], "little")
+
 
 class PrefixMap:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._reported: dict[str, frozenset[int]] = {}   # engine -> its last report
 
-    def hashes(self, tokens: list[int]) -> list[int]:
-        """The chained hashes of ``tokens``' full blocks."""
-        chain, parent = [], 0
+    def hashes(self, tokens: list[int], cache_salt: str | None = None) -> list[int]:
+        """The chained hashes of ``tokens``' full blocks, as the engines key them."""
+        chain, parent = [], salt_root(cache_salt)
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            parent = hash((parent, tuple(tokens[start:start + self.block_size])))
-            chain.append(parent)
+            parent = hash_block(parent, tokens[start:start + self.block_size])
+            chain.append(short_hash(parent))
         return chain
+
+    def report(self, engine: str, cached: list[int]) -> None:
+        """``engine`` says its prefix cache holds these blocks (short hashes)."""
+        self._reported[engine] = frozenset(cached)
 
     def matched(self, engine: str, hashes: list[int]) -> int:
         """How many of ``hashes``' first blocks ``engine`` probably holds."""
-        held = self._blocks.get(engine)
-        if not held:
-            return 0
+        held, reported = self._blocks.get(engine, {}), self._reported.get(engine, frozenset())
         count = 0
         for h in hashes:
-            if h not in held:
+            if h not in held and h not in reported:
                 break
             count += 1
         return count
@@ -53,3 +67,4 @@ class PrefixMap:
     def forget(self, engine: str) -> None:
         """``engine`` restarted: its cache is empty."""
         self._blocks.pop(engine, None)
+        self._reported.pop(engine, None)

@@ -198,7 +198,8 @@ class EngineGroup:
     def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, float | None]:
         """(decode engine, prefill engine or None, predicted TTFT or None) for a new request; the
         placement rules are the module docstring's. Raises EngineDeadError when no decode engine is up."""
-        hashes = self.prefixes.hashes(request.prompt_token_ids) if self.router.routing == "prefix" else []
+        hashes = (self.prefixes.hashes(request.prompt_token_ids, request.params.cache_salt)
+                  if self.router.routing == "prefix" else [])
         decode = self._best(self.decode, hashes)
         if decode is None:
             raise EngineDeadError("no decode engine is up")

@@ -71,3 +71,16 @@ def test_a_failing_model_step_fails_its_requests_and_the_engine_serves_on(engine
     engine.add_request(Request("next", list(range(7, 17)), GREEDY, (), 512))
     assert run_out(engine) == {"next": want}, "the next request computes as before"
     assert_pool_whole(engine)
+
+
+def test_stats_report_the_cached_blocks_once_they_change(engine):
+    from duoserve.frontend.prefix_map import PrefixMap
+
+    prompt = list(range(100, 140))   # two full blocks of 16
+    engine.add_request(Request("cached", prompt, GREEDY, (), 512))
+    run_out(engine)
+    engine.release("cached")
+    engine._reported_blocks = (-1, 0.0)   # as if the last report were a second old
+    reported = engine.stats().cached_blocks
+    assert set(PrefixMap(16).hashes(prompt)) <= set(reported), "the frontend hashes blocks as the engine does"
+    assert engine.stats().cached_blocks is None, "unchanged, and within the second: not sent again"

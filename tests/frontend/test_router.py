@@ -274,6 +274,23 @@ def test_a_prompt_goes_to_the_engine_that_holds_its_start_unless_that_one_is_4_b
     assert place_prompts(group, {"c": SYSTEM_B[:4] + [9, 9, 9, 9], "d": [7] * 8}) == ["decode-0", "decode-0"]
 
 
+def test_an_engines_report_of_its_cache_routes_what_this_frontend_never_placed_and_forgets_evictions():
+    from duoserve.core.block_pool import hash_block
+    from duoserve.frontend.prefix_map import short_hash
+
+    group, _, _ = engines(2)
+    first = hash_block(None, SYSTEM_B[:4])   # the engine's own key of SYSTEM_B's first block
+    group.prefixes.report("decode-1", [short_hash(first), short_hash(hash_block(first, SYSTEM_B[4:]))])
+    assert place_prompts(group, {"x": SYSTEM_B + [1]}) == ["decode-1"], "another frontend's prompt, reported"
+    assert place_prompts(group, {"y": SYSTEM_B + [1]}) == ["decode-1"]
+    salted = Request("z", SYSTEM_B + [1], SamplingParams(max_tokens=4, cache_salt="tenant"), (0,), 64)
+    assert group.prefixes.matched("decode-1", group.prefixes.hashes(salted.prompt_token_ids, "tenant")) == 0, \
+        "a salted prompt's blocks are keyed apart, as the engines key them"
+    group.prefixes.report("decode-0", [])
+    group.prefixes.report("decode-1", [])   # evicted there: only what this frontend placed counts now
+    assert group.prefixes.matched("decode-1", group.prefixes.hashes(SYSTEM_B)) == 2
+
+
 def test_least_loaded_routing_ignores_the_prefixes():
     group, _, _ = engines(2, router=Router(routing="least-loaded"))
     prompts = {f"b{i}": SYSTEM_B + [60 + i] for i in range(4)}
