@@ -81,6 +81,11 @@ def _tcp_address(host: str) -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
+def share_cores(cpus: list[int], count: int) -> list[tuple[int, ...]]:
+    """``cpus`` cut into ``count`` contiguous runs, as even as they divide."""
+    return [tuple(cpus[len(cpus) * i // count: len(cpus) * (i + 1) // count]) for i in range(count)]
+
+
 def split_cores(cpus: list[int], num_prefill: int, num_decode: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Disjoint CPU sets for each launched engine: decode engines share the first half of the
     cores (at least one each), prefill engines the rest, each engine a contiguous run. With
@@ -92,11 +97,7 @@ def split_cores(cpus: list[int], num_prefill: int, num_decode: int) -> tuple[lis
         return [every] * num_prefill, [every] * num_decode
     num_for_decode = max(num_decode, len(cpus) // 2)
     num_for_decode = min(num_for_decode, len(cpus) - num_prefill)
-
-    def share(pool: list[int], count: int) -> list[tuple[int, ...]]:
-        return [tuple(pool[len(pool) * i // count: len(pool) * (i + 1) // count]) for i in range(count)]
-
-    return share(cpus[num_for_decode:], num_prefill), share(cpus[:num_for_decode], num_decode)
+    return share_cores(cpus[num_for_decode:], num_prefill), share_cores(cpus[:num_for_decode], num_decode)
 
 
 def _taking_turns(prefill: list[EngineConfig], decode: list[EngineConfig], cpus: list[int],
@@ -107,12 +108,10 @@ def _taking_turns(prefill: list[EngineConfig], decode: list[EngineConfig], cpus:
     slots = iter(range(len(prefill) + len(decode)))
 
     def share(configs: list[EngineConfig]) -> list[EngineConfig]:
-        n = len(configs)
-        oversubscribed = len(cpus) < n
-        return [dataclasses.replace(_pinned(c, tuple(cpus) if n == 1 else tuple(cpus[len(cpus) * i // n:
-                                                                                       len(cpus) * (i + 1) // n]),
-                                            oversubscribed), turns=TurnsConfig(path, next(slots), quantum))
-                for i, c in enumerate(configs)]
+        oversubscribed = len(cpus) < len(configs)
+        return [dataclasses.replace(_pinned(config, cores, oversubscribed),
+                                    turns=TurnsConfig(path, next(slots), quantum))
+                for config, cores in zip(configs, share_cores(cpus, len(configs)))]
 
     return share(prefill), share(decode)
 
@@ -149,8 +148,7 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None, frontend_id:
         if num_engines > 1 and config.num_threads is None and config.cpus is None:
             cpus = sorted(os.sched_getaffinity(0))
             oversubscribed = len(cpus) < num_engines
-            shares = [tuple(cpus[len(cpus) * i // num_engines: len(cpus) * (i + 1) // num_engines])
-                      for i in range(num_engines)]
+            shares = share_cores(cpus, num_engines)
             configs = [_pinned(config, () if oversubscribed else c, oversubscribed) for c in shares]
         return [EngineClient(f"engine-{i}", _ipc_address(f"engine-{i}"), c, key=key, frontend_id=frontend_id)
                 for i, c in enumerate(configs)], []
