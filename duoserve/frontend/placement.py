@@ -5,21 +5,23 @@ Two options per request: its decode engine prefills it itself (``local``), or a 
 does and hands the KV over (``remote``). Each engine reports, in its stats, the prompt tokens a
 second of its steps that compute prompts (waits for a turn on shared cores included), the time of
 a step of decodes alone, and (a prefill engine) the seconds per prompt token of reading and
-sending the KV. The frontend knows each engine's backlog exactly: the prompt tokens of the
-requests it placed there that have no first token yet. Then
+sending the KV. The frontend knows each engine's backlog: the prompt tokens of the requests it
+placed there that have no first token yet, less what it expected each engine's prefix cache to
+hold. With ``m`` of the prompt's ``n`` tokens probably cached on an engine (the router's prefix
+map), that engine computes ``n - m`` of them. Then
 
-- remote: ``(backlog + n) / rate + n * handoff``
-- local: ``(backlog + n) / rate + decode step``, plus ``turn_wait`` while the prefill engine has
+- remote: ``(backlog + n - m) / rate + n * handoff``
+- local: ``(backlog + n - m) / rate + decode step``, plus ``turn_wait`` while the prefill engine has
   a backlog and the roles take turns on shared cores (the decode engine's step waits for its
   turn); offered only when the prompt's step (at most the step budget of it) takes no longer
-  than ``max_stall`` (two ``--prefill-turn``\ s: what a decode step may wait for a prompt on
+  than ``max_stall`` (twice ``--prefill-turn``: what a decode step may wait for a prompt on
   shared cores, and its own prompts): a prompt computed on a decode engine holds up every decode
   there for that long.
 
 An engine that has not measured a rate yet is assumed to run at the other role's measured one
 (the same model on the same kind of cores); when neither has, the fixed threshold decides
-(``--max-prefill-len``: shorter prompts remote). Prefix-cache hits are not subtracted: a
-prediction errs long for a prompt whose start is cached.
+(``--max-prefill-len``: shorter prompts remote). A prefix map's wrong guess makes a prediction err
+short (the blocks were evicted) or long (another frontend's prompt filled them in the meantime).
 """
 
 from __future__ import annotations
@@ -42,20 +44,23 @@ class Choice:
 
 
 def choose(num_tokens: int, local: Rates, local_backlog: int, remote: Rates | None, remote_backlog: int,
-           step_budget: int, max_stall: float, max_prefill_len: int, turn_wait: float = 0.0) -> Choice:
-    """Local or remote for a prompt of ``num_tokens`` (``remote`` None: no prefill engine up)."""
+           step_budget: int, max_stall: float, max_prefill_len: int, turn_wait: float = 0.0,
+           local_cached: int = 0, remote_cached: int = 0) -> Choice:
+    """Local or remote for a prompt of ``num_tokens`` (``remote`` None: no prefill engine up), of
+    which ``local_cached`` and ``remote_cached`` are probably in either engine's prefix cache."""
+    local_tokens, remote_tokens = num_tokens - local_cached, num_tokens - remote_cached
     local_rate = local.prefill_tokens_per_s or (remote.prefill_tokens_per_s if remote else 0.0)
     remote_rate = (remote.prefill_tokens_per_s or local.prefill_tokens_per_s) if remote else 0.0
     local_ttft = None
-    if local_rate > 0 and min(num_tokens, step_budget) / local_rate <= max_stall:
-        local_ttft = (local_backlog + num_tokens) / local_rate + local.decode_step_s
+    if local_rate > 0 and min(local_tokens, step_budget) / local_rate <= max_stall:
+        local_ttft = (local_backlog + local_tokens) / local_rate + local.decode_step_s
         if remote_backlog:
             local_ttft += turn_wait
     if remote is None:
         return Choice(False, local_ttft)
     if remote_rate <= 0:
         return Choice(num_tokens <= max_prefill_len, None)
-    remote_ttft = (remote_backlog + num_tokens) / remote_rate + num_tokens * remote.handoff_s_per_token
+    remote_ttft = (remote_backlog + remote_tokens) / remote_rate + num_tokens * remote.handoff_s_per_token
     if local_ttft is not None and local_ttft < remote_ttft:
         return Choice(False, local_ttft)
     return Choice(True, remote_ttft)

@@ -7,16 +7,20 @@ measure, the backlogs counted here; before any rate is measured, the seed docume
 prompt of at most ``--max-prefill-len`` tokens on a prefill engine, a longer one on its decode
 engine, chunked). With no prefill engine up, every prompt is prefilled on its decode engine.
 
-Among engines of one role (``--routing prefix``, the default) the engine that probably
-holds the longest start of the prompt in its prefix cache takes it (``prefix_map``: what
-this frontend placed where), unless it has ``IMBALANCE`` or more requests queued beyond the
-least loaded one; with no such engine, or ``--routing least-loaded``, the least loaded
-takes it (queue depth, counted here exactly: a decode engine's unfinished requests, a
-prefill engine's requests not yet prefilled); between equals the first in its list
-(``decode-0`` before ``decode-1``), and an engine that is down, or draining (its stats say
-so: it got SIGTERM and finishes what it holds before it stops), is passed over. The
-prefill-or-not choice of ``auto`` judges "uncached part" by the whole prompt's length. The
-decode engine is chosen first, then the prefill engine, then where the prompt is prefilled.
+Among engines of one role (``--routing prefix``, the default) the prompt goes to the engine
+with the fewest prompt tokens to compute before its first token: its backlog (the prompt tokens
+placed there without a first token yet, less what was expected cached there) plus the part of
+this prompt it probably does not hold in its prefix cache (``prefix_map``: what this frontend
+placed where, and what the engine reports). So a cached system prompt wins until its engine's
+queue costs more than computing the prompt elsewhere. An engine with ``IMBALANCE`` or more
+requests beyond the least loaded one (queue depth, counted here exactly: a decode engine's
+unfinished requests, a prefill engine's requests not yet prefilled) is passed over, since a
+decode engine's backlog does not count its decodes; between equals the less loaded, then the
+first in its list (``decode-0`` before ``decode-1``). With ``--routing least-loaded`` the least
+loaded takes it. An engine that is down, or draining (its stats say so: it got SIGTERM and
+finishes what it holds before it stops), is passed over. The decode engine is chosen first,
+then the prefill engine, then where the prompt is prefilled (``auto``: each side's backlog and
+uncached part).
 
 Migration (``migrate``): a request whose engine went down is placed again. One no sample of
 which has a token yet starts over, placed like a new request; otherwise each unfinished
@@ -41,8 +45,8 @@ from duoserve.frontend.prefix_map import PrefixMap
 
 logger = logging.getLogger(__name__)
 
-# queued requests beyond the least loaded engine's at which a prefix match no longer wins: a hot
-# prefix must not pile every request on one engine while another idles
+# queued requests beyond the least loaded engine's at which an engine takes no more: a hot prefix
+# must not pile every decode on one engine while another idles
 IMBALANCE = 4
 
 
@@ -56,14 +60,22 @@ class Router:
         self.max_stall = max_stall       # the longest a prompt may hold up a decode engine's decodes
         self.turn_wait = turn_wait       # the longest a decode step waits for its turn on shared cores
 
-    def where(self, num_tokens: int, decode: EngineClient, decode_backlog: int, prefill: EngineClient | None,
-              prefill_backlog: int) -> placement.Choice:
+    def where(self, num_tokens: int, decode: Option, prefill: Option | None) -> placement.Choice:
         """Prefill on ``prefill`` (remote) or on ``decode`` itself, with the predicted TTFT."""
         if self.prefill_device != "auto":
             return placement.Choice(prefill is not None, None)
-        return placement.choose(num_tokens, decode.rates, decode_backlog, prefill.rates if prefill else None,
-                                prefill_backlog, self.step_budget, self.max_stall, self.max_prefill_len,
-                                self.turn_wait)
+        return placement.choose(num_tokens, decode.client.rates, decode.backlog,
+                                prefill.client.rates if prefill else None, prefill.backlog if prefill else 0,
+                                self.step_budget, self.max_stall, self.max_prefill_len, self.turn_wait,
+                                decode.cached, prefill.cached if prefill else 0)
+
+
+@dataclass(frozen=True)
+class Option:
+    """An engine a request may go to, as the router sees it then."""
+    client: EngineClient
+    backlog: int = 0    # prompt tokens placed there still to compute
+    cached: int = 0     # of this prompt's tokens, those it probably holds in its prefix cache
 
 
 @dataclass
@@ -80,6 +92,7 @@ class Placement:
     migrated_at: float | None = None   # until its first token after the migration (time to resume)
     predicted: float | None = None     # its predicted time to first token (placement.py), until it comes
     placed_at: float = 0.0
+    uncached: int = 0                  # the prompt tokens expected computed where it is prefilled
 
     def engine_ids(self) -> list[str]:
         """Its ids on the engines: the request's, or each resumed sample's."""
@@ -175,57 +188,63 @@ class EngineGroup:
         load = self.load
         return min(up, key=lambda c: load[c.name])
 
-    def _best(self, clients: list[EngineClient], hashes: list[int]) -> EngineClient | None:
+    def _best(self, clients: list[EngineClient], hashes: list[int], num_tokens: int) -> Option | None:
         """The engine the request goes to among ``clients`` (the module docstring's rule)."""
-        least = self._least_loaded(clients)
-        if least is None or self.router.routing != "prefix" or not hashes:
-            return least
-        load, up = self.load, self._takers(clients)
-        best = max(up, key=lambda c: (self.prefixes.matched(c.name, hashes), -load[c.name]))
-        if self.prefixes.matched(best.name, hashes) == 0 or load[best.name] - load[least.name] >= IMBALANCE:
-            return least
-        return best
+        up = self._takers(clients)
+        if not up:
+            return None
+        load = self.load
+        if self.router.routing != "prefix":
+            return Option(min(up, key=lambda c: load[c.name]))
+        fewest = min(load[c.name] for c in up)
+        options = []
+        for client in up:
+            if load[client.name] - fewest < IMBALANCE:
+                # an engine computes a prompt's last token even when every block is cached
+                cached = min(self.prefixes.matched(client.name, hashes) * self.prefixes.block_size, num_tokens - 1)
+                options.append(Option(client, self.backlog(client.name), max(cached, 0)))
+        return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, load[o.client.name]))
 
     def backlog(self, name: str) -> int:
-        """Prompt tokens placed on engine ``name`` still to be computed there (exact here: the
-        placements' prompts without their first token)."""
+        """Prompt tokens placed on engine ``name`` still to be computed there: the placements'
+        without their first token, less what each expected cached there."""
         total = 0
         for p in self.placements.values():
             if p.prefill == name and not p.prefilled or p.prefill is None and p.decode == name and not p.handed_over:
-                total += p.request.num_prompt_tokens if p.request is not None else 0
+                total += p.uncached
         return total
 
-    def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, float | None]:
-        """(decode engine, prefill engine or None, predicted TTFT or None) for a new request; the
-        placement rules are the module docstring's. Raises EngineDeadError when no decode engine is up."""
+    def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, placement.Choice, int]:
+        """(decode engine, prefill engine or None, the choice, the prompt tokens it computes) for a
+        new request, by the module docstring's rules. Raises EngineDeadError when no decode engine is up."""
         hashes = (self.prefixes.hashes(request.prompt_token_ids, request.params.cache_salt)
                   if self.router.routing == "prefix" else [])
-        decode = self._best(self.decode, hashes)
+        n = request.num_prompt_tokens
+        decode = self._best(self.decode, hashes, n)
         if decode is None:
             raise EngineDeadError("no decode engine is up")
-        prefill = self._best(self.prefill, hashes) if self.prefill else None
+        prefill = self._best(self.prefill, hashes, n) if self.prefill else None
         if self.prefill and prefill is None and not self._warned_fallback:
             logger.warning("no prefill engine is up: prefilling on the decode engines")
         self._warned_fallback = bool(self.prefill) and prefill is None
-        n = request.num_prompt_tokens
-        where = self.router.where(n, decode, self.backlog(decode.name), prefill,
-                                  self.backlog(prefill.name) if prefill else 0)
+        where = self.router.where(n, decode, prefill)
         if not where.remote:
             prefill = None
-        for client in (decode, prefill):   # both hold the prompt's blocks once it is prefilled
-            if client is not None and hashes:
-                self.prefixes.record(client.name, hashes, client.ready.num_blocks)
-        return decode, prefill, where.predicted
+        for option in (decode, prefill):   # both hold the prompt's blocks once it is prefilled
+            if option is not None and hashes:
+                self.prefixes.record(option.client.name, hashes, option.client.ready.num_blocks)
+        uncached = n - (prefill or decode).cached
+        return decode.client, prefill.client if prefill else None, where, uncached
 
     def add_request(self, request: Request, original: Request | None = None) -> None:
-        decode, prefill, predicted = self.choose(request)
+        decode, prefill, where, uncached = self.choose(request)
         if prefill is not None:
             prefill.add_request(request, kv_peer=decode.name, kv_peer_instance=decode.ready.instance_id)
         else:
             decode.add_request(request)
         self.placements[(original or request).request_id] = Placement(
             decode.name, prefill.name if prefill else None, samples=request.params.n, request=original or request,
-            engine_id=request.request_id, predicted=predicted, placed_at=time.monotonic())
+            engine_id=request.request_id, predicted=where.predicted, placed_at=time.monotonic(), uncached=uncached)
         self._placed(request.request_id, prefill, decode)
 
     def _placed(self, request_id: str, prefill: EngineClient | None, decode: EngineClient) -> None:
@@ -257,7 +276,8 @@ class EngineGroup:
             for index, tokens in sorted(resumed.items()):
                 decode.add_request(renamed(base, sample_id(engine_id, index), index, tokens))
             self.placements[request_id] = Placement(decode.name, samples=base.params.n, request=base,
-                                                    engine_id=engine_id, resumed=sorted(resumed))
+                                                    engine_id=engine_id, resumed=sorted(resumed),
+                                                    uncached=base.num_prompt_tokens)
             self._placed(engine_id, None, decode)
         placement = self.placements[request_id]
         placement.lost_on, placement.migrated_at = lost, time.monotonic()

@@ -48,6 +48,15 @@ def test_with_no_prefill_engine_up_the_decode_engine_prefills():
     assert choose(64, MEASURED, 0, None, 0, 512, 0.2, 512) == Choice(False, pytest.approx(64 / 490 + 0.02))
 
 
+def test_a_prompt_is_predicted_from_the_part_each_engine_probably_lacks():
+    # 1,472 of 1,500 tokens cached on the decode engine: 28 to compute stall the decodes 57 ms
+    choice = choose(1500, MEASURED, 0, MEASURED, 0, 512, 0.2, 512, local_cached=1472)
+    assert choice == Choice(False, pytest.approx(28 / 490 + 0.02))
+    # cached on the prefill engine: the handoff still sends every block
+    choice = choose(1500, MEASURED, 0, MEASURED, 0, 512, 0.2, 512, remote_cached=1472)
+    assert choice == Choice(True, pytest.approx(28 / 490 + 1500 * 0.0001))
+
+
 def test_the_router_places_by_prediction_with_backlogs_counted_from_its_placements():
     group, (decode,), (prefill,) = engines(1, 1, Router("auto", max_prefill_len=512, step_budget=512, max_stall=0.2))
     decode.rates = prefill.rates = MEASURED

@@ -266,12 +266,27 @@ SYSTEM_A, SYSTEM_B = list(range(1, 9)), list(range(100, 108))   # two blocks of 
 def test_a_prompt_goes_to_the_engine_that_holds_its_start_unless_that_one_is_4_busier():
     group, _, _ = engines(2)
     assert place_prompts(group, {"a": SYSTEM_A + [50], "b": SYSTEM_B + [51]}) == ["decode-0", "decode-1"]
-    # B's users follow B to decode-1 while it is less than 4 requests busier than decode-0
+    # B's users follow B to decode-1 (1 token to compute each) while it is less than 4 requests
+    # busier than decode-0
     later = {f"b{i}": SYSTEM_B + [60 + i] for i in range(5)}
     assert place_prompts(group, later) == ["decode-1"] * 4 + ["decode-0"]
     assert group.load == {"decode-0": 2, "decode-1": 5}
-    # a prompt sharing only B's first block still counts as a match; one sharing none goes by load
-    assert place_prompts(group, {"c": SYSTEM_B[:4] + [9, 9, 9, 9], "d": [7] * 8}) == ["decode-0", "decode-0"]
+    assert group.backlog("decode-1") == 9 + 4 and group.backlog("decode-0") == 9 + 9
+    # a prompt sharing B's first block: 4 tokens to compute on either, behind 13 or 18
+    assert place_prompts(group, {"c": SYSTEM_B[:4] + [9, 9, 9, 9]}) == ["decode-1"]
+    # decode-1 is 4 busier now: a prompt goes to decode-0 whatever it holds
+    assert place_prompts(group, {"d": SYSTEM_B + [9]}) == ["decode-0"]
+
+
+def test_a_cached_prefix_loses_to_a_queue_longer_than_computing_the_prompt_elsewhere():
+    group, (d0, d1), _ = engines(2)
+    assert place_prompts(group, {"x": [5] * 3, "long": [7] * 40}) == ["decode-0", "decode-1"]
+    group.prefixes.record("decode-1", group.prefixes.hashes(SYSTEM_B), d1.ready.num_blocks)
+    # decode-1 holds B but has 40 tokens to compute first; decode-0 computes all 9 behind 3
+    assert place_prompts(group, {"u": SYSTEM_B + [1]}) == ["decode-0"]
+    group.note_outputs(d1, outs("long"))   # decode-1's queue is done
+    assert place_prompts(group, {"v": SYSTEM_B + [2]}) == ["decode-1"]
+    assert group.backlog("decode-1") == 1 and group.backlog("decode-0") == 3 + 9
 
 
 def test_an_engines_report_of_its_cache_routes_what_this_frontend_never_placed_and_forgets_evictions():
