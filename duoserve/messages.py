@@ -124,10 +124,11 @@ class EngineStats(msgspec.Struct):
     grammar_mask_seconds: float = 0.0
     draining: bool = False          # SIGTERM'd: finishing what it holds, taking nothing new
     # measured rates (moving averages; 0 until measured), for placement (frontend/placement.py):
-    # prompt tokens a second of steps that compute prompts, a step of decodes alone, and (prefill
-    # role) seconds per prompt token of reading and sending KV
-    prefill_tokens_per_s: float = 0.0
-    decode_step_s: float = 0.0
+    # prompt tokens a second of steps that compute prompts, by the step's prompt tokens
+    # (core/rates.py PROMPT_SIZES); a step of decodes alone, by its decodes (BATCH_SIZES); and
+    # (prefill role) seconds per prompt token of reading and sending KV
+    prefill_tokens_per_s: list[float] = []
+    decode_step_s: list[float] = []
     handoff_s_per_token: float = 0.0
     # the prefix cache's block hashes (their first 8 bytes, little-endian; the newest
     # CACHED_BLOCKS_REPORTED), sent at most once a second and only when the set changed: None

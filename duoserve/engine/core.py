@@ -16,7 +16,7 @@ import time
 from duoserve.config import EngineConfig
 from duoserve.core.kv_sources import SwapSource
 from duoserve.core.outputs import EngineCoreOutput, SchedulerOutput
-from duoserve.core.rates import moving_average
+from duoserve.core.rates import BATCH_SIZES, PROMPT_SIZES, lookup, record
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
 from duoserve.core.swap_space import SwapCost
@@ -60,9 +60,10 @@ class EngineCore:
         self.turns = turns           # turns on cores shared with the other role's engines, or None
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        self.prefill_tokens_per_s = 0.0   # measured (moving averages, 0 until measured): stats
+        # measured (moving averages, 0 until measured), by a step's size (core/rates.py): stats
+        self.prefill_tokens_per_s = [0.0] * len(PROMPT_SIZES)
+        self.decode_step_s = [0.0] * len(BATCH_SIZES)
         self._reported_blocks = (-1, 0.0)   # (pool version, when) of the last cached-blocks report
-        self.decode_step_s = 0.0
         self._fingerprint_values: dict | None = None
 
     @property
@@ -194,16 +195,18 @@ class EngineCore:
 
     def _measure_rates(self, plan: SchedulerOutput, seconds: float) -> None:
         """Keep the measured rates current: prompt tokens a second (from steps that compute 32
-        or more), a step of decodes alone (placement, in the stats); the swap-or-recompute
-        choice's prefill tokens a second (from steps mostly of prompts) and copy bytes a second."""
+        or more) and a step of decodes alone, each by the step's size (placement, in the stats);
+        the swap-or-recompute choice's prefill tokens a second (from steps mostly of prompts) and
+        copy bytes a second."""
         prompt_tokens = sum(i.num_known_tokens for i in plan.scheduled if i.num_known_tokens > 1)
-        if prompt_tokens >= 32:
+        decodes = sum(1 for i in plan.scheduled if i.num_known_tokens == 1)
+        if prompt_tokens >= PROMPT_SIZES[0]:
             # the prompts' own share of a step that also decodes: what a prompt adds to a step
-            decodes = any(i.num_known_tokens == 1 for i in plan.scheduled)
-            own = max(seconds - self.decode_step_s, seconds / 2) if decodes else seconds
-            self.prefill_tokens_per_s = moving_average(self.prefill_tokens_per_s, prompt_tokens / own)
-        elif prompt_tokens == 0 and not plan.swap_in and not plan.swap_out:
-            self.decode_step_s = moving_average(self.decode_step_s, seconds)
+            alone = lookup(self.decode_step_s, BATCH_SIZES, decodes) if decodes else 0.0
+            own = max(seconds - alone, seconds / 2)
+            record(self.prefill_tokens_per_s, PROMPT_SIZES, prompt_tokens, prompt_tokens / own)
+        elif prompt_tokens == 0 and decodes and not plan.swap_in and not plan.swap_out:
+            record(self.decode_step_s, BATCH_SIZES, decodes, seconds)
         if self.swap is None:  # the rest only chooses between swap and recompute
             return
         cost = self.swap.cost

@@ -3,15 +3,19 @@ time to first token, from rates the engines measure as they run.
 
 Two options per request: its decode engine prefills it itself (``local``), or a prefill engine
 does and hands the KV over (``remote``). Each engine reports, in its stats, the prompt tokens a
-second of its steps that compute prompts (waits for a turn on shared cores included), the time of
-a step of decodes alone, and (a prefill engine) the seconds per prompt token of reading and
-sending the KV. The frontend knows each engine's backlog: the prompt tokens of the requests it
-placed there that have no first token yet, less what it expected each engine's prefix cache to
-hold. With ``m`` of the prompt's ``n`` tokens probably cached on an engine (the router's prefix
-map), that engine computes ``n - m`` of them. Then
+second of its steps that compute prompts (waits for a turn on shared cores included) by the
+step's prompt tokens, the time of a step of decodes alone by its decodes
+(``core.rates``: ``PROMPT_SIZES``, ``BATCH_SIZES``), and (a prefill engine) the seconds per
+prompt token of reading and sending the KV. The frontend knows each engine's backlog: the prompt
+tokens of the requests it placed there that have no first token yet, less what it expected each
+engine's prefix cache to hold. With ``m`` of the prompt's ``n`` tokens probably cached on an
+engine (the router's prefix map), that engine computes ``n - m`` of them, in steps of
+``min(backlog + n - m, step budget)`` tokens (queued prompts fill a step), at that size's
+``rate``. Then
 
 - remote: ``(backlog + n - m) / rate + n * handoff``
-- local: ``(backlog + n - m) / rate + decode step``, plus ``turn_wait`` while the prefill engine has
+- local: ``(backlog + n - m) / rate + decode step`` (of the decode engine's requests and this
+  one), plus ``turn_wait`` while the prefill engine has
   a backlog and the roles take turns on shared cores (the decode engine's step waits for its
   turn); offered only when the prompt's step (at most the step budget of it) takes no longer
   than ``max_stall`` (twice ``--prefill-turn``: what a decode step may wait for a prompt on
@@ -28,13 +32,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from duoserve.core.rates import BATCH_SIZES, PROMPT_SIZES, lookup
+
 
 @dataclass(frozen=True)
 class Rates:
-    """One engine's measured rates (0: not measured yet)."""
-    prefill_tokens_per_s: float = 0.0
-    decode_step_s: float = 0.0
+    """One engine's measured rates (0, or none: not measured yet)."""
+    prefill_tokens_per_s: tuple[float, ...] = ()   # by a step's prompt tokens (PROMPT_SIZES)
+    decode_step_s: tuple[float, ...] = ()          # by a step's decodes (BATCH_SIZES)
     handoff_s_per_token: float = 0.0
+
+    def prefill_rate(self, step_tokens: int) -> float:
+        """Prompt tokens a second in steps of ``step_tokens`` (0: none measured)."""
+        return lookup(self.prefill_tokens_per_s, PROMPT_SIZES, step_tokens)
+
+    def decode_step(self, decodes: int) -> float:
+        """Seconds of a step of ``decodes`` decodes alone (0: none measured)."""
+        return lookup(self.decode_step_s, BATCH_SIZES, decodes)
 
 
 @dataclass(frozen=True)
@@ -45,19 +59,22 @@ class Choice:
 
 def choose(num_tokens: int, local: Rates, local_backlog: int, remote: Rates | None, remote_backlog: int,
            step_budget: int, max_stall: float, max_prefill_len: int, turn_wait: float = 0.0,
-           local_cached: int = 0, remote_cached: int = 0) -> Choice:
+           local_cached: int = 0, remote_cached: int = 0, local_decodes: int = 1) -> Choice:
     """Local or remote for a prompt of ``num_tokens`` (``remote`` None: no prefill engine up), of
-    which ``local_cached`` and ``remote_cached`` are probably in either engine's prefix cache."""
+    which ``local_cached`` and ``remote_cached`` are probably in either engine's prefix cache;
+    ``local_decodes``: the decode engine's requests with this one."""
     local_tokens, remote_tokens = num_tokens - local_cached, num_tokens - remote_cached
-    local_rate = local.prefill_tokens_per_s or (remote.prefill_tokens_per_s if remote else 0.0)
-    remote_rate = (remote.prefill_tokens_per_s or local.prefill_tokens_per_s) if remote else 0.0
+    local_step = min(local_backlog + local_tokens, step_budget)
+    local_rate = local.prefill_rate(local_step) or (remote.prefill_rate(local_step) if remote else 0.0)
     local_ttft = None
     if local_rate > 0 and min(local_tokens, step_budget) / local_rate <= max_stall:
-        local_ttft = (local_backlog + local_tokens) / local_rate + local.decode_step_s
+        local_ttft = (local_backlog + local_tokens) / local_rate + local.decode_step(local_decodes)
         if remote_backlog:
             local_ttft += turn_wait
     if remote is None:
         return Choice(False, local_ttft)
+    remote_step = min(remote_backlog + remote_tokens, step_budget)
+    remote_rate = remote.prefill_rate(remote_step) or local.prefill_rate(remote_step)
     if remote_rate <= 0:
         return Choice(num_tokens <= max_prefill_len, None)
     remote_ttft = (remote_backlog + remote_tokens) / remote_rate + num_tokens * remote.handoff_s_per_token

@@ -67,7 +67,7 @@ class Router:
         return placement.choose(num_tokens, decode.client.rates, decode.backlog,
                                 prefill.client.rates if prefill else None, prefill.backlog if prefill else 0,
                                 self.step_budget, self.max_stall, self.max_prefill_len, self.turn_wait,
-                                decode.cached, prefill.cached if prefill else 0)
+                                decode.cached, prefill.cached if prefill else 0, decode.load + 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class Option:
     client: EngineClient
     backlog: int = 0    # prompt tokens placed there still to compute
     cached: int = 0     # of this prompt's tokens, those it probably holds in its prefix cache
+    load: int = 0       # its requests (a decode engine's: those it decodes)
 
 
 @dataclass
@@ -195,15 +196,16 @@ class EngineGroup:
             return None
         load = self.load
         if self.router.routing != "prefix":
-            return Option(min(up, key=lambda c: load[c.name]))
+            least = min(up, key=lambda c: load[c.name])
+            return Option(least, self.backlog(least.name), load=load[least.name])
         fewest = min(load[c.name] for c in up)
         options = []
         for client in up:
             if load[client.name] - fewest < IMBALANCE:
                 # an engine computes a prompt's last token even when every block is cached
                 cached = min(self.prefixes.matched(client.name, hashes) * self.prefixes.block_size, num_tokens - 1)
-                options.append(Option(client, self.backlog(client.name), max(cached, 0)))
-        return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, load[o.client.name]))
+                options.append(Option(client, self.backlog(client.name), max(cached, 0), load[client.name]))
+        return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, o.load))
 
     def backlog(self, name: str) -> int:
         """Prompt tokens placed on engine ``name`` still to be computed there: the placements'

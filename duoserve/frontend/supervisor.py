@@ -240,7 +240,7 @@ class EngineSupervisor:
             if batch.stats is not None:
                 self.stats[client.name] = batch.stats
                 client.draining = batch.stats.draining
-                client.rates = Rates(batch.stats.prefill_tokens_per_s, batch.stats.decode_step_s,
+                client.rates = Rates(tuple(batch.stats.prefill_tokens_per_s), tuple(batch.stats.decode_step_s),
                                      batch.stats.handoff_s_per_token)
                 call_hooks(self.on_stats, client.name, instance_id, batch.stats)
             if batch.outputs:

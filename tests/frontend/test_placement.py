@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import pytest
 
+from duoserve.core.rates import BATCH_SIZES, PROMPT_SIZES, lookup
 from duoserve.frontend.placement import Choice, Rates, choose
 from duoserve.frontend.router import Router
 from tests.frontend.test_router import engines, outs, place
 
+
+def flat(prefill_tokens_per_s: float, decode_step_s: float, handoff_s_per_token: float = 0.0) -> Rates:
+    """Rates measured alike at every size."""
+    return Rates((prefill_tokens_per_s,) * len(PROMPT_SIZES), (decode_step_s,) * len(BATCH_SIZES),
+                 handoff_s_per_token)
+
+
 # rates an engine of the default model reported on a 2-core Xeon (session 23): prompt tokens a
 # second with both cores, a step of 4 decodes, and the KV handoff per prompt token
-MEASURED = Rates(prefill_tokens_per_s=490.0, decode_step_s=0.02, handoff_s_per_token=0.0001)
+MEASURED = flat(490.0, 0.02, 0.0001)
 
 
 def test_a_long_prompt_is_never_prefilled_where_it_would_hold_up_decodes():
@@ -55,6 +63,27 @@ def test_a_prompt_is_predicted_from_the_part_each_engine_probably_lacks():
     # cached on the prefill engine: the handoff still sends every block
     choice = choose(1500, MEASURED, 0, MEASURED, 0, 512, 0.2, 512, remote_cached=1472)
     assert choice == Choice(True, pytest.approx(28 / 490 + 1500 * 0.0001))
+
+
+def test_rates_are_kept_by_step_size_and_an_unmeasured_size_takes_the_nearest():
+    assert PROMPT_SIZES == (32, 128, 512, 2048) and BATCH_SIZES == (1, 2, 4, 8, 16, 32, 64)
+    rates = (0.0, 300.0, 0.0, 500.0)
+    assert [lookup(rates, PROMPT_SIZES, n) for n in (1, 64, 200, 511, 512, 3000)] == [300, 300, 300, 300, 300, 500]
+    assert lookup((0.0,) * 4, PROMPT_SIZES, 64) == 0.0
+
+
+def test_a_prompt_is_predicted_at_the_rate_of_the_step_it_fills_and_the_decodes_beside_it():
+    # short steps run at 250 tokens a second, full ones at 490; one decode 10 ms, 8 of them 30 ms
+    rates = Rates((250.0, 250.0, 490.0, 490.0), (0.01, 0.01, 0.01, 0.03, 0.03, 0.03, 0.03), 0.0001)
+    assert choose(64, rates, 0, rates, 1500, 512, 0.4, 512, local_decodes=1) == \
+        Choice(False, pytest.approx(64 / 250 + 0.01))
+    assert choose(64, rates, 0, rates, 1500, 512, 0.4, 512, local_decodes=8) == \
+        Choice(False, pytest.approx(64 / 250 + 0.03))
+    # behind a queue a step is full: 64 tokens behind 1,000 go at 490 (locally, 64 alone at 250
+    # would stall the decodes 256 ms > 200)
+    assert choose(64, rates, 0, rates, 1000, 512, 0.2, 512) == Choice(True, pytest.approx(1064 / 490 + 0.0064))
+    assert choose(64, rates, 1000, rates, 0, 512, 0.4, 512) == Choice(True, pytest.approx(64 / 250 + 0.0064))
+    assert choose(1500, rates, 0, rates, 1000, 512, 0.2, 512) == Choice(True, pytest.approx(2500 / 490 + 0.15))
 
 
 def test_the_router_places_by_prediction_with_backlogs_counted_from_its_placements():
