@@ -363,7 +363,7 @@ class ClusterConfig:
     ray_namespace: str = "duoserve"   # one deployment's engines are the named actors of this namespace
     auth_key_file: str | None = None  # the deployment key; None: $DUOSERVE_AUTH_KEY*, else the engines' own
     num_engines: int = 1              # colocated engines launched on this host (each takes a share of its cores)
-    routing: str = "prefix"           # among engines of a role: the likeliest prefix-cache hit, or least-loaded
+    routing: str = "prefix"           # among engines of a role: the fewest prompt tokens ahead (cache counted off), or least-loaded
 
     def __post_init__(self) -> None:
         if self.kind not in CLUSTERS:

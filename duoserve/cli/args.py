@@ -205,9 +205,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         "whose engine goes down goes on on another (default: 1; with --disagg use "
                         "--num-decode-engines)")
     r.add_argument("--routing", default=ClusterConfig.routing, choices=ROUTINGS,
-                   help="which of several engines of a role takes a request: prefix, the one that probably holds "
-                        "the longest start of its prompt in its prefix cache unless it is 4 requests busier than "
-                        "the least loaded; least-loaded, the one with the fewest queued (default: prefix)")
+                   help="which of several engines of a role takes a request: prefix, the one with the fewest "
+                        "prompt tokens to compute before its first token (its queue, plus the part of this prompt "
+                        "its prefix cache probably lacks), none 4 requests busier than the least loaded; "
+                        "least-loaded, the one with the fewest queued (default: prefix)")
     r.add_argument("--cluster", default=ClusterConfig.kind, choices=CLUSTERS,
                    help="launch the engines on this host, or place them on a Ray cluster (default: local)")
     r.add_argument("--ray-address", default=None,
