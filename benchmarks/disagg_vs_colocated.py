@@ -73,13 +73,40 @@ def drive(port: int, requests, args) -> dict:
     return report
 
 
+def placements(port: int) -> dict:
+    """From the server's metrics: how many prompts were prefilled where (an engine, or local), and
+    the placement's median error (measured minus predicted TTFT, as the upper bound of the
+    histogram bucket that holds it; the histogram has negative buckets, so no sum) by where."""
+    import httpx
+
+    counts, buckets = {}, {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("duoserve:request_placements_total{"):
+            prefill = line.split('prefill_engine="')[1].split('"')[0]
+            counts[prefill] = counts.get(prefill, 0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duoserve:placement_ttft_error_seconds_bucket{"):
+            le, where = line.split('le="')[1].split('"')[0], line.split('prefill="')[1].split('"')[0]
+            buckets.setdefault(where, []).append((float(le), float(line.rsplit(" ", 1)[1])))
+    report = {"prefilled_on": counts} if counts else {}
+    medians = {}
+    for where, cumulative in buckets.items():
+        total = max(count for _, count in cumulative)
+        if total:
+            medians[where] = min(le for le, count in cumulative if count >= total / 2)
+    if medians:
+        report["prediction_error_median_le_s"] = medians
+    return report
+
+
 def run_setup(name: str, args, requests, port: int) -> dict:
     cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log",
            "--max-model-len", "2048", *SETUPS[name]]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
-        return drive(port, requests, args)
+        report = drive(port, requests, args)
+        report.update(placements(port))
+        return report
     finally:
         server.terminate()
         server.wait(60)
