@@ -15,12 +15,17 @@ engine (the router's prefix map), that engine computes ``n - m`` of them, in ste
 
 - remote: ``(backlog + n - m) / rate + n * handoff``
 - local: ``(backlog + n - m) / rate + decode step`` (of the decode engine's requests and this
-  one), plus ``turn_wait`` while the prefill engine has
-  a backlog and the roles take turns on shared cores (the decode engine's step waits for its
-  turn); offered only when the prompt's step (at most the step budget of it) takes no longer
-  than ``max_stall`` (twice ``--prefill-turn``: what a decode step may wait for a prompt on
-  shared cores, and its own prompts): a prompt computed on a decode engine holds up every decode
-  there for that long.
+  one), plus ``turn_wait`` while the prefill engine has a backlog and the roles take turns on
+  shared cores (the decode engine's step waits for its turn); offered only when the step that
+  computes it (with the prompts queued there before it, at most the step budget) takes no
+  longer than ``max_stall`` (twice ``--prefill-turn``: what a decode step may wait for a prompt
+  on shared cores, and its own prompts): a prompt computed on a decode engine holds up every
+  decode there for that long, and prompts queued there go in one step.
+
+A decode engine computes its prompts in arrival order; a prefill engine takes the shortest
+remaining prompt first (``core.roles.PrefillOnly``), so its backlog, for a prompt of ``u``
+uncached tokens, is what goes before it (the router counts it): the prompts queued there of at
+most ``u`` tokens, and of the longer ones at most the step under way.
 
 An engine that has not measured a rate yet is assumed to run at the other role's measured one
 (the same model on the same kind of cores); when neither has, the fixed threshold decides
@@ -67,7 +72,7 @@ def choose(num_tokens: int, local: Rates, local_backlog: int, remote: Rates | No
     local_step = min(local_backlog + local_tokens, step_budget)
     local_rate = local.prefill_rate(local_step) or (remote.prefill_rate(local_step) if remote else 0.0)
     local_ttft = None
-    if local_rate > 0 and min(local_tokens, step_budget) / local_rate <= max_stall:
+    if local_rate > 0 and local_step / local_rate <= max_stall:
         local_ttft = (local_backlog + local_tokens) / local_rate + local.decode_step(local_decodes)
         if remote_backlog:
             local_ttft += turn_wait

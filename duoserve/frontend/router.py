@@ -195,26 +195,34 @@ class EngineGroup:
         if not up:
             return None
         load = self.load
+        shortest_first = clients is self.prefill   # a prefill engine's order (core.roles.PrefillOnly)
         if self.router.routing != "prefix":
             least = min(up, key=lambda c: load[c.name])
-            return Option(least, self.backlog(least.name), load=load[least.name])
+            return Option(least, self.backlog(least.name, num_tokens if shortest_first else None), load=load[least.name])
         fewest = min(load[c.name] for c in up)
         options = []
         for client in up:
             if load[client.name] - fewest < IMBALANCE:
                 # an engine computes a prompt's last token even when every block is cached
                 cached = min(self.prefixes.matched(client.name, hashes) * self.prefixes.block_size, num_tokens - 1)
-                options.append(Option(client, self.backlog(client.name), max(cached, 0), load[client.name]))
+                cached = max(cached, 0)
+                ahead = num_tokens - cached if shortest_first else None
+                options.append(Option(client, self.backlog(client.name, ahead), cached, load[client.name]))
         return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, o.load))
 
-    def backlog(self, name: str) -> int:
+    def backlog(self, name: str, ahead_of: int | None = None) -> int:
         """Prompt tokens placed on engine ``name`` still to be computed there: the placements'
-        without their first token, less what each expected cached there."""
-        total = 0
+        without their first token, less what each expected cached there. With ``ahead_of`` (a
+        prefill engine, which takes the shortest remaining prompt first): those computed before a
+        prompt of that many tokens, the shorter prompts' and of the longer ones' at most a step."""
+        shorter = longer = 0
         for p in self.placements.values():
             if p.prefill == name and not p.prefilled or p.prefill is None and p.decode == name and not p.handed_over:
-                total += p.uncached
-        return total
+                if ahead_of is None or p.uncached <= ahead_of:
+                    shorter += p.uncached
+                else:
+                    longer += p.uncached
+        return shorter + min(longer, self.router.step_budget)
 
     def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, placement.Choice, int]:
         """(decode engine, prefill engine or None, the choice, the prompt tokens it computes) for a

@@ -39,6 +39,13 @@ def test_a_short_prompt_goes_where_it_gets_its_first_token_first():
     assert choose(64, MEASURED, 0, MEASURED, 0, 512, 0.2, 512).remote
 
 
+def test_prompts_queued_on_a_decode_engine_go_in_the_step_that_would_hold_up_its_decodes():
+    # 128 queued + 64: one step of 192 tokens stalls the decodes 392 ms <= 400
+    assert choose(64, MEASURED, 128, MEASURED, 1500, 512, 0.4, 512) == Choice(False, pytest.approx(192 / 490 + 0.02))
+    # 160 queued + 64: 457 ms > 400, however short the prompt itself: the prefill engine takes it
+    assert choose(64, MEASURED, 160, MEASURED, 1500, 512, 0.4, 512).remote
+
+
 def test_an_engine_not_measured_yet_is_taken_to_run_at_the_other_roles_rate():
     unmeasured = Rates()
     assert choose(64, unmeasured, 0, MEASURED, 1500, 512, 0.2, 512) == Choice(False, pytest.approx(64 / 490))
@@ -101,6 +108,27 @@ def test_the_router_places_by_prediction_with_backlogs_counted_from_its_placemen
     assert group.backlog("prefill-0") == 0
     assert seen[1] == (True, pytest.approx(1500 / 490 + 0.15))
     assert place(group, "next", num_tokens=64) == [("prefill-0", "decode-0")], "both idle: remote"
+
+
+def test_a_prefill_engine_is_predicted_to_take_the_shortest_prompt_first():
+    group, (decode,), (prefill,) = engines(1, 1, Router("auto", max_prefill_len=512, step_budget=512, max_stall=0.4))
+    decode.rates = prefill.rates = MEASURED
+    place(group, "long", num_tokens=1500)
+    place(group, "short", num_tokens=64)
+    place(group, "mid", num_tokens=300)
+    assert [group.placements[r].prefill for r in ("long", "short", "mid")] == ["prefill-0", None, "prefill-0"]
+    # before a new 64-token prompt: nothing shorter, of the longer ones the step under way
+    assert group.backlog("prefill-0", 64) == 512
+    # before a 400-token one: the 300-token prompt, then a step of the long one's 1,500
+    assert group.backlog("prefill-0", 400) == 300 + 512
+    assert group.backlog("prefill-0") == 1800 and group.backlog("decode-0") == 64
+    # the decode engine's queue (64) and this prompt (200) would stall its decodes 539 ms > 400:
+    # remote, behind a step of the longer prompts (1,800 tokens of them)
+    seen = []
+    group.on_first_token.append(lambda remote, predicted, measured: seen.append((remote, predicted)))
+    assert place(group, "next", num_tokens=200) == [("prefill-0", "decode-0")]
+    group.note_outputs(prefill, outs("next"))
+    assert seen == [(True, pytest.approx((512 + 200) / 490 + 200 * 0.0001))]
 
 
 def test_every_prompt_goes_remote_unless_auto():
