@@ -74,20 +74,25 @@ def drive(port: int, requests, args) -> dict:
 
 
 def placements(port: int) -> dict:
-    """From the server's metrics: how many prompts were prefilled where (an engine, or local), and
-    the placement's median error (measured minus predicted TTFT, as the upper bound of the
+    """From the server's metrics: the mean TTFT by stage, how many prompts were prefilled where
+    (an engine, or local), and the placement's median error (measured minus predicted TTFT, as the upper bound of the
     histogram bucket that holds it; the histogram has negative buckets, so no sum) by where."""
     import httpx
 
-    counts, buckets = {}, {}
+    counts, buckets, stages = {}, {}, {}
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-        if line.startswith("duoserve:request_placements_total{"):
+        if line.startswith(("duoserve:ttft_stage_seconds_sum{", "duoserve:ttft_stage_seconds_count{")):
+            stage, kind = line.split('stage="')[1].split('"')[0], line.split("{")[0].rsplit("_", 1)[1]
+            stages.setdefault(stage, {})[kind] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duoserve:request_placements_total{"):
             prefill = line.split('prefill_engine="')[1].split('"')[0]
             counts[prefill] = counts.get(prefill, 0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("duoserve:placement_ttft_error_seconds_bucket{"):
             le, where = line.split('le="')[1].split('"')[0], line.split('prefill="')[1].split('"')[0]
             buckets.setdefault(where, []).append((float(le), float(line.rsplit(" ", 1)[1])))
     report = {"prefilled_on": counts} if counts else {}
+    report["ttft_stage_mean_ms"] = {stage: round(1000 * v["sum"] / v["count"]) for stage, v in stages.items()
+                                    if v.get("count")}
     medians = {}
     for where, cumulative in buckets.items():
         total = max(count for _, count in cumulative)
@@ -99,8 +104,9 @@ def placements(port: int) -> dict:
 
 
 def run_setup(name: str, args, requests, port: int) -> dict:
+    extra = args.disagg_flags.split() if name.startswith("disagg") else []
     cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log",
-           "--max-model-len", "2048", *SETUPS[name]]
+           "--max-model-len", "2048", *SETUPS[name], *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
@@ -116,6 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser, rate=0.4, num_requests=40)
     parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--disagg-flags", default="",
+                        help="more `duoserve serve` flags for the disaggregated setups, e.g. '--prefill-turn 0.4'")
     parser.add_argument("--search-rates", default=None,
                         help="comma-separated rates: find colocated's highest sustained one, then run at 70%%")
     args = parser.parse_args()

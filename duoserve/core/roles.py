@@ -76,8 +76,9 @@ class PrefillOnly(RolePolicy):
         fit whole (the prefilling ones always keep at least one token: nothing stalls).
 
         Aging bounds every wait: a request that arrived more than ``PREFILL_AGING_SECONDS`` ago
-        goes before every younger one, oldest first, and nothing is held back from it, so a
-        long prompt cannot starve behind a steady stream of short ones.
+        goes before every younger one, oldest first, and at most half of a step is held back
+        from it, so a long prompt cannot starve behind a steady stream of short ones, nor a short
+        one wait for the whole of an aged long one.
         """
         now = time.monotonic()
 
@@ -93,12 +94,13 @@ class PrefillOnly(RolePolicy):
             waiting.clear()
             waiting.extend(ordered)
         running.sort(key=order)
-        if not waiting or not running or not order(running[0])[0]:
+        if not waiting or not running:
             return 0
+        limit = token_budget if order(running[0])[0] else token_budget // 2
         longest, reserved = remaining(running[-1]), 0
         for request in waiting:
             need = remaining(request)
-            if need >= longest or reserved + need >= token_budget:
+            if need >= longest or reserved + need >= limit:
                 break
             reserved += need
         return reserved

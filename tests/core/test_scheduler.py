@@ -266,6 +266,23 @@ def test_prefill_role_ages_a_long_prompt_past_a_flood_of_short_ones():
     assert long.status is RequestStatus.KV_LEASED   # prefilled (40 tokens) within the aged steps
 
 
+def test_prefill_role_lets_a_short_prompt_beside_an_aged_long_one_within_half_a_step():
+    import time
+
+    kv = KVCacheManager(256, 4, True)
+    s = prefill_scheduler(kv, 8, 64)
+    long = add(s, "long", 40)
+    s.update(plan := s.schedule(), fake_run(plan))
+    long.arrival_time = time.monotonic() - PREFILL_AGING_SECONDS - 0.1
+    add(s, "short", 3)
+    add(s, "shorter", 2)
+    plan = s.schedule()   # 2 + 3 tokens >= half the budget (4): only the shortest is held back for
+    assert [(x.request.request_id, x.num_new_tokens) for x in plan.scheduled] == [("long", 6), ("shorter", 2)]
+    s.update(plan, fake_run(plan))
+    plan = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in plan.scheduled] == [("long", 5), ("short", 3)]
+
+
 def test_a_request_whose_grammar_is_compiling_is_passed_over_not_waited_for():
     kv = KVCacheManager(16, 4, True)
     compiled: set[str] = set()
