@@ -74,16 +74,19 @@ def drive(port: int, requests, args) -> dict:
 
 
 def placements(port: int) -> dict:
-    """From the server's metrics: the mean TTFT by stage, how many prompts were prefilled where
-    (an engine, or local), and the placement's median error (measured minus predicted TTFT, as the upper bound of the
-    histogram bucket that holds it; the histogram has negative buckets, so no sum) by where."""
+    """From the server's metrics: the mean TTFT by stage, the preemptions, how many prompts were
+    prefilled where (an engine, or local), and the placement's median error (measured minus
+    predicted TTFT, as the upper bound of the histogram bucket that holds it; the histogram has
+    negative buckets, so no sum) by where."""
     import httpx
 
-    counts, buckets, stages = {}, {}, {}
+    counts, buckets, stages, preempted = {}, {}, {}, 0.0
     for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
         if line.startswith(("duoserve:ttft_stage_seconds_sum{", "duoserve:ttft_stage_seconds_count{")):
             stage, kind = line.split('stage="')[1].split('"')[0], line.split("{")[0].rsplit("_", 1)[1]
             stages.setdefault(stage, {})[kind] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duoserve:num_preemptions_total"):
+            preempted += float(line.rsplit(" ", 1)[1])
         elif line.startswith("duoserve:request_placements_total{"):
             prefill = line.split('prefill_engine="')[1].split('"')[0]
             counts[prefill] = counts.get(prefill, 0) + float(line.rsplit(" ", 1)[1])
@@ -91,6 +94,7 @@ def placements(port: int) -> dict:
             le, where = line.split('le="')[1].split('"')[0], line.split('prefill="')[1].split('"')[0]
             buckets.setdefault(where, []).append((float(le), float(line.rsplit(" ", 1)[1])))
     report = {"prefilled_on": counts} if counts else {}
+    report["preempted"] = preempted
     report["ttft_stage_mean_ms"] = {stage: round(1000 * v["sum"] / v["count"]) for stage, v in stages.items()
                                     if v.get("count")}
     medians = {}
@@ -105,8 +109,10 @@ def placements(port: int) -> dict:
 
 def run_setup(name: str, args, requests, port: int) -> dict:
     extra = args.disagg_flags.split() if name.startswith("disagg") else []
+    # the model's context and the KV pool a user gets (no --max-model-len: a 2,048-token context
+    # made the default pool 4 sequences of it, which a decode engine fills at this load)
     cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log",
-           "--max-model-len", "2048", *SETUPS[name], *extra]
+           *SETUPS[name], *extra]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
