@@ -213,7 +213,7 @@ class TurnsConfig:
     launcher where prefill and decode engines share the same cores, never by users."""
     path: str              # the shared file the launcher created
     slot: int              # this engine's slot in it
-    quantum: float = 0.2   # prefill: seconds on the cores before a waiting decode step gets its turn
+    quantum: float = 0.4   # prefill: seconds on the cores before a waiting decode step gets its turn (--prefill-turn)
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,9 @@ class DisaggConfig:
     auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.transport.auth); None: $DUOSERVE_AUTH_KEY*
     insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
     core_sharing: str = "turns"       # turns: both roles on every core, in turn; split: each role its own cores
-    prefill_turn: float = 0.2         # turns: seconds a prompt holds the cores while a decode step waits
+    # turns: seconds a prompt holds the cores while a decode step waits; each turn costs the prompt
+    # a decode step, so shorter turns lengthen the first tokens (BENCHMARKS.md, session 25)
+    prefill_turn: float = 0.4
 
     def __post_init__(self) -> None:
         if self.core_sharing not in CORE_SHARINGS:
@@ -363,7 +365,8 @@ class ClusterConfig:
     ray_namespace: str = "duoserve"   # one deployment's engines are the named actors of this namespace
     auth_key_file: str | None = None  # the deployment key; None: $DUOSERVE_AUTH_KEY*, else the engines' own
     num_engines: int = 1              # colocated engines launched on this host (each takes a share of its cores)
-    routing: str = "prefix"           # among engines of a role: the fewest prompt tokens ahead (cache counted off), or least-loaded
+    # among engines of a role: the fewest prompt tokens ahead (cache counted off), or least-loaded
+    routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.kind not in CLUSTERS:

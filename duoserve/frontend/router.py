@@ -198,7 +198,8 @@ class EngineGroup:
         shortest_first = clients is self.prefill   # a prefill engine's order (core.roles.PrefillOnly)
         if self.router.routing != "prefix":
             least = min(up, key=lambda c: load[c.name])
-            return Option(least, self.backlog(least.name, num_tokens if shortest_first else None), load=load[least.name])
+            backlog = self.backlog(least.name, num_tokens if shortest_first else None)
+            return Option(least, backlog, load=load[least.name])
         fewest = min(load[c.name] for c in up)
         options = []
         for client in up:
