@@ -1,0 +1,76 @@
+"""What a long prompt's first token costs where it shares the cores with decodes: one server of a
+setup (``disagg_vs_colocated.SETUPS``), a 1,500-token prompt with ``max_tokens`` 1 alone
+(three times), then once while one other stream decodes 400 tokens; reports the prompt's TTFT
+both ways and the stream's median and longest gap between tokens (the longest: a colocated
+chunk step, or a turn of the disaggregated setups).
+
+    python benchmarks/long_prompt_beside_stream.py --setups colocated,disagg-auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from _common import wait_healthy
+from disagg_vs_colocated import SETUPS
+
+
+def random_prompt(num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(num_tokens)]
+
+
+def token_times(url: str, num_tokens: int, seed: int, max_tokens: int) -> list[float]:
+    """Seconds from the request to each streamed token."""
+    start, times = time.perf_counter(), []
+    body = {"model": "smollm2-135m", "prompt": random_prompt(num_tokens, seed), "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(name: str, args, port: int) -> dict:
+    cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log", *SETUPS[name]]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url + "/health", 120, lambda: server.poll() is None)
+        for seed in range(4):   # warm both engines and let them measure their rates
+            token_times(url, args.long_len if seed == 0 else 64, 100 + seed, 4)
+        alone = [token_times(url, args.long_len, seed, 1)[0] for seed in range(3)]
+        stream: list[float] = []
+        decoding = threading.Thread(target=lambda: stream.extend(token_times(url, 64, 7, 400)))
+        decoding.start()
+        time.sleep(1.0)   # the stream is decoding
+        beside = token_times(url, args.long_len, 50, 1)[0]
+        decoding.join()
+        gaps = [b - a for a, b in zip(stream, stream[1:])]
+        return {"long_alone_s": statistics.median(alone), "long_beside_stream_s": beside,
+                "stream_gap_p50_ms": 1000 * statistics.median(gaps), "stream_gap_max_ms": 1000 * max(gaps)}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setups", default="colocated,disagg-auto")
+    parser.add_argument("--long-len", type=int, default=1500)
+    args = parser.parse_args()
+    for i, name in enumerate(args.setups.split(",")):
+        print(name, json.dumps(measure(name, args, 8750 + i)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
