@@ -21,7 +21,8 @@ from tests.disagg_helpers import assert_same, settled_stats
 GREEDY = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=300, ignore_eos=True)
 PAIR = SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=300, ignore_eos=True)
-# placed in turn on the less loaded engine: r0, r2, r4 on engine-0 (the one that goes down)
+# placed in turn on the less loaded engine (least-loaded routing: by prefix, each would follow its
+# reference run's cached prompt): r0, r2, r4 on engine-0 (the one that goes down)
 STREAMS = [("r0", GREEDY, list(range(1, 40))), ("r1", GREEDY, [3, 4, 5]), ("r2", SEEDED, list(range(50, 90))),
            ("r3", SEEDED, [9, 8, 7]), ("r4", PAIR, list(range(100, 120)))]
 
@@ -49,7 +50,8 @@ def test_the_streams_of_an_engine_that_goes_down_go_on_on_the_other(tiny_dir, ho
     migrations, resumes = [], []
 
     async def main():
-        engine = AsyncEngine(config(tiny_dir(kind="llama")), cluster=ClusterConfig(num_engines=2))
+        cluster = ClusterConfig(num_engines=2, routing="least-loaded")
+        engine = AsyncEngine(config(tiny_dir(kind="llama")), cluster=cluster)
         engine.on_migrate.append(lambda *args: migrations.append(args))
         engine.on_resume.append(resumes.append)
         await engine.start()
