@@ -280,7 +280,7 @@ def parse_address_list(value: str | None, field_name: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class DisaggConfig:
     """How a disaggregated deployment is laid out (``--mode disaggregated``): engines to launch or join."""
-    prefill_device: str = "cpu"       # cpu, cuda/gpu (every prompt), or auto (short prompts only)
+    prefill_device: str = "cpu"       # cpu, cuda/gpu (every prompt), or auto (where its predicted TTFT is lowest)
     max_prefill_len: int = 512        # auto: longer prompts are prefilled on the decode engine
     prefill_threads: int | None = None
     decode_threads: int | None = None
