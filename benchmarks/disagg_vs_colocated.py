@@ -73,7 +73,7 @@ def drive(port: int, requests, args) -> dict:
     return report
 
 
-def placements(port: int) -> dict:
+def server_report(port: int) -> dict:
     """From the server's metrics: the mean TTFT by stage, the preemptions, how many prompts were
     prefilled where (an engine, or local), and the placement's median error (measured minus
     predicted TTFT, as the upper bound of the histogram bucket that holds it; the histogram has
@@ -117,7 +117,7 @@ def run_setup(name: str, args, requests, port: int) -> dict:
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
         report = drive(port, requests, args)
-        report.update(placements(port))
+        report.update(server_report(port))
         return report
     finally:
         server.terminate()

@@ -213,7 +213,7 @@ class TurnsConfig:
     launcher where prefill and decode engines share the same cores, never by users."""
     path: str              # the shared file the launcher created
     slot: int              # this engine's slot in it
-    quantum: float = 0.4   # prefill: seconds on the cores before a waiting decode step gets its turn (--prefill-turn)
+    quantum: float = 0.4   # prefill: seconds on the cores before a waiting decode step's turn (--prefill-turn)
 
 
 @dataclass(frozen=True)
