@@ -3,6 +3,7 @@ of step it keeps them by (placement predicts from the rate of the step it expect
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 # a step's prompt tokens, lower bounds: a short step spends more a token on reading the weights, a
@@ -18,12 +19,8 @@ def moving_average(average: float, sample: float, weight: float = 0.2) -> float:
 
 
 def size_index(sizes: Sequence[int], size: int) -> int:
-    """The index of the last of ``sizes`` at most ``size`` (0 below the first)."""
-    index = 0
-    for i, lower in enumerate(sizes):
-        if lower <= size:
-            index = i
-    return index
+    """The index of the last of ``sizes`` (ascending) at most ``size`` (0 below the first)."""
+    return max(bisect.bisect_right(sizes, size) - 1, 0)
 
 
 def record(rates: list[float], sizes: Sequence[int], size: int, sample: float) -> None:

@@ -205,8 +205,8 @@ class EngineGroup:
         for client in up:
             if load[client.name] - fewest < IMBALANCE:
                 # an engine computes a prompt's last token even when every block is cached
-                cached = min(self.prefixes.matched(client.name, hashes) * self.prefixes.block_size, num_tokens - 1)
-                cached = max(cached, 0)
+                cached = max(min(self.prefixes.matched(client.name, hashes) * self.prefixes.block_size,
+                                 num_tokens - 1), 0)
                 ahead = num_tokens - cached if shortest_first else None
                 options.append(Option(client, self.backlog(client.name, ahead), cached, load[client.name]))
         return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, o.load))
