@@ -23,10 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 
-from _common import wait_healthy
+from _common import DuoserveServer
 
 SETUPS = {
     "colocated": ["--mode", "colocated", "--num-threads", "2", "--max-num-batched-tokens", "512"],
@@ -111,17 +110,13 @@ def run_setup(name: str, args, requests, port: int) -> dict:
     extra = args.disagg_flags.split() if name.startswith("disagg") else []
     # the model's context and the KV pool a user gets (no --max-model-len: a 2,048-token context
     # made the default pool 4 sequences of it, which a decode engine fills at this load)
-    cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log",
-           *SETUPS[name], *extra]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = DuoserveServer([*SETUPS[name], *extra], port)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", 120, lambda: server.poll() is None)
         report = drive(port, requests, args)
         report.update(server_report(port))
         return report
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()
 
 
 def main() -> None:

@@ -13,13 +13,11 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
-from _common import wait_healthy
+from _common import DuoserveServer
 from disagg_vs_colocated import SETUPS
 
 
@@ -41,11 +39,9 @@ def token_times(url: str, num_tokens: int, seed: int, max_tokens: int) -> list[f
 
 
 def measure(name: str, args, port: int) -> dict:
-    cmd = [sys.executable, "-m", "duoserve.cli", "serve", "--port", str(port), "--no-access-log", *SETUPS[name]]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = DuoserveServer(SETUPS[name], port)
+    url = server.url
     try:
-        wait_healthy(url + "/health", 120, lambda: server.poll() is None)
         for seed in range(4):   # warm both engines and let them measure their rates
             token_times(url, args.long_len if seed == 0 else 64, 100 + seed, 4)
         alone = [token_times(url, args.long_len, seed, 1)[0] for seed in range(3)]
@@ -59,8 +55,7 @@ def measure(name: str, args, port: int) -> dict:
         return {"long_alone_s": statistics.median(alone), "long_beside_stream_s": beside,
                 "stream_gap_p50_ms": 1000 * statistics.median(gaps), "stream_gap_max_ms": 1000 * max(gaps)}
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()
 
 
 def main() -> None:
