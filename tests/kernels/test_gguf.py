@@ -131,15 +131,16 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode, isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_its_batch(type_name, mode, dtype, isa):
     """Bit for bit: a row computed alone, in a decode-sized batch or in a prompt-sized one, at
-    any place in it, against 42 weight rows (not a multiple of the kernel's tile of 4)."""
+    any place in it, against 42 weight rows (not a multiple of the kernel's tile of 4); batches
+    on both sides of where each type's weight tiles start being decoded once into a buffer."""
     cols = 512
     raw, _ = random_blocks(type_name, 42, cols, seed=7)
     data = torch.from_numpy(np.ascontiguousarray(raw))
     type_id = BLOCK_TYPES[type_name][0]
-    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(8)).to(dtype)
+    x = torch.randn(140, cols, generator=torch.Generator().manual_seed(8)).to(dtype)
     whole = gguf_linear(x, data, type_id, cols, mode)
-    for m in (1, 2, 3, 4, 5, 8, 9, 33):
-        for start in (0, 1, 70 - m):
+    for m in (1, 2, 3, 4, 5, 8, 9, 32, 33, 128, 129):
+        for start in (0, 1, 140 - m):
             part = gguf_linear(x[start:start + m].contiguous(), data, type_id, cols, mode)
             assert torch.equal(part, whole[start:start + m]), (m, start)
 

@@ -520,14 +520,29 @@ static inline __attribute__((always_inline)) float offset_sum(const float *offse
 #define W_CASES(call, T) if (W == TILE_W) { X_CASES(call, T, TILE_W) } else { X_CASES(call, T, 1) }
 #define TILE_DISPATCH(call) EACH_TYPE(W_CASES, call)
 
+/* Rows of x past which a tile's weight rows are decoded once into a buffer rather than in registers
+ * for each tile of x rows. Q4_1's and Q8_0's blocks decode in a few instructions, cheaper than the
+ * buffer's stores and loads until a tile is shared by many (gguf_linear_ab.py on a Zen 4: 0.73x and
+ * 0.76x the time at 8 rows, the same at 64-128 for Q4_1); the other types' decoding costs more
+ * (K-quants: 1.4x slower at 16 rows without the buffer). AVX2's tiles of x are 2 rows, each
+ * decoding the weights again: there the buffer past one tile, as before (not measured otherwise). */
+static inline int decode_once_past(int type) {
+#ifdef FAST_512
+    return type == Q4_1 ? 32 : type == Q8_0 ? 128 : TILE_X;
+#else
+    (void)type;
+    return TILE_X;
+#endif
+}
+
 /* the team's share of y[:, col0:col0 + n] (rows ldy apart) = x @ w^T over quantized rows xr, the
- * weight rows split over the threads in tiles of TILE_W; with more than one tile of x rows the
+ * weight rows split over the threads in tiles of TILE_W; past decode_once_past(type) rows of x the
  * tile's weight rows are decoded once into a buffer of the thread's */
 static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w, int type, int m, int n, int k,
                              void *y, int io_bf16, int64_t ldy, int col0, int *failed) {
     const int xblocks = k / 32;
     const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
-    const int tiles = (n + TILE_W - 1) / TILE_W, decode_once = m > TILE_X;
+    const int tiles = (n + TILE_W - 1) / TILE_W, decode_once = m > decode_once_past(type);
     {
         int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
         float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
