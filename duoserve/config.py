@@ -63,6 +63,10 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_GIB = 1.0     # the CPU pool's size without --kv-cache-memory, at most ...
 DEFAULT_CPU_KV_SEQUENCES = 4       # ... this many whole-context sequences (llama.cpp's four slots)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# A decode engine's step budget under --prefill-device auto (DisaggConfig.decode_scheduler): a long
+# prompt placed there goes in chunks its decodes ride in, as colocated, each a turn's length or less;
+# chunks of 192-512 prefill alike on a CPU (BENCHMARKS.md, session 26)
+AUTO_DECODE_STEP_TOKENS = 192
 DEFAULT_MAX_NUM_SEQS = 128
 
 
@@ -289,7 +293,7 @@ class DisaggConfig:
     kv_transport: str = "shm"         # shm (same host) or tcp
     kv_lease_timeout: float = 30.0
     prefill_block_size: int | None = None  # None = the decode engine's (KV is re-blocked either way)
-    prefill_max_num_batched_tokens: int | None = None  # None = the decode engine's budget
+    prefill_max_num_batched_tokens: int | None = None  # None = --max-num-batched-tokens's (or its default)
     num_prefill_engines: int = 1      # engines this frontend launches, when no addresses are given
     num_decode_engines: int = 1
     prefill_addrs: tuple[str, ...] = ()   # engines already running (duoserve prefill --listen ADDR)
@@ -334,6 +338,15 @@ class DisaggConfig:
         given = (self.prefill_threads, self.decode_threads, self.prefill_cpus, self.decode_cpus)
         return all(v is None for v in given) and self.prefill_device in ("cpu", "auto")
 
+    def decode_scheduler(self, scheduler: SchedulerConfig) -> SchedulerConfig:
+        """A decode engine's scheduler: under ``--prefill-device auto`` with no budget given, its
+        steps hold at most ``AUTO_DECODE_STEP_TOKENS`` prompt tokens: a long prompt placed on it
+        goes in chunks its decodes ride in, each stalling them no longer than a turn."""
+        if (self.prefill_device == "auto" and scheduler.max_num_batched_tokens is None
+                and scheduler.enable_chunked_prefill):
+            return dataclasses.replace(scheduler, max_num_batched_tokens=AUTO_DECODE_STEP_TOKENS)
+        return scheduler
+
     def engine_configs(self, base: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
         """(prefill, decode) engine configs derived from the decode engine's ``base``."""
         device = {"gpu": "cuda", "auto": "cpu"}.get(self.prefill_device, self.prefill_device)
@@ -347,7 +360,8 @@ class DisaggConfig:
                                       cpus=self.prefill_cpus, kv_lease_timeout=self.kv_lease_timeout,
                                       model=dataclasses.replace(base.model, device=device), cache=cache,
                                       scheduler=scheduler, speculative=None)  # first tokens only
-        decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus)
+        decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus,
+                                     scheduler=self.decode_scheduler(base.scheduler))
         return prefill, decode
 
 

@@ -146,3 +146,21 @@ def test_chat_template_given_as_text_or_file_and_refused_by_name(tmp_path):
         read_chat_template("/no/such.jinja")
     with pytest.raises(ConfigError, match=r"^chat_template='\{% for %\}' is not allowed: a Jinja template"):
         read_chat_template("{% for %}")
+
+
+def test_under_auto_placement_a_decode_engine_computes_prompts_in_short_steps():
+    """--prefill-device auto: a prompt placed on a decode engine goes in steps of 192 tokens (its
+    decodes ride in each, none stalls them for more than a turn); a prefill engine keeps the
+    default budget, and a budget given applies to both."""
+    from duoserve.config import (AUTO_DECODE_STEP_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DisaggConfig,
+                                 EngineConfig, SchedulerConfig)
+
+    def budgets(disagg: DisaggConfig, scheduler: SchedulerConfig = SchedulerConfig()) -> tuple[int, int]:
+        prefill, decode = disagg.engine_configs(EngineConfig(scheduler=scheduler))
+        return prefill.scheduler.token_budget(8192), decode.scheduler.token_budget(8192)
+
+    assert AUTO_DECODE_STEP_TOKENS == 192
+    assert budgets(DisaggConfig(prefill_device="auto")) == (DEFAULT_MAX_NUM_BATCHED_TOKENS, 192)
+    assert budgets(DisaggConfig(prefill_device="cpu")) == (512, 512)
+    assert budgets(DisaggConfig(prefill_device="auto"), SchedulerConfig(max_num_batched_tokens=300)) == (300, 300)
+    assert budgets(DisaggConfig(prefill_device="auto", prefill_max_num_batched_tokens=1024)) == (1024, 192)

@@ -299,13 +299,17 @@ class AsyncEngine:
         if stats.cached_blocks is not None and self.group is not None:
             self.group.prefixes.report(name, stats.cached_blocks)
 
+    def _disagg_router(self, max_model_len: int, turns: bool) -> Router:
+        prefill, decode = self.disagg.engine_configs(self.config)
+        return Router(self.disagg.prefill_device, self.disagg.max_prefill_len, self.routing,
+                      decode.scheduler.token_budget(max_model_len), STALL_TURNS * self.disagg.prefill_turn,
+                      self.disagg.prefill_turn if turns else 0.0, prefill.scheduler.token_budget(max_model_len))
+
     def engine_up(self, client: EngineClient) -> None:
         if self.group is None and client in self.decode_clients:
             turns = any(c.config is not None and c.config.turns is not None for c in self.decode_clients)
-            router = (Router(routing=self.routing) if self.disagg is None
-                      else Router(self.disagg.prefill_device, self.disagg.max_prefill_len, self.routing,
-                                  self.config.scheduler.token_budget(client.ready.max_model_len),
-                                  STALL_TURNS * self.disagg.prefill_turn, self.disagg.prefill_turn if turns else 0.0))
+            router = (Router(routing=self.routing) if self.disagg is None else self._disagg_router(
+                client.ready.max_model_len, turns))
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
             self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
             self.group.on_first_token = self.on_first_token

@@ -64,10 +64,12 @@ class Choice:
 
 def choose(num_tokens: int, local: Rates, local_backlog: int, remote: Rates | None, remote_backlog: int,
            step_budget: int, max_stall: float, max_prefill_len: int, turn_wait: float = 0.0,
-           local_cached: int = 0, remote_cached: int = 0, local_decodes: int = 1) -> Choice:
+           local_cached: int = 0, remote_cached: int = 0, local_decodes: int = 1,
+           remote_budget: int | None = None) -> Choice:
     """Local or remote for a prompt of ``num_tokens`` (``remote`` None: no prefill engine up), of
     which ``local_cached`` and ``remote_cached`` are probably in either engine's prefix cache;
-    ``local_decodes``: the decode engine's requests with this one."""
+    ``local_decodes``: the decode engine's requests with this one; ``step_budget`` and
+    ``remote_budget`` (None: the same): the prompt tokens of a decode and a prefill engine's step."""
     local_tokens, remote_tokens = num_tokens - local_cached, num_tokens - remote_cached
     local_step = min(local_backlog + local_tokens, step_budget)
     local_rate = local.prefill_rate(local_step) or (remote.prefill_rate(local_step) if remote else 0.0)
@@ -78,7 +80,7 @@ def choose(num_tokens: int, local: Rates, local_backlog: int, remote: Rates | No
             local_ttft += turn_wait
     if remote is None:
         return Choice(False, local_ttft)
-    remote_step = min(remote_backlog + remote_tokens, step_budget)
+    remote_step = min(remote_backlog + remote_tokens, remote_budget or step_budget)
     remote_rate = remote.prefill_rate(remote_step) or local.prefill_rate(remote_step)
     if remote_rate <= 0:
         return Choice(num_tokens <= max_prefill_len, None)

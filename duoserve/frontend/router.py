@@ -52,11 +52,13 @@ IMBALANCE = 4
 
 class Router:
     def __init__(self, prefill_device: str = "cpu", max_prefill_len: int = 512, routing: str = "prefix",
-                 step_budget: int = 512, max_stall: float = 0.2, turn_wait: float = 0.0) -> None:
+                 step_budget: int = 512, max_stall: float = 0.2, turn_wait: float = 0.0,
+                 prefill_step_budget: int | None = None) -> None:
         self.prefill_device = prefill_device
         self.max_prefill_len = max_prefill_len
         self.routing = routing
         self.step_budget = step_budget   # a decode engine's prompt tokens in one step
+        self.prefill_step_budget = prefill_step_budget or step_budget   # a prefill engine's
         self.max_stall = max_stall       # the longest a prompt may hold up a decode engine's decodes
         self.turn_wait = turn_wait       # the longest a decode step waits for its turn on shared cores
 
@@ -67,7 +69,8 @@ class Router:
         return placement.choose(num_tokens, decode.client.rates, decode.backlog,
                                 prefill.client.rates if prefill else None, prefill.backlog if prefill else 0,
                                 self.step_budget, self.max_stall, self.max_prefill_len, self.turn_wait,
-                                decode.cached, prefill.cached if prefill else 0, decode.load + 1)
+                                decode.cached, prefill.cached if prefill else 0, decode.load + 1,
+                                self.prefill_step_budget)
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,7 @@ class EngineGroup:
                     shorter += p.uncached
                 else:
                     longer += p.uncached
-        return shorter + min(longer, self.router.step_budget)
+        return shorter + min(longer, self.router.prefill_step_budget)
 
     def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, placement.Choice, int]:
         """(decode engine, prefill engine or None, the choice, the prompt tokens it computes) for a

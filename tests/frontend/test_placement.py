@@ -152,3 +152,15 @@ def test_each_prediction_and_its_error_are_metrics():
     assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "remote", "le": "0.2"}) == 0
     assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "local", "le": "-0.1"}) == 1
     assert value("duoserve:placement_ttft_error_seconds_bucket", {"prefill": "local", "le": "-0.2"}) == 0
+
+
+def test_a_prefill_engines_step_is_its_own_budget_and_a_decode_engines_its_own():
+    # rates that differ by step size: 300 tokens a second in steps of up to 192, 600 beyond
+    sized = Rates(tuple(300.0 if size <= 192 else 600.0 for size in PROMPT_SIZES), (0.02,) * len(BATCH_SIZES))
+    # a decode engine computes a long prompt in steps of 192 (0.64 s <= 0.8: offered), at 300/s;
+    # the prefill engine in steps of 512, at 600/s: remote, predicted at its own rate
+    choice = choose(1500, sized, 0, sized, 0, step_budget=192, max_stall=0.8, max_prefill_len=512, remote_budget=512)
+    assert choice == Choice(True, pytest.approx(1500 / 600))
+    # the prefill engine taken to step by the decode engine's budget: predicted at 300/s, twice as long
+    assert choose(1500, sized, 0, sized, 0, step_budget=192, max_stall=0.8, max_prefill_len=512) == \
+        Choice(True, pytest.approx(1500 / 300))
