@@ -10,8 +10,9 @@ prompt token of reading and sending the KV. The frontend knows each engine's bac
 tokens of the requests it placed there that have no first token yet, less what it expected each
 engine's prefix cache to hold. With ``m`` of the prompt's ``n`` tokens probably cached on an
 engine (the router's prefix map), that engine computes ``n - m`` of them, in steps of
-``min(backlog + n - m, step budget)`` tokens (queued prompts fill a step), at that size's
-``rate``. Then
+``min(backlog + n - m, step budget)`` tokens (queued prompts fill a step; each engine's own
+budget: under ``auto`` a decode engine's is 192, ``config.AUTO_DECODE_STEP_TOKENS``, so that a
+long prompt placed there goes in chunks its decodes ride in), at that size's ``rate``. Then
 
 - remote: ``(backlog + n - m) / rate + n * handoff``
 - local: ``(backlog + n - m) / rate + decode step`` (of the decode engine's requests and this
