@@ -165,6 +165,7 @@ class Scheduler:
         scheduled = plan.scheduled
         preempted = plan.preempted_ids
         reserved = self.role.order(self.waiting, self.running, self.token_budget)
+        reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
         i = 0
@@ -201,6 +202,16 @@ class Scheduler:
         plan.block_copies, self.pending_copies = self.pending_copies, []
         plan.swap_out, self.pending_swap_out = self.pending_swap_out, []
         return plan
+
+    def _held_for_arrived_kv(self, reserved: int) -> int:
+        """A token of the budget for each request whose KV has arrived (``WAITING_FOR_KV``), taken
+        from a prompt's chunk, never from a running decode: else a prompt computed here in chunks
+        takes every step's budget, and requests whose first token the client already has wait for
+        all of it before their second."""
+        if not self.waiting_for_kv:
+            return 0
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        return min(len(self.waiting_for_kv), max(self.token_budget - reserved - decodes, 0))
 
     def _find_kv(self, request: Request) -> tuple[list[tuple[KVSource, KVHit]], int]:
         """Every source's hit for ``request``, in order, and the tokens they provide together."""

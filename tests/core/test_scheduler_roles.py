@@ -186,3 +186,23 @@ def test_core_modules_do_not_import_torch():
     code = ("import sys, duoserve.core.scheduler, duoserve.core.kv_sources, duoserve.core.roles; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_a_request_whose_kv_arrived_goes_on_beside_a_prompt_computed_in_chunks(scheduler_for):
+    """The prompt's chunk leaves a token of the budget for each arrived request (not for more
+    than arrived, nor from a running decode)."""
+    s = scheduler_for("decode", num_blocks=16, budget=8)
+    s.add_request(request("local", 20, max_tokens=1, base=900))   # 3 chunks of 8 at most
+    plan, _ = step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in plan.scheduled] == [("local", 8)]
+    a, payload = transferred("a", 6)
+    s.add_transferred(a, payload)
+    plan, _ = step(s)   # before: local took all 8 tokens and "a" waited for the prompt's last chunk
+    assert plan.kv_inserts == [("a", [4, 5], "kv")]   # after the blocks of local's chunk
+    assert sorted((x.request.request_id, x.start, x.num_new_tokens) for x in plan.scheduled) == \
+        [("a", 6, 1), ("local", 8, 7)]
+    plan, _ = step(s)   # "a" decodes; the prompt's last 5 tokens take what is left
+    assert sorted((x.request.request_id, x.start, x.num_new_tokens) for x in plan.scheduled) == \
+        [("a", 7, 1), ("local", 15, 5)]
+    for rid in ("local", "a"):
+        s.forget(rid)
