@@ -52,6 +52,22 @@ class DuoserveServer:
                 total += float(line.split()[-1])
         return total
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server's processes so far (every process of its
+        group: the API process and the engines it launched; Linux's /proc)."""
+        total = 0.0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:   # gone meanwhile
+                continue
+            if int(fields[2]) == self.proc.pid:   # its process group (the server leads its own)
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(60)

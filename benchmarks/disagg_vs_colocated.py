@@ -10,7 +10,8 @@ colocated (one engine, 2 threads, chunked prefill, budget 512); disaggregated as
 it (every prompt on the prefill engine, both roles taking turns on every core), with
 ``--prefill-device auto`` (each prompt placed by predicted time to first token), and with
 the cores split between the roles. A setup named twice runs twice (the VM drifts: alternate
-them). Reports TTFT p50/p99 for short and long prompts, ITL p50/p99 and output throughput,
+them). Reports TTFT p50/p99 for short and long prompts, ITL p50/p99, output throughput and
+the CPU seconds of the server's processes (``cpu_s``: what a setup spends on the same work),
 per setup, as JSON.
 
 ``--search-rates`` first runs colocated at each rate and takes the highest it sustains
@@ -114,6 +115,7 @@ def run_setup(name: str, args, requests, port: int) -> dict:
     try:
         report = drive(port, requests, args)
         report.update(server_report(port))
+        report["cpu_s"] = round(server.cpu_seconds(), 1)   # all its processes: what the setup cost
         return report
     finally:
         server.stop()
