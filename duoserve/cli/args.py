@@ -12,8 +12,8 @@ import os
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
-from duoserve.config import (CLUSTERS, CORE_SHARINGS, KV_TRANSPORTS, PREFILL_DEVICES, ROUTINGS, ClusterConfig, DisaggConfig,
-                             EngineConfig)
+from duoserve.config import (AUTO_DECODE_STEP_TOKENS, CLUSTERS, CORE_SHARINGS, KV_TRANSPORTS, PREFILL_DEVICES,
+                             ROUTINGS, ClusterConfig, DisaggConfig, EngineConfig)
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
@@ -156,10 +156,13 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
         "2 cores: prefill on CPU 1, decode on CPU 0). With --prefill-device cuda the CPU engines are not pinned.")
     d.add_argument("--prefill-device", default=DisaggConfig.prefill_device, choices=PREFILL_DEVICES,
                    help="where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or "
-                        "auto: prompts of at most --max-prefill-len tokens on a CPU prefill engine, longer "
-                        "ones on the decode engine itself (default: cpu)")
+                        "auto: each where its predicted time to first token is lowest, on a CPU prefill "
+                        "engine or on its decode engine (whose steps then hold at most "
+                        f"{AUTO_DECODE_STEP_TOKENS} prompt tokens unless --max-num-batched-tokens is given); "
+                        "before any rate is measured, --max-prefill-len decides (default: cpu)")
     d.add_argument("--max-prefill-len", type=int, default=DisaggConfig.max_prefill_len,
-                   help=f"the auto placement threshold (default: {DisaggConfig.max_prefill_len})")
+                   help=f"auto placement before rates are measured: prompts of at most this many tokens on "
+                        f"a prefill engine (default: {DisaggConfig.max_prefill_len})")
     d.add_argument("--prefill-threads", type=int, default=None,
                    help="torch threads of each prefill engine (default: its share of the cores, see above)")
     d.add_argument("--decode-threads", type=int, default=None,
