@@ -247,15 +247,34 @@ static void exact_matmul_team(const float *x, const uint8_t *w, int type, int m,
 static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *half_sums, float *block_sums) {
     for (int blk = 0; blk < k / 32; blk++) {
         const float *v = x + blk * 32;
+#ifdef VECTOR
+        /* the same operations on 16 values at a time (a maximum, a product and a rounding to
+         * nearest each are exact whatever their grouping): the same bits, without the scalar
+         * loop's 4 % of a batch-12 decode step */
+        const __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#else
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+#endif
         float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
         int sums[2] = {0, 0};
+#ifdef VECTOR
+        const __m512 scale = _mm512_set1_ps(inv);
+        const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, scale), round));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, scale), round));
+        _mm_storeu_si128((__m128i *)(xq + blk * 32), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(xq + blk * 32 + 16), _mm512_cvtepi32_epi8(qhi));
+        sums[0] = _mm512_reduce_add_epi32(qlo);
+        sums[1] = _mm512_reduce_add_epi32(qhi);
+#else
         for (int j = 0; j < 32; j++) {
             int qv = (int)nearbyintf(v[j] * inv);
             xq[blk * 32 + j] = (int8_t)qv;
             sums[j >> 4] += qv;
         }
+#endif
         dx[blk] = d;
         half_sums[2 * blk] = d * (float)sums[0];
         half_sums[2 * blk + 1] = d * (float)sums[1];
