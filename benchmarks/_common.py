@@ -55,7 +55,7 @@ class DuoserveServer:
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the server's processes so far (every process of its
         group: the API process and the engines it launched; Linux's /proc)."""
-        total = 0.0
+        ticks, per_second = 0, os.sysconf("SC_CLK_TCK")
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -65,8 +65,8 @@ class DuoserveServer:
             except OSError:   # gone meanwhile
                 continue
             if int(fields[2]) == self.proc.pid:   # its process group (the server leads its own)
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks / per_second
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
