@@ -16,15 +16,22 @@ is bounded, as chunking bounds it colocated), a prompt gets all the cores betwee
 and an idle role takes nothing. Decode steps run back to back while no prompt is prefilled.
 
 The turns live in a small shared file (one 8-byte word per field, written whole: no torn
-reads), one slot per engine. The protocol is advisory: a race costs a moment of two engines on
-the same cores, never a wrong token, and every wait is bounded (``MAX_WAIT``) so that an engine
-that dies mid-turn holds nobody up for longer.
+reads), one slot per engine, and a last word, the bell: an engine rings it after changing its
+state, and a waiting engine sleeps on it in the kernel (a Linux futex) until it rings. Waiting
+takes no core: a waiter that looked every 0.2 ms instead took the computing engine's threads
+off their cores often enough to slow its prompt measurably (BENCHMARKS.md, session 27). The
+protocol is advisory: a race costs a moment of two engines on the same cores, never a wrong
+token, and every wait is bounded (``MAX_WAIT``) so that an engine that dies mid-turn holds
+nobody up for longer.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import platform
+import sys
 import time
 from contextlib import contextmanager
 
@@ -34,8 +41,21 @@ IDLE, WANT, RUNNING, PAUSED = 0, 1, 2, 3
 PREFILL, DECODE = 1, 2
 FIELDS = 3          # per slot: role, state, steps run
 MAX_SLOTS = 64
-POLL_S = 0.0002     # a waiting engine looks again this often (sleeping: it takes no core)
+POLL_S = 0.0002     # without futexes, a waiting engine looks again this often
+RECHECK_S = 0.01    # with them, at the latest: a ring lost to two engines ringing at once
 MAX_WAIT = 2.0      # seconds: no engine waits longer for a turn, whatever the others do
+FUTEX_WAIT, FUTEX_WAKE = 0, 1     # shared between processes: not the _PRIVATE forms
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
+
+
+def _futex_syscall():
+    """libc's ``syscall`` and futex's number where there are futexes, else None (polling)."""
+    number = SYS_FUTEX.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    call = ctypes.CDLL(None, use_errno=True).syscall
+    call.restype = ctypes.c_long
+    return call, number
 
 
 def create_turns_file(path: str, num_slots: int) -> None:
@@ -43,7 +63,7 @@ def create_turns_file(path: str, num_slots: int) -> None:
     if not 0 < num_slots <= MAX_SLOTS:
         raise ValueError(f"{num_slots} engines share these cores; at most {MAX_SLOTS} can take turns")
     with open(path, "wb") as f:
-        f.write(bytes(8 * FIELDS * num_slots))
+        f.write(bytes(8 * (FIELDS * num_slots + 1)))   # the slots, then the bell
 
 
 class CoreTurns:
@@ -57,7 +77,10 @@ class CoreTurns:
         finally:
             os.close(fd)
         self.words = memoryview(self._map).cast("q")
-        self.num_slots = len(self.words) // FIELDS
+        self.num_slots = (len(self.words) - 1) // FIELDS
+        # the bell's low 32 bits (a futex is 32 bits; x86 and arm64 are little-endian)
+        self.bell = ctypes.c_int32.from_buffer(self._map, 8 * FIELDS * self.num_slots)
+        self.futex = _futex_syscall()
         if not 0 <= config.slot < self.num_slots:
             raise ValueError(f"turn slot {config.slot} is not among the file's {self.num_slots}")
         self.slot, self.quantum = config.slot, config.quantum
@@ -70,6 +93,8 @@ class CoreTurns:
     def close(self) -> None:
         self._set(IDLE)
         self.words[self._at(self.slot)] = 0
+        self._ring()
+        del self.bell
         self.words.release()
         self._map.close()
 
@@ -81,6 +106,15 @@ class CoreTurns:
 
     def _set(self, state: int) -> None:
         self.words[self._at(self.slot) + 1] = state
+        self._ring()
+
+    def _ring(self) -> None:
+        """Wake every engine sleeping on the bell (after a change they may wait for)."""
+        self.bell.value = (self.bell.value + 1) & 0x7FFFFFFF
+        if self.futex is not None:
+            call, number = self.futex
+            call(ctypes.c_long(number), ctypes.byref(self.bell), ctypes.c_long(FUTEX_WAKE),
+                 ctypes.c_long(0x7FFFFFFF), None, None, ctypes.c_long(0))
 
     def _others(self, role: int, state: int) -> list[int]:
         w = self.words
@@ -89,11 +123,22 @@ class CoreTurns:
     def _steps(self, slot: int) -> int:
         return self.words[self._at(slot) + 2]
 
-    @staticmethod
-    def _wait(done) -> None:
+    def _wait(self, done) -> None:
+        """Until ``done()`` or ``MAX_WAIT``: asleep on the bell between looks."""
         deadline = time.monotonic() + MAX_WAIT
-        while not done() and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        while True:
+            rung = self.bell.value      # read before looking: a ring after the look wakes us
+            left = deadline - time.monotonic()
+            if done() or left <= 0:
+                return
+            if self.futex is None:
+                time.sleep(POLL_S)
+                continue
+            call, number = self.futex
+            seconds = min(left, RECHECK_S)
+            timeout = (ctypes.c_long * 2)(int(seconds), int(seconds % 1 * 1e9))
+            call(ctypes.c_long(number), ctypes.byref(self.bell), ctypes.c_long(FUTEX_WAIT),
+                 ctypes.c_long(rung), timeout, None, ctypes.c_long(0))
 
     # ---- decode engines -----------------------------------------------------------------
 

@@ -101,3 +101,31 @@ def test_slots_are_checked(tmp_path):
     create_turns_file(path, 1)
     with pytest.raises(ValueError, match="turn slot 1 is not among the file's 1"):
         CoreTurns(TurnsConfig(path, 1), "decode")
+
+
+def test_a_waiting_engine_sleeps_until_the_bell_rings(host, monkeypatch):
+    """On Linux a waiting engine sleeps in the kernel: it looks again when another engine changes
+    its state, not on a clock (looks counted while a prompt step holds the cores), and the ring
+    is what wakes it (the recheck set far past the test's bound)."""
+    prefill, decode = host
+    assert decode.futex is not None, "futexes on this platform"
+    monkeypatch.setattr("duoserve.engine.core_turns.RECHECK_S", 30.0)
+    monkeypatch.setattr("duoserve.engine.core_turns.MAX_WAIT", 60.0)
+    looks, entered = [], threading.Event()
+    others = decode._others
+    monkeypatch.setattr(decode, "_others", lambda *a: looks.append(1) or others(*a))
+
+    def step():
+        with decode.decode_step():
+            entered.set()
+
+    with prefill.prefill_step():
+        waiter = threading.Thread(target=step)
+        waiter.start()
+        while state(prefill, 1)[1] != WANT:
+            time.sleep(0.001)
+        time.sleep(0.2)      # polling every 0.2 ms would look about a thousand times meanwhile
+        assert not entered.is_set() and len(looks) <= 3
+    assert entered.wait(10.0), "the prompt step's end rang the bell"
+    waiter.join()
+    assert len(looks) <= 4
