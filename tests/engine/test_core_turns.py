@@ -26,6 +26,20 @@ def state(turns: CoreTurns, slot: int) -> tuple[int, int, int]:
     return tuple(turns.words[slot * 3: slot * 3 + 3])
 
 
+def waiting_decode_step(prefill: CoreTurns, decode: CoreTurns, inside) -> threading.Thread:
+    """A decode step on a thread of its own (``inside()`` runs in it), returned once it waits
+    for the cores (its slot shows WANT)."""
+    def step():
+        with decode.decode_step():
+            inside()
+
+    waiter = threading.Thread(target=step)
+    waiter.start()
+    while state(prefill, 1)[1] != WANT:
+        time.sleep(0.001)
+    return waiter
+
+
 def test_a_decode_step_runs_at_once_while_no_prompt_is_computed(host):
     prefill, decode = host
     assert state(decode, 0) == (PREFILL, IDLE, 0) and state(decode, 1) == (DECODE, IDLE, 0)
@@ -39,17 +53,9 @@ def test_a_decode_step_runs_at_once_while_no_prompt_is_computed(host):
 def test_a_prompt_lends_the_cores_to_a_waiting_decode_step_after_its_quantum(host):
     prefill, decode = host
     entered = threading.Event()
-
-    def step():
-        with decode.decode_step():
-            entered.set()
-
     with prefill.prefill_step():
         assert state(decode, 0)[1] == RUNNING
-        waiter = threading.Thread(target=step)
-        waiter.start()
-        while state(prefill, 1)[1] != WANT:
-            time.sleep(0.001)
+        waiter = waiting_decode_step(prefill, decode, entered.set)
         prefill.checkpoint()
         assert not entered.is_set() and prefill.num_pauses == 0, "within its quantum a prompt keeps the cores"
         prefill.since -= prefill.quantum          # its quantum is spent
@@ -66,16 +72,8 @@ def test_a_prompt_lends_the_cores_to_a_waiting_decode_step_after_its_quantum(hos
 def test_a_paused_prompt_shows_paused_and_a_running_decode_step_is_never_cut(host):
     prefill, decode = host
     seen = []
-
-    def step():
-        with decode.decode_step():
-            seen.append(state(decode, 0)[1])   # the prompt's state while this step runs
-
-    with prefill.prefill_step():
-        waiter = threading.Thread(target=step)
-        waiter.start()
-        while state(prefill, 1)[1] != WANT:
-            time.sleep(0.001)
+    with prefill.prefill_step():   # the waiter notes the prompt's state while its step runs
+        waiter = waiting_decode_step(prefill, decode, lambda: seen.append(state(decode, 0)[1]))
         prefill.since -= prefill.quantum
         prefill.checkpoint()
         waiter.join()
@@ -114,16 +112,8 @@ def test_a_waiting_engine_sleeps_until_the_bell_rings(host, monkeypatch):
     looks, entered = [], threading.Event()
     others = decode._others
     monkeypatch.setattr(decode, "_others", lambda *a: looks.append(1) or others(*a))
-
-    def step():
-        with decode.decode_step():
-            entered.set()
-
     with prefill.prefill_step():
-        waiter = threading.Thread(target=step)
-        waiter.start()
-        while state(prefill, 1)[1] != WANT:
-            time.sleep(0.001)
+        waiter = waiting_decode_step(prefill, decode, entered.set)
         time.sleep(0.2)      # polling every 0.2 ms would look about a thousand times meanwhile
         assert not entered.is_set() and len(looks) <= 3
     assert entered.wait(10.0), "the prompt step's end rang the bell"
