@@ -92,7 +92,7 @@ def test_disaggregated_defaults_take_turns_on_every_core(monkeypatch, tmp_path):
     assert (decode[0].config.cpus, decode[0].config.num_threads) == ((0, 1), 2)
     turns = [c.config.turns for c in (*prefill, *decode)]
     assert [t.slot for t in turns] == [0, 1] and turns[0].path == turns[1].path and turns[0].quantum == 0.4
-    assert os.path.getsize(turns[0].path) == 2 * 3 * 8, "one slot of three words per engine"
+    assert os.path.getsize(turns[0].path) == (2 * 3 + 1) * 8, "one slot of three words per engine, and the bell"
     launcher.remove_turns_file([*prefill, *decode])
     assert not os.path.exists(turns[0].path)
     decode, prefill = launcher.plan_engines(EngineConfig(), DisaggConfig(num_prefill_engines=2, num_decode_engines=2))
