@@ -43,7 +43,8 @@ def main() -> None:
 
     llm, rng = LLM(), random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0)
-    path = tempfile.mktemp(prefix="duoserve-turns-")
+    folder = tempfile.TemporaryDirectory(prefix="duoserve-turns-")
+    path = f"{folder.name}/turns"
     create_turns_file(path, 2)
     turns = CoreTurns(TurnsConfig(path, 0), "prefill")
 
@@ -65,6 +66,7 @@ def main() -> None:
                     waiter.kill()
                     waiter.wait()
     turns.close()
+    folder.cleanup()
     print(json.dumps({name: round(statistics.median(t), 3) for name, t in times.items()}))
 
 
