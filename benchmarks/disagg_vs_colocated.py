@@ -72,13 +72,13 @@ def drive(port: int, requests, args) -> dict:
     report = {"output_tok_s": result["output_throughput"], "failed": result["failed"],
               "itl_p50_ms": result["itl_ms"]["p50"], "itl_p99_ms": result["itl_ms"]["p99"]}
     threshold = (args.short_len + args.long_len) / 2
-    shorts = sorted((r for r in records if r.ok and r.prompt_len < threshold and r.chunk_times), key=lambda r: r.start)
-    third = max(len(shorts) // 3, 1)
+    short = [r for r in records if r.ok and r.prompt_len < threshold]
+    answered = sorted((r for r in short if r.chunk_times), key=lambda r: r.start)
+    third = max(len(answered) // 3, 1)
     report["ttft_short_p50_by_third_ms"] = [
         round(1000 * statistics.median(r.chunk_times[0] - r.start for r in part))
-        for part in (shorts[:third], shorts[third:-third] or shorts, shorts[-third:])] if shorts else []
-    for kind, chosen in (("short", [r for r in records if r.ok and r.prompt_len < threshold]),
-                         ("long", [r for r in records if r.ok and r.prompt_len >= threshold])):
+        for part in (answered[:third], answered[third:-third] or answered, answered[-third:])] if answered else []
+    for kind, chosen in (("short", short), ("long", [r for r in records if r.ok and r.prompt_len >= threshold])):
         ttft = summarize(chosen, seconds, {}, {})["ttft_ms"]
         report[f"ttft_{kind}_p50_ms"], report[f"ttft_{kind}_p99_ms"] = ttft["p50"], ttft["p99"]
     return report

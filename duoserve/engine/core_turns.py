@@ -93,7 +93,6 @@ class CoreTurns:
     def close(self) -> None:
         self._set(IDLE)
         self.words[self._at(self.slot)] = 0
-        self._ring()
         del self.bell
         self.words.release()
         self._map.close()
