@@ -1,12 +1,16 @@
 """gguf_linear.c's fast mode at a git revision against the working tree's, call for call.
 
-    python benchmarks/gguf_linear_ab.py [--before HEAD] [--rows 1,2,4,16,128]
+    python benchmarks/gguf_linear_ab.py [--before HEAD] [--rows 1,4,16,128] [--types all]
+        [--shapes 8960x1536,1536x8960,151936x1536,32768x4096]
 
-Both builds with the engine's flags, loaded with ctypes; for each block type a [n, k] ([2048, 1024])
-weight of random blocks and bfloat16 rows of x, 2 threads, the two kernels called alternately
-(40 times each: the machine's drift hits both alike). Prints median milliseconds, their ratio,
-and the largest relative difference of the outputs (0: the same bits). Also the seconds each
-build took to compile (a first start waits for it).
+Both builds with the engine's flags, loaded with ctypes; for each block type and weight shape
+[n x k] (default [2048 x 1024]) random blocks (random bytes under finite fp16 scales: the
+kernels' work does not depend on the values) and bfloat16 rows of x, 2 threads, the two kernels
+called alternately (--calls times each: the machine's drift hits both alike). Prints median
+milliseconds, their ratio, the weights' bytes read per second (GB/s: at one row a decode step's
+rate against the memory's, `floors.py`), the multiply-adds per second (GMAC/s: many rows'), and
+the largest relative difference of the outputs (0: the same bits; not 0 where the arithmetic
+changed). Also the seconds each build took to compile (a first start waits for it).
 """
 
 from __future__ import annotations
@@ -29,13 +33,23 @@ sys.path.insert(0, str(ROOT))
 CSRC = ROOT / "duoserve" / "kernels" / "csrc"
 
 
-def build(source: str, work: Path, name: str) -> tuple[ctypes.CDLL, float]:
+def csrc_at(revision: str | None) -> dict[str, str]:
+    """csrc/'s gguf_linear.c and headers at a git revision (None: the working tree's)."""
+    if revision is None:
+        return {p.name: p.read_text() for p in [*CSRC.glob("*.h"), CSRC / "gguf_linear.c"]}
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:duoserve/kernels/csrc"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    return {name: subprocess.run(["git", "show", f"{revision}:duoserve/kernels/csrc/{name}"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+            for name in listing if name.endswith(".h") or name == "gguf_linear.c"}
+
+
+def build(sources: dict[str, str], work: Path, name: str) -> tuple[ctypes.CDLL, float]:
     from duoserve.kernels.build import C_FLAGS
 
     work.mkdir()
-    for header in CSRC.glob("*.h"):
-        (work / header.name).write_text(header.read_text())
-    (work / "gguf_linear.c").write_text(source)
+    for file_name, text in sources.items():
+        (work / file_name).write_text(text)
     start = time.perf_counter()
     subprocess.run(["gcc", *C_FLAGS, "-shared", str(work / "gguf_linear.c"), "-o", str(work / name), "-lm"], check=True)
     return ctypes.CDLL(str(work / name)), time.perf_counter() - start
@@ -45,28 +59,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="HEAD")
     parser.add_argument("--rows", default="1,2,4,16,128")
-    parser.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0,Q4_1")
-    parser.add_argument("--n", type=int, default=2048)
-    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--types", default="Q4_K,Q5_0,Q6_K,Q8_0,Q4_1", help="comma-separated, or all")
+    parser.add_argument("--shapes", default="2048x1024", help="comma-separated NxK weight shapes")
+    parser.add_argument("--calls", type=int, default=40)
     args = parser.parse_args()
     from duoserve.kernels.gguf import BLOCK_TYPES
-    from tests.kernels.test_gguf import random_blocks
+    from tests.model.test_gguf import F16_FIELDS
 
-    old = subprocess.run(["git", "show", f"{args.before}:duoserve/kernels/csrc/gguf_linear.c"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    def random_blocks(type_name: str, n: int, k: int) -> np.ndarray:
+        rng = np.random.default_rng(1)
+        _, values, size = BLOCK_TYPES[type_name]
+        raw = rng.integers(0, 256, size=(n * k // values, size), dtype=np.uint8)
+        for offset in F16_FIELDS[type_name]:
+            raw[:, offset:offset + 2] = (rng.standard_normal(raw.shape[0]) * 0.05).astype(np.float16).view(
+                np.uint8).reshape(-1, 2)
+        return raw.reshape(n, -1)
+
+    types = list(BLOCK_TYPES) if args.types == "all" else args.types.split(",")
+
     result: dict = {"before": args.before}
     with tempfile.TemporaryDirectory() as tmp:
-        before, result["compile_s_before"] = build(old, Path(tmp) / "before", "before.so")
-        after, result["compile_s_after"] = build((CSRC / "gguf_linear.c").read_text(), Path(tmp) / "after", "after.so")
-        n, k = args.n, args.k
-        for type_name in args.types.split(","):
-            raw, _ = random_blocks(type_name, n, k, seed=1)
-            w = torch.from_numpy(np.ascontiguousarray(raw))
+        before, result["compile_s_before"] = build(csrc_at(args.before), Path(tmp) / "before", "before.so")
+        after, result["compile_s_after"] = build(csrc_at(None), Path(tmp) / "after", "after.so")
+        for shape, type_name in ((shape, t) for shape in args.shapes.split(",") for t in types):
+            n, k = map(int, shape.split("x"))
+            w = torch.from_numpy(random_blocks(type_name, n, k))
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).to(torch.bfloat16)
                 times: dict[str, list[float]] = {"before": [], "after": []}
                 outs = {}
-                for _ in range(40):
+                for _ in range(args.calls):
                     for name, lib in (("before", before), ("after", after)):
                         y = torch.empty(m, n, dtype=torch.bfloat16)
                         start = time.perf_counter()
@@ -79,8 +101,14 @@ def main() -> None:
                 b, a = (statistics.median(times[name]) for name in ("before", "after"))
                 diff = ((outs["before"].float() - outs["after"].float()).abs().max()
                         / outs["before"].float().abs().max()).item()
-                result[f"{type_name} m={m}"] = {"before_ms": round(b, 3), "after_ms": round(a, 3),
-                                                "after_over_before": round(a / b, 2), "max_relative_difference": diff}
+                result[f"{type_name} [{n}x{k}] m={m}"] = {
+                    "before_ms": round(b, 3), "after_ms": round(a, 3), "after_over_before": round(a / b, 2),
+                    "before_GBps": round(w.numel() / b / 1e6, 1), "after_GBps": round(w.numel() / a / 1e6, 1),
+                    "before_GMACps": round(m * n * k / b / 1e6, 1), "after_GMACps": round(m * n * k / a / 1e6, 1),
+                    "max_relative_difference": diff}
+                print(f"{type_name:5s} [{n}x{k}] m={m:3d}: {b:8.3f} -> {a:8.3f} ms ({a / b:.2f}x), "
+                      f"{w.numel() / a / 1e6:6.1f} GB/s, {m * n * k / a / 1e6:6.1f} GMAC/s, diff {diff:.1e}",
+                      file=sys.stderr)
     print(json.dumps(result, indent=1))
 
 

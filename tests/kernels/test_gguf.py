@@ -15,7 +15,8 @@ from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.kernels.build import load_c_function, load_torch_op_library
 from duoserve.kernels import gguf as gguf_module
-from duoserve.kernels.gguf import BLOCK_TYPES, dequantize_rows, gguf_kernels, gguf_kernels_for, gguf_linear
+from duoserve.kernels.gguf import (BLOCK_TYPES, activation_block, dequantize_rows, gguf_kernels, gguf_kernels_for,
+                                   gguf_linear)
 from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear, Int8Linear
 from duoserve.kernels.ops import define_ops
 from duoserve.model.fingerprint import describe_difference
@@ -49,19 +50,20 @@ def blocks(raw: np.ndarray, type_name: str, cols: int) -> GGUFBlocks:
     return GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)), type_name, raw.shape[0], cols)
 
 
-def quantize_rows_like_fast_mode(x: torch.Tensor) -> torch.Tensor:
-    """x with each block of 32 rounded to int8 steps of max|block| / 127: fast mode's activations."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+def quantize_rows_like_fast_mode(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x with each block of `block` values rounded to int8 steps of max|block| / 127: fast mode's
+    activations (blocks of 32, or of 256 for the types computed a super-block at a time)."""
+    blocks = x.reshape(x.shape[0], -1, block)
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
     return (q * scale).reshape(x.shape)
 
 
-def away_from_rounding_ties(x: torch.Tensor) -> torch.Tensor:
+def away_from_rounding_ties(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x with every value that fast mode's quantization puts within 0.01 of a half step moved a
     tenth of a step towards zero: how the kernel rounds v / d there depends on how the compiler
     computes the quotient, a difference of one step that the emulation above cannot follow."""
-    blocks = x.reshape(x.shape[0], -1, 32).clone()
+    blocks = x.reshape(x.shape[0], -1, block).clone()
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     steps = blocks / torch.where(scale > 0, scale, 1.0)
     near_tie = ((steps.abs() % 1) - 0.5).abs() < 0.01
@@ -111,8 +113,10 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode, isa):
     data = torch.from_numpy(np.ascontiguousarray(raw))
     type_id = BLOCK_TYPES[type_name][0]
     gen = torch.Generator().manual_seed(2)
+    block = activation_block(type_name)
+    assert block == (256 if type_name in ("Q4_K", "Q6_K") else 32)
     for m in ROWS_TO_TRY:
-        x = away_from_rounding_ties(torch.randn(m, cols, generator=gen))
+        x = away_from_rounding_ties(torch.randn(m, cols, generator=gen), block)
         got = gguf_linear(x, data, type_id, cols, mode)
         exact = (x.double() @ ref.double().T).float()
         scale = exact.abs().max().item()
@@ -120,7 +124,7 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode, isa):
             torch.testing.assert_close(got, exact, rtol=0, atol=2e-5 * scale)
         else:
             # the same function of the 8-bit activations, to float32 rounding ...
-            emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
+            emulated = (quantize_rows_like_fast_mode(x, block).double() @ ref.double().T).float()
             torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * scale)
             # ... which is close to the float one
             assert (got - exact).norm() / exact.norm() < 0.02
@@ -362,12 +366,13 @@ def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
 
 class _Rows(ctypes.Structure):
     """gguf_team.h's struct gguf_rows"""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("f", "q", "d", "half_sums", "block_sums")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("f", "q", "d", "half_sums", "block_sums", "super_q", "super_d",
+                                                     "super_sums")]
 
 
 def _team_functions(isa: str) -> dict:
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    signatures = {"gguf_rows_alloc": (P, I, I, I, I), "gguf_rows_free": (P,), "gguf_rows_team": (P, I, I, I, I, P),
+    signatures = {"gguf_rows_alloc": (P, I, I, I, I), "gguf_rows_free": (P,), "gguf_rows_team": (P, I, I, I, I, I, P),
                   "gguf_matmul_team": (P, P, I, I, P, I, I, I, I, P, L, I, P),
                   "gguf_dequantize_row": (I, P, I, P, I)}
     return {name: load_c_function("gguf_linear", name, args, march=isa) for name, args in signatures.items()}
@@ -391,7 +396,7 @@ def test_team_entries_write_a_fused_projections_parts_with_the_entries_bits(mode
     rows, failed = _Rows(), ctypes.c_int(0)
     assert fns["gguf_rows_alloc"](ctypes.byref(rows), m, cols, 1, 1) == 0
     try:
-        fns["gguf_rows_team"](x.data_ptr(), bf16, m, cols, exact, ctypes.byref(rows))
+        fns["gguf_rows_team"](x.data_ptr(), bf16, m, cols, exact, 1, ctypes.byref(rows))   # Q4_K, Q6_K: per 256 too
         col = 0
         for name, raw, _ in parts:
             data = np.ascontiguousarray(raw)

@@ -163,7 +163,9 @@ static void linear_team(const struct decode_linear *w, const void *bias, const v
         packed_linear_team(x, w->packed, bias, y, bf, m, n, k);
         return;
     }
-    gguf_rows_team(x, bf, m, k, w->exact, rows);
+    int super = 0;   /* x per super-block too where a run's type takes it */
+    for (int r = 0; r < w->num_runs; r++) super |= gguf_takes_superblock_rows(w->types[r]);
+    gguf_rows_team(x, bf, m, k, w->exact, super, rows);
     for (int r = 0, col = 0; r < w->num_runs; col += w->rows[r], r++)
         gguf_matmul_team(rows, x, bf, w->exact, w->blocks[r], w->types[r], m, w->rows[r], k, y, n, col, failed);
     if (bias) {

@@ -648,11 +648,15 @@ static void fast_matmul_portable_team(QRows xr, const uint8_t *w, int type, int 
 }
 #endif
 
+#include "gguf_superblocks.h"
+
 /* ---- the team entries (gguf_team.h) and the entries that open their own region ---- */
+
+int gguf_takes_superblock_rows(int type) { return takes_superblock_rows(type); }
 
 int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized) {
     const size_t values = (size_t)m * k, blocks = values / 32;
-    *r = (struct gguf_rows){NULL, NULL, NULL, NULL, NULL};
+    *r = (struct gguf_rows){0};
     int ok = 1;
     if (floats) ok = (r->f = malloc(sizeof(float) * (values ? values : 1))) != NULL;
     if (ok && quantized) {
@@ -660,7 +664,10 @@ int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized
         r->d = malloc(sizeof(float) * (blocks ? blocks : 1));
         r->half_sums = malloc(sizeof(float) * 2 * (blocks ? blocks : 1));
         r->block_sums = malloc(sizeof(float) * (blocks ? blocks : 1));
-        ok = r->q && r->d && r->half_sums && r->block_sums;
+        r->super_q = malloc(values ? values : 1);
+        r->super_d = malloc(sizeof(float) * (values / SUPER + 1));
+        r->super_sums = malloc(sizeof(int16_t) * (values / 16 + 1));
+        ok = r->q && r->d && r->half_sums && r->block_sums && r->super_q && r->super_d && r->super_sums;
     }
     if (!ok) gguf_rows_free(r);
     return ok ? 0 : -2;
@@ -668,10 +675,11 @@ int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized
 
 void gguf_rows_free(struct gguf_rows *r) {
     free(r->f); free(r->q); free(r->d); free(r->half_sums); free(r->block_sums);
-    *r = (struct gguf_rows){NULL, NULL, NULL, NULL, NULL};
+    free(r->super_q); free(r->super_d); free(r->super_sums);
+    *r = (struct gguf_rows){0};
 }
 
-void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, const struct gguf_rows *r) {
+void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, int super, const struct gguf_rows *r) {
     const int xblocks = k / 32;
     if (exact && !io_bf16) return;   /* float32 rows are read in place */
     #pragma omp for schedule(static)
@@ -685,6 +693,9 @@ void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, const s
         if (!exact)
             quantize_row(row, k, r->q + (int64_t)i * k, r->d + (int64_t)i * xblocks,
                          r->half_sums + (int64_t)i * xblocks * 2, r->block_sums + (int64_t)i * xblocks);
+        if (!exact && super && k % SUPER == 0)
+            quantize_row_super(row, k, r->super_q + (int64_t)i * k, r->super_d + (int64_t)i * (k / SUPER),
+                               r->super_sums + (int64_t)i * (k / 16));
     }
 }
 
@@ -692,6 +703,11 @@ void gguf_matmul_team(const struct gguf_rows *r, const void *x, int io_bf16, int
                       int m, int n, int k, void *y, int64_t ldy, int col0, int *failed) {
     if (exact) {
         exact_matmul_team(io_bf16 ? r->f : (const float *)x, w, type, m, n, k, y, io_bf16, ldy, col0);
+        return;
+    }
+    if (takes_superblock_rows(type)) {
+        const SuperRows xs = {r->super_q, r->super_d, r->super_sums, k};
+        super_matmul_team(xs, w, type, m, n, k, y, io_bf16, ldy, col0);
         return;
     }
     const QRows xr = {r->q, r->d, r->half_sums, k / 32};
@@ -712,7 +728,7 @@ static int linear_entry(const void *x, const uint8_t *w, int type, int m, int n,
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        gguf_rows_team(x, io_bf16, m, k, exact, &rows);
+        gguf_rows_team(x, io_bf16, m, k, exact, takes_superblock_rows(type), &rows);
         gguf_matmul_team(&rows, x, io_bf16, exact, w, type, m, n, k, y, n, 0, &failed);
     }
     gguf_rows_free(&rows);

@@ -8,12 +8,21 @@
 
 /* x's rows as the matmuls read them, shared by the team: float32 copies of bfloat16 rows (f),
  * and in fast mode the rows quantized to int8 blocks of 32 (q), each block's scale (d) and
- * scale * sum of its values per half of 16 and per block */
+ * scale * sum of its values per half of 16 and per block; for the types that take x per
+ * super-block (gguf_takes_superblock_rows) also quantized per 256 values (super_q, super_d) with
+ * the integer sum of each run of 16 (super_sums) */
 struct gguf_rows {
     float *f;
     int8_t *q;
     float *d, *half_sums, *block_sums;
+    int8_t *super_q;
+    float *super_d;
+    int16_t *super_sums;
 };
+
+/* 1 where fast mode computes block type `type` from x quantized per super-block of 256 (Q4_K,
+ * Q6_K: gguf_superblocks.h), 0 where per block of 32 */
+int gguf_takes_superblock_rows(int type);
 
 /* buffers for m rows of k values: f where `floats`, the quantized rows where `quantized`;
  * 0, or -2 (nothing left allocated) */
@@ -21,8 +30,8 @@ int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized
 void gguf_rows_free(struct gguf_rows *r);
 
 /* x [m, k] (float32, or bfloat16 with io_bf16) into r: converted where bfloat16, quantized
- * unless exact */
-void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, const struct gguf_rows *r);
+ * unless exact (per super-block too where `super`: a weight to come takes it) */
+void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, int super, const struct gguf_rows *r);
 
 /* y[i, col0 + j] (rows ldy apart) = row i of x . row j of w, for w [n, k] of block type `type`
  * (checked by the caller), x as gguf_rows_team left it in r; sets *failed where a thread had no
