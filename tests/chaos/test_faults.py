@@ -29,13 +29,13 @@ def engine_pids(url: str) -> dict[str, int]:
     return {name: memory["pid"] for name, memory in engines.items()}
 
 
-async def _load(url: str, specs, until: float, concurrency: int) -> list:
-    """Requests back to back from ``concurrency`` clients until ``until``; (start, end, outcome)."""
-    done: list = []
+async def _load(url: str, specs, stop: asyncio.Event, concurrency: int, done: list) -> list:
+    """Requests back to back from ``concurrency`` clients until ``stop`` is set; each finished one
+    appended to ``done`` as (start, end, outcome)."""
     async with httpx.AsyncClient() as client:
         async def worker(i: int) -> None:
             k = i
-            while time.monotonic() < until:
+            while not stop.is_set():
                 spec = specs[k % len(specs)]
                 k += concurrency
                 start = time.monotonic()
@@ -64,6 +64,18 @@ async def _down_then_healthy(url: str, since: float, within: float) -> tuple[flo
                 return down, time.monotonic() - since
             await asyncio.sleep(0.05)
     return float("inf") if down is None else down, float("inf")
+
+
+CLIENTS = 8   # the load's clients; as many requests complete before the fault, and after the service is back
+
+
+async def _until(predicate, what: str, guard: float = 180.0) -> None:
+    """Until ``predicate()`` holds (the load's work is counted, not timed; ``guard`` only turns a
+    hang into a failure)."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < guard, f"{what}: not within {guard:g}s"
+        await asyncio.sleep(0.05)
 
 
 # greedy ones: a seeded sample diverged once at token 11 after a relaunch (left open, see
@@ -96,14 +108,18 @@ def test_a_killed_or_frozen_engine_fails_only_its_requests(victims, how, faulty)
         targets = [next(name for name in sorted(pids) if name.startswith(role)) for role in roles]
 
         async def scenario():
-            start = time.monotonic()
-            load = asyncio.create_task(_load(srv.url, specs, start + (30 if len(roles) > 1 else 14), 8))
+            stop, done = asyncio.Event(), []
+            load = asyncio.create_task(_load(srv.url, specs, stop, CLIENTS, done))
             events = []
-            await asyncio.sleep(3)
+            await _until(lambda: len(done) >= CLIENTS, "requests served before the fault")
             for target in targets:   # in turn: the next once the service is whole again
                 killed_at = time.monotonic()
                 os.kill(pids[target], sig)
                 events.append((target, killed_at, *await _down_then_healthy(srv.url, killed_at, 180)))
+            whole_at = len(done)
+            await _until(lambda: sum(o.status == 200 and not o.error for _, _, o in done[whole_at:]) >= CLIENTS,
+                         "requests served after the service was whole again")
+            stop.set()
             return events, await load
 
         events, done = asyncio.run(scenario())

@@ -49,14 +49,14 @@ def test_a_frontend_killed_under_load_is_replaced_on_the_same_engines(tmp_path):
         killed_at = time.monotonic()
         second = Server(*args, log=tmp_path / "second.log")
         healthy_after = time.monotonic() - killed_at
-        outcomes = asyncio.run(soak(second.url, MODEL, specs, 48, 8, 0.0))
+        outcomes = asyncio.run(soak(second.url, MODEL, specs, 24, 8, 0.0))
         figures = check_answers(outcomes, answers)
         idle = wait_gauges_idle(second.url, within=120)   # the dead frontend's requests were dropped
         third = Server(*args, log=tmp_path / "third.log")
 
         async def both():
-            return await asyncio.gather(soak(second.url, MODEL, specs, 32, 8, 0.2, seed=3),
-                                        soak(third.url, MODEL, specs, 32, 8, 0.2, seed=4))
+            return await asyncio.gather(soak(second.url, MODEL, specs, 16, 8, 0.2, seed=3),
+                                        soak(third.url, MODEL, specs, 16, 8, 0.2, seed=4))
 
         side_by_side = [check_answers(outcomes, answers) for outcomes in asyncio.run(both())]
         both_idle = [wait_gauges_idle(srv.url, within=120) for srv in (second, third)]
