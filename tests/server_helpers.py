@@ -62,7 +62,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError("server did not become healthy in 120 s")
 

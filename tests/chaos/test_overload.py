@@ -70,7 +70,7 @@ def test_ten_times_the_sustainable_rate(tmp_path):
         sustainable = asyncio.run(_closed_loop_rate(srv.url, specs, 5, QUEUE))
         wait_gauges_idle(srv.url, within=IDLE_WITHIN_S)
         steady_rss = tree_rss_mb(srv.proc.pid)
-        results, rss = asyncio.run(_flood(srv.url, specs, 10 * sustainable, 60 if FULL else 10, srv.proc.pid))
+        results, rss = asyncio.run(_flood(srv.url, specs, 10 * sustainable, 60 if FULL else 6, srv.proc.pid))
         wait_gauges_idle(srv.url, within=IDLE_WITHIN_S)
         after = asyncio.run(asyncio.wait_for(_after(srv.url, specs), 5 * IDLE_WITHIN_S))   # a hang fails
     finally:
