@@ -7,8 +7,8 @@ every row count, a decode step's few rows as a prompt's hundreds, goes straight 
 blocks, with one arithmetic per mode so that a row's result never depends on its batch, its chunk
 or which of its neighbours were cached:
 
-* ``fast``: the rows quantized to 8 bits per block of 32 (per super-block of 256 for Q4_K and
-  Q6_K, whose sub-blocks' integer scales then apply to integer sums) and integer dot products, as
+* ``fast``: the rows quantized to 8 bits per block of 32 (per super-block of 256 for the K-quants,
+  whose sub-blocks' integer scales then apply to integer sums) and integer dot products, as
   llama.cpp computes; with many rows each tile of weight rows is decoded once and held against them all;
 * ``exact``: each block widened to float32 in registers (the dequantized model's result up to
   summation order).
@@ -71,7 +71,7 @@ def gguf_kernels_for(march: str) -> dict | None:
 
 def activation_block(type_name: str) -> int:
     """How many values of x share one 8-bit scale when fast mode computes a weight of ``type_name``:
-    256 for the types gguf_linear.c takes a super-block at a time (Q4_K, Q6_K), else 32."""
+    256 for the types gguf_linear.c takes a super-block at a time (the K-quants), else 32."""
     takes = (_KERNELS or gguf_kernels())["takes_superblock_rows"]
     return 256 if takes(BLOCK_TYPES[type_name][0]) else 32
 

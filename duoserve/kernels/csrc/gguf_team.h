@@ -20,8 +20,8 @@ struct gguf_rows {
     int16_t *super_sums;
 };
 
-/* 1 where fast mode computes block type `type` from x quantized per super-block of 256 (Q4_K,
- * Q6_K: gguf_superblocks.h), 0 where per block of 32 */
+/* 1 where fast mode computes block type `type` from x quantized per super-block of 256 (the
+ * K-quants: gguf_superblocks.h), 0 where per block of 32 */
 int gguf_takes_superblock_rows(int type);
 
 /* buffers for m rows of k values: f where `floats`, the quantized rows where `quantized`;
