@@ -158,10 +158,6 @@ static inline int tile_rows(int left) { return left >= 8 ? 8 : left >= 4 ? 4 : l
     case 1: call(T, 1); break; case 2: call(T, 2); break; case 4: call(T, 4); break; default: call(T, 8); break; }
 /* ... and so is the block type */
 #define DISPATCH(call) EACH_TYPE(ROWS_CASES, call)
-/* fast mode's blocks of 32 (the K-quants go through gguf_superblocks.h) */
-#define EACH_TYPE_OF_32(M, arg) switch (type) { \
-    case Q4_0: M(arg, Q4_0) break; case Q4_1: M(arg, Q4_1) break; case Q5_0: M(arg, Q5_0) break; \
-    case Q5_1: M(arg, Q5_1) break; default: M(arg, Q8_0) break; }
 
 /* ---- exact mode: float32 products of the dequantized weight and x ---- */
 
@@ -304,10 +300,14 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 
 #ifdef VEC_AVX2
 #define FAST_VEC 1
-/* The blocks of 32 here (the K-quants take gguf_superblocks.h's path). Types whose weight is
- * scale * (a signed integer) (Q4_0: q - 8, Q5_0: q - 16, Q8_0), with no offset term; the others
- * (Q4_1, Q5_1) are scale * q + offset, q unsigned. */
-#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q5_0 || (t) == Q8_0)
+/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q5_0: q - 16, Q8_0, Q6_K: q - 32,
+ * Q3_K: q - 4), with no offset term; the others (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) are scale * q + offset,
+ * q unsigned. */
+#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q6_K || (t) == Q3_K)
+/* types with a scale per half of 16 values (the others' halves share one) */
+#define HALF_SCALES(t) ((t) == Q6_K || (t) == Q3_K || (t) == Q2_K)
+/* offsets kept per sub-block: Q2_K's two halves have their own min, the other types' share one */
+#define OFFSETS(t) ((t) == Q2_K ? 2 : 1)
 #define TILE_W 4       /* weight rows of a tile (a weight row's sums for TILE_X rows of x in registers) */
 #ifdef VECTOR
 #define TILE_X 4       /* rows of x of a tile: AVX-512's 32 registers hold 4 x 4 sums and their inputs */
@@ -325,8 +325,9 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 #define FAST_512 1
 #endif
 
-/* block b as the fast kernel reads it: 32 integers (unsigned, or signed for SIGNED_WEIGHT), the
- * scale of the lanes of a dot product and the offset (unsigned types) */
+/* sub-block `sub` of block b as the fast kernel reads it: 32 integers (unsigned, or signed for
+ * SIGNED_WEIGHT), the scale of each lane of a dot product (lanes 0-3 sum half 0, 4-7 half 1) and
+ * the OFFSETS(type) offsets (unsigned types) */
 static inline __attribute__((always_inline)) void sub_weight(int type, const uint8_t *b, int sub, __m256i *q,
                                                              __m256 *lane_scales, float *offset) {
     float scale[2], off[2];
@@ -335,8 +336,12 @@ static inline __attribute__((always_inline)) void sub_weight(int type, const uin
     else *q = sub_values_vec(type, b, sub);
     if (type == Q4_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(8));
     if (type == Q5_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(16));
-    *lane_scales = _mm256_set1_ps(scale[0]);
-    *offset = off[0];
+    if (type == Q6_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(32));
+    if (type == Q3_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(4));
+    *lane_scales = HALF_SCALES(type) ? _mm256_set_m128(_mm_set1_ps(scale[1]), _mm_set1_ps(scale[0]))
+                                     : _mm256_set1_ps(scale[0]);
+    offset[0] = off[0];
+    if (OFFSETS(type) == 2) offset[1] = off[1];
 }
 
 /* the 32 products of weight values q and int8 x, summed four at a time into 8 int32 lanes. Exact:
@@ -366,7 +371,7 @@ static void decode_rows(int type, const uint8_t *w, int64_t row_bytes, int rows,
             __m256i q;
             __m256 s;
             sub_weight(type, w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type], g % subs, &q, &s,
-                       d.offsets + (int64_t)r * xblocks + g);
+                       d.offsets + ((int64_t)r * xblocks + g) * OFFSETS(type));
             _mm256_storeu_si256((__m256i *)(d.q + ((int64_t)r * xblocks + g) * 32), q);
             _mm256_storeu_ps(d.lane_scales + ((int64_t)r * xblocks + g) * 8, s);
         }
@@ -397,7 +402,7 @@ static inline __attribute__((always_inline)) void half_step(QRows xr, const uint
         } else {
             const uint8_t *b = w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type];
             if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
-            sub_weight(type, b, g % subs, &q, &s, offsets + at);
+            sub_weight(type, b, g % subs, &q, &s, offsets + at * OFFSETS(type));
         }
         if (SIGNED_WEIGHT(type)) q = _mm256_xor_si256(q, bias);
         for (int i = 0; i < X; i++) {
@@ -472,10 +477,10 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
                 __m256i q0, q1 = _mm256_setzero_si256();
                 __m256 s0, s1 = _mm256_setzero_ps();
                 if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
-                sub_weight(type, b, g % subs, &q0, &s0, offsets + at);
+                sub_weight(type, b, g % subs, &q0, &s0, offsets + at * OFFSETS(type));
                 if (two) {
                     const uint8_t *b1 = row + (int64_t)((g + 1) / subs) * BLOCK_BYTES[type];
-                    sub_weight(type, b1, (g + 1) % subs, &q1, &s1, offsets + at + 1);
+                    sub_weight(type, b1, (g + 1) % subs, &q1, &s1, offsets + (at + 1) * OFFSETS(type));
                 }
                 q = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
                 s = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
@@ -505,7 +510,7 @@ static inline __attribute__((always_inline)) void fast_tile_vec(QRows xr, const 
             } else {
                 const uint8_t *b = w + r * row_bytes + (int64_t)(g / subs) * BLOCK_BYTES[type];
                 if (g % subs == 0) __builtin_prefetch(b + TILE_W * row_bytes);
-                sub_weight(type, b, g % subs, &q, &s, offsets + (int64_t)r * xblocks + g);
+                sub_weight(type, b, g % subs, &q, &s, offsets + ((int64_t)r * xblocks + g) * OFFSETS(type));
             }
             for (int i = 0; i < X; i++) {
                 const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr.d + (int64_t)i * xr.xblocks + g));
@@ -534,7 +539,10 @@ static inline __attribute__((always_inline)) float offset_sum(const float *offse
 #define X_CASES(call, T, W) if (X == TILE_X) { call(T, W, TILE_X); } else if (X == 2) { call(T, W, 2); } \
     else { call(T, W, 1); }
 #define W_CASES(call, T) if (W == TILE_W) { X_CASES(call, T, TILE_W) } else { X_CASES(call, T, 1) }
-#define TILE_DISPATCH(call) EACH_TYPE_OF_32(W_CASES, call)
+/* Every type, though the K-quants no longer come here (gguf_matmul_team sends them to
+ * gguf_superblocks.h): with their cases left out GCC laid out the others' tiles so that Q4_1 ran
+ * 1.11-1.18x slower at 4-12 rows (gguf_linear_ab.py, a Zen 4), the code otherwise the same. */
+#define TILE_DISPATCH(call) EACH_TYPE(W_CASES, call)
 
 /* Rows of x past which a tile's weight rows are decoded once into a buffer rather than in registers
  * for each tile of x rows. Q4_1's and Q8_0's blocks decode in a few instructions, cheaper than the
@@ -561,7 +569,7 @@ static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w
     {
         int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
         float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
-        float *offsets = malloc(sizeof(float) * TILE_W * xblocks);
+        float *offsets = malloc(sizeof(float) * TILE_W * xblocks * OFFSETS(type));
         const int ready = !((decode_once && (!dq || !scales)) || !offsets);
         if (!ready) {
             #pragma omp atomic write
@@ -587,9 +595,11 @@ static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w
                         for (int r = 0; r < W; r++)
                             for (int i = 0; i < X; i++) {
                                 float v = out[r][i];
-                                if (!SIGNED_WEIGHT(type))
-                                    v += offset_sum(offsets + (int64_t)r * xblocks, block_sums + (int64_t)(i0 + i) * xblocks,
-                                                    xblocks);
+                                if (!SIGNED_WEIGHT(type)) {
+                                    const int per = OFFSETS(type), count = xblocks * per;
+                                    const float *sums = per == 2 ? xr.half_sums : block_sums;
+                                    v += offset_sum(offsets + (int64_t)r * count, sums + (int64_t)(i0 + i) * count, count);
+                                }
                                 store_out(y, io_bf16, (int64_t)(i0 + i) * ldy + col0 + r1 + r, v);
                             }
                     }
@@ -635,7 +645,7 @@ static void fast_matmul_portable_team(QRows xr, const uint8_t *w, int type, int 
             float out[MAX_ROWS] = {0};
             QRows xi = {xr.q + (int64_t)i0 * k, xr.d + i0 * xblocks, xr.half_sums + i0 * xblocks * 2, xblocks};
 #define FAST(T, R) fast_tile(xi, w + r * row_bytes, T, k, R, out)
-            EACH_TYPE_OF_32(ROWS_CASES, FAST)
+            DISPATCH(FAST)
             for (int i = 0; i < rows; i++) store_out(y, io_bf16, (int64_t)(i0 + i) * ldy + col0 + r, out[i]);
         }
     }
