@@ -566,6 +566,14 @@ static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w
     const int xblocks = k / 32;
     const int64_t row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     const int tiles = (n + TILE_W - 1) / TILE_W, decode_once = m > decode_once_past(type);
+    /* Q8_0 at one or two rows of x: weight rows one at a time, one sequential stream of bytes per
+     * thread instead of four rows read side by side. Its blocks take a few instructions, so the
+     * memory's pace is all there is: a decode step of one 0.82-0.95x the time on the default model,
+     * 0.66-0.72x on Gemma 3 270M (a Q8_0 head of 178 MB; step_times.py, a Zen 4). Only a matrix
+     * that stays in the cache between calls, as a microbenchmark's does, was faster in tiles (their
+     * shared work on x's side); the 4- and 5-bit types, which decode more, ran up to 1.26x slower
+     * one row at a time everywhere. The same bits either way. */
+    const int one_stream = type == Q8_0 && m <= 2;
     {
         int8_t *dq = decode_once ? malloc((size_t)TILE_W * k) : NULL;
         float *scales = decode_once ? malloc(sizeof(float) * TILE_W * xblocks * 8) : NULL;
@@ -579,9 +587,9 @@ static void fast_matmul_team(QRows xr, const float *block_sums, const uint8_t *w
             #pragma omp for schedule(static)
             for (int t = 0; t < tiles; t++) {
                 if (!ready) continue;
-                const int r0 = t * TILE_W, full = n - r0 >= TILE_W;
-                /* a tile of fewer than TILE_W rows (n not a multiple) runs its rows one at a time */
-                for (int r1 = r0; r1 < (full ? r0 + 1 : n); r1++) {
+                const int r0 = t * TILE_W, full = n - r0 >= TILE_W && !one_stream;
+                /* a tile of fewer than TILE_W rows (n not a multiple, or one_stream) runs its rows one at a time */
+                for (int r1 = r0; r1 < (full ? r0 + 1 : r0 + TILE_W < n ? r0 + TILE_W : n); r1++) {
                     const int W = full ? TILE_W : 1;
                     const uint8_t *wr = w + (int64_t)r1 * row_bytes;
                     Decoded d = {dq, scales, offsets};
