@@ -137,7 +137,8 @@ def test_sigterm_while_the_engines_start_stops_them_before_the_server_exits(tmp_
 COMPILERS = ("g++", "cc1plus", "gcc", "cc1")
 
 
-@pytest.mark.parametrize("mode,to", [("colocated", "server"), ("disaggregated", "server"), ("colocated", "group")])
+# to the server: the disaggregated case (two engines compiling); to the group: the colocated one
+@pytest.mark.parametrize("mode,to", [("disaggregated", "server"), ("colocated", "group")])
 def test_sigterm_while_an_engine_compiles_stops_it_before_the_server_exits(tmp_path, monkeypatch, mode, to):
     """The same while the engines compile their model step (a cold compile cache: minutes of
     work on 2 cores, so the signal lands inside it): to the server 1 s into the compile; to the
