@@ -24,10 +24,11 @@ def prompts() -> list[list[int]]:
 STAGE_METRICS: list[dict] = []   # the final metrics of every request of the last run
 
 
-async def generate_all(engine, items, params) -> list:
+async def generate_all(engine, items, params, ids: str = "r") -> list:
+    """Each item generated in turn, as request ``{ids}{i}``."""
     async def one(i, prompt):
         final = None
-        async for out in engine.generate(prompt, params, f"r{i}", strict_length=False):
+        async for out in engine.generate(prompt, params, f"{ids}{i}", strict_length=False):
             final = out
         STAGE_METRICS.append(final.metrics)
         return final.outputs[0]
