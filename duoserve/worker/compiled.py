@@ -100,6 +100,10 @@ class CompiledModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         if self.fused is not None and self.fused.serves(meta, input_ids.shape[0]):
             return self.fused(input_ids, positions, meta)
+        return self.graph(input_ids, positions, meta)
+
+    def graph(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step through the compiled graph, whatever its size."""
         self.context.begin(meta)
         try:
             if self._direct is not None:
@@ -116,7 +120,7 @@ class CompiledModel:
         start = time.monotonic()
         for num_tokens in (1, 2):
             meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], block_size)
-            self(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), None, meta)
+            self.graph(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), meta)
         self._hook.remove()
         guarded = os.environ.get("DUOSERVE_COMPILED_GUARDS") == "1"
         if self.num_compiles == 1 and len(self._bytecodes) == 1 and not guarded:

@@ -12,9 +12,11 @@ each forking the threads, all on the main thread while the others wait (BENCHMAR
 ``duoserve::decode_step`` runs the same decoder, one parallel region for the whole
 step (the embedding rows included), over the same packed weights or GGUF blocks (GGUFLinear's
 runs, GGUFEmbedding's rows, the same arithmetic), caches and kernels; the
-output projection after it stays as it is. It serves steps in which every sequence decodes one
-token and there are at most ``MAX_ROWS`` of them; any other step runs the compiled graph, and
-a model it cannot take (a weight neither packed nor in blocks, a cache in another dtype, no C++ compiler) runs
+output projection after it stays as it is. It serves every step of at most ``MAX_ROWS`` tokens,
+each token a row over its own causal context: decodes, a speculating sequence's guesses (a
+verification step used to leave it for the slower graph), short prompt chunks, which the C attention
+computes row by row too, so the bits match the other paths'. Larger steps run the compiled graph
+(or the eager model), and a model it cannot take (a weight neither packed nor in blocks, a cache in another dtype, no C++ compiler) runs
 the compiled graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
 """
 
@@ -216,13 +218,18 @@ class FusedDecodeStep:
                     int(moe.renormalize), arch.moe_intermediate_size, arch.shared_expert_intermediate_size or 0,
                     moe.expert_tokens, exact)
         self.context = context.handle
+        self.tiled_prefill = os.environ.get("DUOSERVE_TILED_PREFILL") == "1"   # as csrc/paged_prefill.c reads it
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return not meta.prefills and meta.num_decode_tokens == num_tokens <= MAX_ROWS
+        """Any step of at most ``MAX_ROWS`` tokens: decodes, a speculating sequence's guesses, short
+        prompt chunks, each token a row over its own causal context, as the C attention computes a
+        prompt's tokens; unless that attention tiles prompt runs (``DUOSERVE_TILED_PREFILL=1``, a
+        kernel this step does not run): then steps of decodes alone."""
+        return num_tokens <= MAX_ROWS and (not meta.prefills or not self.tiled_prefill)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return torch.ops.duoserve.decode_step(self.context, input_ids, positions, meta.slot_mapping,
-                                              meta.decode_block_tables, meta.decode_seq_lens)
+        tables, lens = meta.token_contexts()
+        return torch.ops.duoserve.decode_step(self.context, input_ids, positions, meta.slot_mapping, tables, lens)
 
 
 def fused_step(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], context: StepContext,

@@ -43,7 +43,8 @@ def eager_llm(tiny_dir):
     return LLM(str(tiny_dir(kind="llama")), **SETTINGS)
 
 
-def test_compiled_equals_eager_greedy_with_chunks_prefix_hits_and_preemption(compiled_llm, eager_llm):
+def test_compiled_equals_eager_greedy_with_chunks_prefix_hits_and_preemption(compiled_llm, eager_llm, monkeypatch):
+    monkeypatch.setattr(compiled_llm.engine.runner.forward, "fused", None)   # every step through the graph
     prompts = prompts_with_shared_prefixes()
     want = eager_llm.generate(prompts, PARAMS, use_tqdm=False)
     got = compiled_llm.generate(prompts, PARAMS, use_tqdm=False)
@@ -53,7 +54,8 @@ def test_compiled_equals_eager_greedy_with_chunks_prefix_hits_and_preemption(com
     assert_pool_whole(compiled_llm)
 
 
-def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm):
+def test_compiled_equals_eager_seeded_sampling(compiled_llm, eager_llm, monkeypatch):
+    monkeypatch.setattr(compiled_llm.engine.runner.forward, "fused", None)   # every step through the graph
     prompts = prompts_with_shared_prefixes()[:5]
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=16, ignore_eos=True, n=2)
     want = eager_llm.generate(prompts, params, use_tqdm=False)
@@ -156,18 +158,22 @@ def require_decode_step(llm) -> None:
     assert forward.fused is not None, why_not(forward.model, llm.engine.runner.kv_caches)
 
 
-def test_decode_steps_run_whole_in_cpp_and_prompt_steps_in_the_graph(compiled_llm, eager_llm, monkeypatch):
-    """A step whose every sequence decodes one token runs in the C++ decode step; a step with a
-    prompt chunk runs the graph; greedy tokens are the eager model's either way."""
+def test_steps_of_up_to_64_tokens_run_whole_in_cpp_and_larger_ones_in_the_model(tiny_dir, eager_llm, monkeypatch):
+    """A step of at most MAX_ROWS tokens (decodes, a short prompt) runs in the C++ decode step; a
+    longer prompt's step runs the model (here eagerly; compiled, the graph: the same test of
+    ``serves``); greedy tokens are those of an engine whose prompts came in chunks of 16."""
     from duoserve.core.request import Request
+    from duoserve.worker.fused_decode import MAX_ROWS
 
-    require_decode_step(compiled_llm)
-    engine = compiled_llm.engine
+    llm = LLM(str(tiny_dir(kind="llama")), **{**SETTINGS, "max_num_batched_tokens": 2 * MAX_ROWS})
+    require_decode_step(llm)
+    engine = llm.engine
     counting = CountingStep(engine.runner.forward.fused)
     monkeypatch.setattr(engine.runner.forward, "fused", counting)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = {"long": list(range(5, 6 + MAX_ROWS)), "short": list(range(40, 43))}
     per_step, tokens = [], {}
-    for name, prompt in (("a", list(range(5, 11))), ("b", list(range(40, 43)))):
+    for name, prompt in prompts.items():
         engine.add_request(Request(name, prompt, params, (), 128))
         while engine.has_unfinished():
             before = counting.calls
@@ -175,10 +181,10 @@ def test_decode_steps_run_whole_in_cpp_and_prompt_steps_in_the_graph(compiled_ll
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             per_step.append(counting.calls - before)
         engine.release(name)
-    assert per_step == [0, 1, 1, 1] * 2   # the prompt in one chunk, then three decode steps
-    want = eager_llm.generate([list(range(5, 11)), list(range(40, 43))], params, use_tqdm=False)
-    assert [tokens["a"], tokens["b"]] == [w.outputs[0].token_ids for w in want]
-    assert_pool_whole(compiled_llm)
+    assert per_step == [0, 1, 1, 1] + [1, 1, 1, 1]   # each prompt in one chunk, then three decode steps
+    want = eager_llm.generate(list(prompts.values()), params, use_tqdm=False)
+    assert [tokens["long"], tokens["short"]] == [w.outputs[0].token_ids for w in want]
+    assert_pool_whole(llm)
 
 
 @pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("qwen3", {}), ("llama", {"tie_word_embeddings": True})])
@@ -248,6 +254,7 @@ def test_every_batch_and_chunk_size_runs_on_one_graph(tiny_dir, monkeypatch):
     llm = LLM(str(tiny_dir(kind="llama")), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64,
               compile=True)
     runner = llm.engine.runner
+    runner.forward.fused = None   # every step through the graph (the C++ step takes steps of up to 64 tokens)
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in range(1, 65)]
     params = [SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True) for i in range(64)]
@@ -328,6 +335,7 @@ def test_the_default_configuration_compiled_computes_the_eager_bits():
 
     compiled = LLM(compile=True, **settings)
     assert type(compiled.engine.runner.forward).__name__ == "CompiledModel"
+    compiled.engine.runner.forward.fused = None   # the graph against the eager engine's C++ steps
     model = compiled.engine.runner.model
     assert compiled.engine.loaded.quantization == "gguf-fast" and len(model.layers) == 6
     assert isinstance(model.layers[0].input_norm, OpRMSNorm) and isinstance(model.norm, OpRMSNorm)

@@ -4,7 +4,8 @@ Tiny GGUF files (Llama; Qwen2 with its q/k/v bias; Gemma 2 and 3 and the mixture
 from blocks and dense) of
 several block types, a Qwen2 whose fused
 projections mix block types (as Qwen2.5-Coder's Q5_0/Q8_0/Q4_K/Q6_K file does), both modes,
-float32 and bfloat16: for a batch of decodes, step after step, ``FusedDecodeStep`` and the eager
+float32 and bfloat16: for the prompts' step, then steps of decodes and steps of sequences checking
+guesses (several rows each), ``FusedDecodeStep`` and the eager
 model (the ops a compiled step calls too) give the same hidden states, caches and greedy tokens,
 bit for bit: the step's norms, rotary and SiLU are the ops' own functions (csrc/glue.c), and its
 projections are gguf_linear.c's team entries, whose bits ``tests/kernels/test_gguf.py`` holds
@@ -81,42 +82,59 @@ def load_tiny(tiny_dir, tmp_path, kind: str, source: str, dtype: str):
     return model
 
 
+# the new tokens of each sequence in a step, by turns: decodes alone, then a step like a speculating
+# batch's (one sequence decoding, two checking guesses: 4 and 2 rows over their causal contexts)
+STEP_SHAPES = [(1, 1, 1), (1, 4, 2)]
+
+
+def _same_through_both(model, fused, caches, ids, positions, meta, what: str) -> torch.Tensor:
+    """The step through the eager model and through ``fused`` from the same caches: the same hidden
+    states and caches, bit for bit. Returns the hidden states."""
+    assert fused.serves(meta, len(ids)), what
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    want = model(ids, positions, caches, meta)
+    eager_caches = [(k.clone(), v.clone()) for k, v in caches]
+    for (k, v), (k0, v0) in zip(caches, before):
+        k.copy_(k0)
+        v.copy_(v0)
+    got = fused(ids, positions, meta)
+    assert got.dtype == model.dtype and torch.equal(got, want), (what, _relative(got, want))
+    for (k, v), (k1, v1) in zip(caches, eager_caches):
+        assert torch.equal(k, k1) and torch.equal(v, v1), f"{what}: caches differ"
+    return want
+
+
 def assert_decodes_equal(model, steps: int = 4) -> list[list[int]]:
-    """Prefill PROMPTS eagerly, then `steps` steps of decodes through both paths from the same
-    caches: the same hidden states, caches and greedy tokens, bit for bit. Returns the tokens."""
+    """The prompts' step, then `steps` steps shaped by turns as STEP_SHAPES (the extra rows a
+    sequence's guesses: its greedy token, then tokens made up), each through both paths from the same
+    caches: the same hidden states, caches and greedy tokens, bit for bit. Returns each step's greedy
+    token of every sequence."""
     arch, dtype = model.arch, model.dtype
-    per_seq = -(-(max(map(len, PROMPTS)) + steps) // BLOCK_SIZE)
+    longest = max(map(len, PROMPTS)) + sum(max(STEP_SHAPES[s % len(STEP_SHAPES)]) for s in range(steps))
+    per_seq = -(-longest // BLOCK_SIZE)
     shape = (per_seq * len(PROMPTS), BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(PROMPTS))]
     assert why_not(model, caches) is None, why_not(model, caches)
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
-    meta = AttentionMetadata.build([len(p) for p in PROMPTS], [len(p) for p in PROMPTS], tables, BLOCK_SIZE)
-    hidden = model(ids, positions, caches, meta)
-    last = torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1
-    tokens = model.compute_logits(hidden[last]).argmax(-1)
     context = StepContext(caches, [layer.attn for layer in model.layers])
     register_context(context)
     fused = FusedDecodeStep(model, caches, context)
-    generated = [tokens.tolist()]
+    lens = [len(p) for p in PROMPTS]
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    meta = AttentionMetadata.build(lens, lens, tables, BLOCK_SIZE)
+    hidden = _same_through_both(model, fused, caches, ids, positions, meta, "the prompts")
+    tokens = model.compute_logits(hidden[torch.tensor(lens).cumsum(0) - 1]).argmax(-1).tolist()
+    generated = [tokens]
     for step in range(steps):
-        lens = [len(p) + step + 1 for p in PROMPTS]
-        meta = AttentionMetadata.build([1] * len(PROMPTS), lens, tables, BLOCK_SIZE)
-        assert fused.serves(meta, len(PROMPTS))
-        positions = torch.tensor(lens) - 1
-        before = [(k.clone(), v.clone()) for k, v in caches]
-        want = model(tokens, positions, caches, meta)
-        eager_caches = [(k.clone(), v.clone()) for k, v in caches]
-        for (k, v), (k0, v0) in zip(caches, before):
-            k.copy_(k0)
-            v.copy_(v0)
-        got = fused(tokens, positions, meta)
-        assert got.dtype == dtype and torch.equal(got, want), (step, _relative(got, want))
-        for (k, v), (k1, v1) in zip(caches, eager_caches):
-            assert torch.equal(k, k1) and torch.equal(v, v1), f"step {step}: caches differ"
-        tokens = model.compute_logits(want).argmax(-1)
-        generated.append(tokens.tolist())
+        news = STEP_SHAPES[step % len(STEP_SHAPES)]
+        ids = torch.tensor([(t + 7 * j) % arch.vocab_size for t, n in zip(tokens, news) for j in range(n)])
+        positions = torch.cat([torch.arange(length, length + n) for length, n in zip(lens, news)])
+        lens = [length + n for length, n in zip(lens, news)]
+        meta = AttentionMetadata.build(list(news), lens, tables, BLOCK_SIZE)
+        hidden = _same_through_both(model, fused, caches, ids, positions, meta, f"step {step}")
+        tokens = model.compute_logits(hidden[torch.tensor(news).cumsum(0) - 1]).argmax(-1).tolist()
+        generated.append(tokens)
     return generated
 
 
@@ -187,8 +205,8 @@ def test_mixtures_of_experts_decode_as_eager(tiny_dir, tmp_path, kind, source, d
     counted = [moe.expert_tokens.clone() for moe in moes]
     tokens = assert_decodes_equal(model, steps=5)
     assert len({t for step in tokens for t in step}) > 1, "a degenerate model would prove little"
-    # prefill (eager) + 5 steps of 3 rows, each through both paths: every row's 2 picks counted
-    picks = 2 * (sum(map(len, PROMPTS)) + 2 * 5 * len(PROMPTS))
+    # the prompts and 5 steps (3 of 3 rows, 2 of 7), each through both paths: every row's 2 picks counted
+    picks = 2 * 2 * (sum(map(len, PROMPTS)) + 3 * 3 + 2 * 7)
     assert all(int((moe.expert_tokens - before).sum()) == picks for moe, before in zip(moes, counted))
     assert all(int((moe.expert_tokens - before).count_nonzero()) > 1 for moe, before in zip(moes, counted))
 
