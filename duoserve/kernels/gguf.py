@@ -66,7 +66,8 @@ def gguf_kernels_for(march: str) -> dict | None:
     matmul = (_P, _P, _I, _I, _I, _I, _P, _I, _I)
     return dict(dequantize=dequant, fast=load_c_function("gguf_linear", "gguf_linear_fast", matmul, march=march),
                 exact=load_c_function("gguf_linear", "gguf_linear_exact", matmul, march=march),
-                takes_superblock_rows=load_c_function("gguf_linear", "gguf_takes_superblock_rows", (_I,), march=march))
+                takes_superblock_rows=load_c_function("gguf_linear", "gguf_takes_superblock_rows", (_I,), march=march),
+                interleave=load_c_function("gguf_linear", "gguf_interleave", (_P, _I, _L, _I, _P, _I), march=march))
 
 
 def activation_block(type_name: str) -> int:
@@ -74,6 +75,21 @@ def activation_block(type_name: str) -> int:
     256 for the types gguf_linear.c takes a super-block at a time (the K-quants), else 32."""
     takes = (_KERNELS or gguf_kernels())["takes_superblock_rows"]
     return 256 if takes(BLOCK_TYPES[type_name][0]) else 32
+
+
+INTERLEAVED = 16   # a type id's flag: the rows repacked sixteen to a group (csrc/gguf_interleaved.h)
+
+
+def interleave(data: torch.Tensor, type_id: int, cols: int, kernels: dict | None = None) -> torch.Tensor | None:
+    """Blocks ``data`` [rows, bytes per row] of ``type_id`` repacked for fast mode, sixteen rows to a
+    group (the same shape and bytes, type id ``type_id | INTERLEAVED``), or None where the type or
+    the row count does not allow it (a block type other than Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, rows not a
+    multiple of 16)."""
+    out = torch.empty_like(data)
+    fn = (kernels or _KERNELS or gguf_kernels())["interleave"]
+    if fn(data.data_ptr(), type_id, data.shape[0], cols, out.data_ptr(), torch.get_num_threads()) < 0:
+        return None
+    return out
 
 
 def type_id(weight: Blocks) -> int:

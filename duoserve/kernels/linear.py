@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from duoserve.kernels.dense import PACK_COLUMNS, pack_linear_weight
-from duoserve.kernels.gguf import Blocks, gguf_embedding, type_id
+from duoserve.kernels.gguf import INTERLEAVED, Blocks, gguf_embedding, interleave, type_id
 from duoserve.kernels.ops import define_ops
 
 
@@ -103,22 +103,31 @@ class PackedEmbedding(nn.Module):
 class GGUFLinear(nn.Module):
     """y = x @ W^T (+ b) with W kept as GGUF blocks (op ``duoserve::gguf_linear``). A fused
     projection (Q/K/V, gate/up) whose parts come in different block types keeps one block weight
-    per type run, outputs joined."""
+    per type run, outputs joined. In fast mode a run of a 32-value block type (Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0) of a multiple of 16 rows is repacked once, its rows interleaved sixteen to a group
+    (``csrc/gguf_interleaved.h``: the same bytes, a block's float steps shared by 16 rows); ``parts``
+    then holds the repacked bytes, which only its run's type id reads right."""
 
     weight_kind = "packed blocks"
 
     def __init__(self, parts: list[Blocks], bias: torch.Tensor | None, mode: str) -> None:
         super().__init__()
-        self.parts = _merge_same_type(parts)
+        merged = _merge_same_type(parts)
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
         self.bias = bias
         self.mode = mode
         define_ops()
         # (buffer name, type id, columns) of each run: buffers move and count with the module
-        self.runs = [(f"blocks_{i}", type_id(part), part.cols) for i, part in enumerate(self.parts)]
-        for (name, _, _), part in zip(self.runs, self.parts):
-            self.register_buffer(name, part.data, persistent=False)
+        self.runs, self.parts = [], []
+        for i, part in enumerate(merged):
+            data, type_ = part.data, type_id(part)
+            repacked = interleave(data, type_, part.cols) if mode == "fast" and data.device.type == "cpu" else None
+            if repacked is not None:
+                data, type_ = repacked, type_ | INTERLEAVED
+            self.runs.append((f"blocks_{i}", type_, part.cols))
+            self.parts.append(dataclasses.replace(part, data=data))
+            self.register_buffer(f"blocks_{i}", data, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [torch.ops.duoserve.gguf_linear(x, getattr(self, name), type_id, cols, self.mode)
@@ -147,11 +156,20 @@ class GGUFEmbedding(nn.Module):
 
     weight_kind = "embedding"
 
-    def __init__(self, weight: Blocks, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Blocks, dtype: torch.dtype, type_id_: int | None = None) -> None:
+        """``type_id_``: the id of ``weight.data``'s layout where it is not the file's (interleaved)."""
         super().__init__()
-        self.type_id, self.cols, self.dtype = type_id(weight), weight.cols, dtype
+        self.type_id, self.cols, self.dtype = type_id(weight) if type_id_ is None else type_id_, weight.cols, dtype
         self.register_buffer("blocks", weight.data, persistent=False)
         define_ops()
+
+    @classmethod
+    def reading_head(cls, head: nn.Module, dtype: torch.dtype) -> "GGUFEmbedding | None":
+        """A tied table read from its output projection's blocks where fast mode repacked them (one
+        copy of the table, not two), else None."""
+        if not isinstance(head, GGUFLinear) or len(head.runs) != 1 or not head.runs[0][1] & INTERLEAVED:
+            return None
+        return cls(head.parts[0], dtype, head.runs[0][1])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

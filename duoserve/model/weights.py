@@ -43,6 +43,9 @@ class BlockModules:
     types: frozenset[str]                            # the block types they compute from; others load dense
     linear: Callable[[list[GGUFBlocks]], nn.Module]  # a (fused) projection from its parts' blocks
     embedding: Callable[[GGUFBlocks], nn.Module]     # the embedding table from its blocks
+    # a tied output projection's embedding over the projection's own bytes where it changed their
+    # layout (so that the table is held once), else None: the embedding keeps the file's blocks
+    tied_embedding: Callable[[nn.Module], nn.Module | None] = lambda head: None
 
 
 def checkpoint_parts(arch: ModelArch) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -162,6 +165,7 @@ def build_model(arch: ModelArch, source: TensorSource, dtype: torch.dtype, devic
         del tensors, value
     if arch.tie_word_embeddings and embed_blocks is not None:
         model.lm_head = blocks.linear([embed_blocks])
+        model.embed = blocks.tied_embedding(model.lm_head) or model.embed
     elif arch.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight   # loading replaced the parameter the two shared
     missing = [n for n, p in model.named_parameters() if p.is_meta]

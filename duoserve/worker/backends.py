@@ -49,7 +49,8 @@ def choose_quantization(config: ModelConfig, path: Path, device: str) -> str:
 def gguf_block_modules(dtype: torch.dtype, mode: str) -> BlockModules:
     """The GGUF block modules of ``--gguf-mode`` ``mode`` for a model of ``dtype``."""
     return BlockModules(types=frozenset(BLOCK_TYPES), linear=functools.partial(GGUFLinear, bias=None, mode=mode),
-                        embedding=functools.partial(GGUFEmbedding, dtype=dtype))
+                        embedding=functools.partial(GGUFEmbedding, dtype=dtype),
+                        tied_embedding=functools.partial(GGUFEmbedding.reading_head, dtype=dtype))
 
 
 def load_model(config: ModelConfig) -> LoadedModel:

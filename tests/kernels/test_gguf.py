@@ -15,8 +15,8 @@ from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.kernels.build import load_c_function, load_torch_op_library
 from duoserve.kernels import gguf as gguf_module
-from duoserve.kernels.gguf import (BLOCK_TYPES, activation_block, dequantize_rows, gguf_kernels, gguf_kernels_for,
-                                   gguf_linear)
+from duoserve.kernels.gguf import (BLOCK_TYPES, INTERLEAVED, activation_block, dequantize_rows, gguf_kernels,
+                                   gguf_kernels_for, gguf_linear, interleave)
 from duoserve.kernels.linear import GGUFEmbedding, GGUFLinear, Int8Linear
 from duoserve.kernels.ops import define_ops
 from duoserve.model.fingerprint import describe_difference
@@ -358,6 +358,76 @@ def test_cpp_kernel_of_the_op_equals_the_python_kernel():
                     assert torch.equal(got, want)  # the same C kernel
 
 
+INTERLEAVABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVABLE)
+def test_interleaved_rows_dequantize_and_compute_as_the_files_blocks(type_name, isa):
+    """Rows repacked sixteen to a group (csrc/gguf_interleaved.h): the same bytes (every row
+    dequantizes to the file's values), fast mode's function of the 8-bit activations, and a row's
+    bits independent of its batch, on both sides of the tile of 4 rows of x."""
+    cols, rows = 96 * 3, 48   # 9 blocks a row (an odd number), 3 groups
+    raw, ref = random_blocks(type_name, rows, cols, seed=11)
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    type_id = BLOCK_TYPES[type_name][0]
+    packed = interleave(data, type_id, cols)
+    assert packed.shape == data.shape and not torch.equal(packed, data)
+    weight = GGUFBlocks(packed, type_name, rows, cols)
+    dequantized = gguf_module._dequantize(packed, type_id | INTERLEAVED, cols, torch.float32, None, None)
+    assert torch.equal(dequantized, ref)
+    ids = torch.tensor([17, 0, 47, 17])
+    assert torch.equal(gguf_module._dequantize(packed, type_id | INTERLEAVED, cols, torch.float32, ids, None), ref[ids])
+    gen = torch.Generator().manual_seed(12)
+    x = away_from_rounding_ties(torch.randn(140, cols, generator=gen))
+    whole = gguf_linear(x, weight.data, type_id | INTERLEAVED, cols, "fast")
+    emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
+    torch.testing.assert_close(whole, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())
+    for m in (1, 2, 3, 4, 5, 8, 9, 33):
+        for start in (0, 1, 140 - m):
+            part = gguf_linear(x[start:start + m].contiguous(), packed, type_id | INTERLEAVED, cols, "fast")
+            assert torch.equal(part, whole[start:start + m]), (m, start)
+    bf16 = gguf_linear(x[:5].bfloat16(), packed, type_id | INTERLEAVED, cols, "fast")
+    assert torch.equal(bf16, gguf_linear(x[:5].bfloat16().float(), packed, type_id | INTERLEAVED, cols,
+                                         "fast").bfloat16())
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVABLE)
+def test_interleaved_rows_compute_the_same_bits_in_avx512_and_avx2(type_name):
+    """A lane per weight row, whatever the register's width: AVX-512's 16 rows and AVX2's two
+    halves of 8 sum every (row, block) in the same order (on a CPU without AVX-512 both builds
+    are AVX2's)."""
+    cols = 256
+    raw, _ = random_blocks(type_name, 32, cols, seed=13)
+    data = torch.from_numpy(np.ascontiguousarray(raw))
+    type_id = BLOCK_TYPES[type_name][0] | INTERLEAVED
+    packed = interleave(data, type_id & ~INTERLEAVED, cols)
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(14))
+    outs = []
+    for march in ("native", "haswell"):
+        kernels = gguf_kernels_for(march)
+        y = torch.empty(7, 32)
+        assert kernels["fast"](x.data_ptr(), packed.data_ptr(), type_id, 7, 32, cols, y.data_ptr(), 0, 2) == 0
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_fast_mode_interleaves_the_blocks_of_32_it_can():
+    """GGUFLinear in fast mode repacks a run of a 32-value type whose rows are a multiple of 16;
+    K-quants, other row counts and exact mode keep the file's layout; refused combinations say so."""
+    parts = [blocks(random_blocks(name, rows, 256, seed=i)[0], name, 256)
+             for i, (name, rows) in enumerate([("Q8_0", 32), ("Q4_K", 16), ("Q5_0", 24)])]
+    fast, exact = GGUFLinear(parts, None, "fast"), GGUFLinear(parts, None, "exact")
+    ids = [BLOCK_TYPES[name][0] for name in ("Q8_0", "Q4_K", "Q5_0")]
+    assert [t for _, t, _ in fast.runs] == [ids[0] | INTERLEAVED, ids[1], ids[2]]
+    assert [t for _, t, _ in exact.runs] == ids
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(15))
+    got, want = fast(x), torch.cat([gguf_linear(x, p.data, t, 256, "fast") for p, t in zip(parts, ids)], dim=-1)
+    assert (got - want).norm() / want.norm() < 1e-5   # the order of float sums differs, not the function
+    with pytest.raises(RuntimeError, match="kernel error -1"):   # exact mode reads the file's layout only
+        gguf_linear(x, fast.blocks_0, ids[0] | INTERLEAVED, 256, "exact")
+    assert interleave(parts[2].data, ids[2], 256) is None and interleave(parts[1].data, ids[1], 256) is None
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
     """Rows of 3 blocks of 32: fewer than the eight lanes of the offsets' sums."""
@@ -372,8 +442,8 @@ def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
 
 class _Rows(ctypes.Structure):
     """gguf_team.h's struct gguf_rows"""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("f", "q", "d", "half_sums", "block_sums", "super_q", "super_d",
-                                                     "super_sums")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("f", "q", "d", "half_sums", "block_sums", "isums", "super_q",
+                                                     "super_d", "super_sums")]
 
 
 def _team_functions(isa: str) -> dict:

@@ -330,7 +330,7 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
                         table->size(1) == shape[3] && table->size(0) == cos.size(0),
                     "decode_model: float32 cos and sin tables [positions, head_dim], global and local alike");
     model.shape = decode_shape{(int)shape[0], (int)shape[1], (int)shape[2], (int)shape[3], (int)shape[4], 0,
-                               model.dtype == at::kBFloat16, (float)eps, (int)embed_type, 0, (int)(gemma != 0),
+                               model.dtype == at::kBFloat16, (float)eps, (int)embed_type, (int)(gemma != 0),
                                (float)embed_scale};
     DecodeTensors take{model, blocks, block_types, gguf_exact != 0};
     const int64_t hidden = shape[0], q_size = shape[1] * shape[3], kv_size = shape[2] * shape[3], inter = shape[4];
@@ -367,7 +367,6 @@ void decode_model(int64_t context, at::TensorList layers, const at::Tensor &fina
         TORCH_CHECK(embedding.dim() == 2 && embedding.size(0) >= vocab, "decode_model: GGUF embedding blocks of ",
                     vocab, " rows");
         model.embedding = take.bytes(embedding, embed_type, hidden);
-        model.shape.embed_row_bytes = embedding.size(1);
     } else {
         TORCH_CHECK(embedding.numel() >= vocab * hidden, "decode_model: an embedding table of ", vocab,
                     " rows of ", hidden);

@@ -195,13 +195,18 @@ static void embed_rows(const int64_t *ids, const void *packed, int bf, int hidde
     }
 }
 
-/* x [m, hidden] = the embedding rows of ids dequantized from GGUF blocks, as GGUFEmbedding */
-static void embed_block_rows(const int64_t *ids, const uint8_t *blocks, const struct decode_shape *s, void *x, int m) {
+/* x [m, hidden] = the embedding rows of ids dequantized from GGUF blocks, as GGUFEmbedding (the
+ * rows of a tied head's interleaved blocks too) */
+static void embed_block_rows(const int64_t *ids, const uint8_t *blocks, const struct decode_shape *s, void *x, int m,
+                             int *failed) {
     const int elem = s->is_bf16 ? 2 : 4;
     #pragma omp for schedule(static)
     for (int t = 0; t < m; t++)
-        gguf_dequantize_row(s->embed_type, blocks + ids[t] * s->embed_row_bytes, s->hidden,
-                            (char *)x + (int64_t)t * s->hidden * elem, s->is_bf16);
+        if (gguf_dequantize_row_of(s->embed_type, blocks, ids[t], s->hidden, (char *)x + (int64_t)t * s->hidden * elem,
+                                   s->is_bf16) != 0) {
+            #pragma omp atomic write
+            *failed = 1;
+        }
 }
 
 /* scratch of the routed MLPs of a step of m rows */
@@ -348,7 +353,7 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        if (s->embed_type >= 0) embed_block_rows(ids, embedding, s, x, m);
+        if (s->embed_type >= 0) embed_block_rows(ids, embedding, s, x, m, &failed);
         else embed_rows(ids, embedding, bf, hidden, x, m);
         if (s->gemma) scale_rows(x, s->embed_scale, m, hidden, bf);
         residual_norm(x, NULL, NULL, layers[0].input_norm, out, m, s);  /* out: the normed rows */

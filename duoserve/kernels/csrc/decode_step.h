@@ -45,7 +45,6 @@ struct decode_shape {
     int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, is_bf16;
     float eps;
     int embed_type;        /* the embedding's GGUF block type, or -1: packed as a linear weight */
-    int64_t embed_row_bytes;
     int gemma;             /* Gemma's norms, MLP and scaled embedding */
     float embed_scale;     /* Gemma's sqrt(hidden), in the model dtype */
 };

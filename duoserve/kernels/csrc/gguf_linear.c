@@ -45,6 +45,13 @@
 #include "gguf_blocks.h"
 #include "gguf_team.h"
 
+static inline void store_out(void *y, int io_bf16, int64_t at, float v) {
+    if (io_bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
+    else ((float *)y)[at] = v;
+}
+
+#include "gguf_interleaved.h"
+
 #ifdef VECTOR
 /* 16 floats -> 16 bfloat16, rounded to nearest even like f32_to_bf16 (NaN aside) */
 static inline __m256i to_bf16_vec(__m512 v) {
@@ -117,11 +124,37 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
     }
 }
 
+/* rows of an interleaved w (gguf_interleaved.h), each put back in the file's blocks first */
+static int dequantize_interleaved(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count,
+                                  void *out, int out_bf16, int num_threads) {
+    const int64_t rows = ids ? count : n, row_bytes = (int64_t)(k / 32) * BLOCK_BYTES[type];
+    const int elem = out_bf16 ? 2 : 4;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        uint8_t *raw = malloc(row_bytes);
+        if (!raw) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!raw) continue;
+            deinterleave_row(type, w, ids ? ids[r] : r, k, raw);
+            dequantize_row(type, raw, k, (char *)out + r * k * elem, out_bf16);
+        }
+        free(raw);
+    }
+    return failed ? -2 : 0;
+}
+
 /* rows of w ([n, k]: all n rows, or the `count` rows listed in `ids`) -> out [rows, k],
  * float32 or (out_bf16) bfloat16. Returns 0, or -1 for an unknown type. */
 int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count,
                     void *out, int out_bf16, int num_threads) {
-    if (type < 0 || type > LAST_TYPE) return -1;
+    if (!known_type(type)) return -1;
+    if (type & INTERLEAVED) return dequantize_interleaved(w, type & ~INTERLEAVED, n, k, ids, count, out, out_bf16,
+                                                          num_threads);
     int64_t rows = ids ? count : n, row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     int elem = out_bf16 ? 2 : 4;
 #define DEQUANTIZE(T) \
@@ -136,15 +169,30 @@ int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t 
 /* the bytes of a row of k values of block type `type`, or -1 for an unknown type or a k that is
  * not a whole number of blocks */
 int64_t gguf_row_bytes(int type, int k) {
-    if (type < 0 || type > LAST_TYPE || k <= 0 || k % BLOCK_VALUES[type]) return -1;
+    if (!known_type(type)) return -1;
+    type &= ~INTERLEAVED;
+    if (k <= 0 || k % BLOCK_VALUES[type]) return -1;
     return (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
 }
 
-/* one row of w -> k values, float32 or bfloat16: the decode step's embedding rows, as
- * gguf_dequantize computes them */
+/* one row of w -> k values, float32 or bfloat16, as gguf_dequantize computes them */
 void gguf_dequantize_row(int type, const uint8_t *row, int k, void *out, int out_bf16) {
 #define ROW_TYPE(unused, T) dequantize_row(T, row, k, out, out_bf16);
     EACH_TYPE(ROW_TYPE, 0)
+}
+
+int gguf_dequantize_row_of(int type, const uint8_t *w, int64_t row, int k, void *out, int out_bf16) {
+    if (!(type & INTERLEAVED)) {
+        gguf_dequantize_row(type, w + row * gguf_row_bytes(type, k), k, out, out_bf16);
+        return 0;
+    }
+    type &= ~INTERLEAVED;
+    uint8_t *raw = malloc((size_t)(k / 32) * BLOCK_BYTES[type]);
+    if (!raw) return -2;
+    deinterleave_row(type, w, row, k, raw);
+    gguf_dequantize_row(type, raw, k, out, out_bf16);
+    free(raw);
+    return 0;
 }
 
 #define MAX_ROWS 8  /* rows of x held against one weight row in registers */
@@ -221,10 +269,6 @@ static inline __attribute__((always_inline)) void exact_tile(const float *x, con
     }
 }
 
-static inline void store_out(void *y, int io_bf16, int64_t at, float v) {
-    if (io_bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
-    else ((float *)y)[at] = v;
-}
 
 /* the team's share of y[:, col0:col0 + n] (rows ldy apart) = x @ w^T, x float32 rows */
 static void exact_matmul_team(const float *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
@@ -245,8 +289,9 @@ static void exact_matmul_team(const float *x, const uint8_t *w, int type, int m,
 /* ---- fast mode: x quantized to int8 per block of 32, integer dot products ---- */
 
 /* One row of x as int8 blocks of 32: values xq, scale dx and, per half of 16 and per block,
- * dx * sum(xq). */
-static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *half_sums, float *block_sums) {
+ * dx * sum(xq); per block sum(xq) too (isums). */
+static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *half_sums, float *block_sums,
+                         int16_t *isums) {
     for (int blk = 0; blk < k / 32; blk++) {
         const float *v = x + blk * 32;
 #ifdef VECTOR
@@ -281,6 +326,7 @@ static void quantize_row(const float *x, int k, int8_t *xq, float *dx, float *ha
         half_sums[2 * blk] = d * (float)sums[0];
         half_sums[2 * blk + 1] = d * (float)sums[1];
         block_sums[blk] = d * (float)(sums[0] + sums[1]);
+        isums[blk] = (int16_t)(sums[0] + sums[1]);   /* |sum| <= 32 * 127 */
     }
 }
 
@@ -666,6 +712,22 @@ static void fast_matmul_portable_team(QRows xr, const uint8_t *w, int type, int 
 
 int gguf_takes_superblock_rows(int type) { return takes_superblock_rows(type); }
 
+/* w [n, k] of block type `type` (the file's layout) -> out, the same bytes interleaved
+ * (gguf_interleaved.h); returns type | INTERLEAVED, or -1 where the type or n does not allow it */
+int gguf_interleave(const uint8_t *w, int type, int64_t n, int k, uint8_t *out, int num_threads) {
+    if (type < 0 || type > LAST_TYPE || !interleavable(type) || n % GROUP || k <= 0 || k % 32) return -1;
+    const int blocks = k / 32, bytes = BLOCK_BYTES[type];
+    const int64_t row_bytes = (int64_t)blocks * bytes;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < n / GROUP; g++)
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *src[GROUP];
+            for (int r = 0; r < GROUP; r++) src[r] = w + (g * GROUP + r) * row_bytes + (int64_t)b * bytes;
+            interleave_block(type, src, out + g * GROUP * row_bytes + (int64_t)b * GROUP * bytes);
+        }
+    return type | INTERLEAVED;
+}
+
 int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized) {
     const size_t values = (size_t)m * k, blocks = values / 32;
     *r = (struct gguf_rows){0};
@@ -676,17 +738,18 @@ int gguf_rows_alloc(struct gguf_rows *r, int m, int k, int floats, int quantized
         r->d = malloc(sizeof(float) * (blocks ? blocks : 1));
         r->half_sums = malloc(sizeof(float) * 2 * (blocks ? blocks : 1));
         r->block_sums = malloc(sizeof(float) * (blocks ? blocks : 1));
+        r->isums = malloc(sizeof(int16_t) * (blocks ? blocks : 1));
         r->super_q = malloc(values ? values : 1);
         r->super_d = malloc(sizeof(float) * (values / SUPER + 1));
         r->super_sums = malloc(sizeof(int16_t) * (values / 16 + 1));
-        ok = r->q && r->d && r->half_sums && r->block_sums && r->super_q && r->super_d && r->super_sums;
+        ok = r->q && r->d && r->half_sums && r->block_sums && r->isums && r->super_q && r->super_d && r->super_sums;
     }
     if (!ok) gguf_rows_free(r);
     return ok ? 0 : -2;
 }
 
 void gguf_rows_free(struct gguf_rows *r) {
-    free(r->f); free(r->q); free(r->d); free(r->half_sums); free(r->block_sums);
+    free(r->f); free(r->q); free(r->d); free(r->half_sums); free(r->block_sums); free(r->isums);
     free(r->super_q); free(r->super_d); free(r->super_sums);
     *r = (struct gguf_rows){0};
 }
@@ -704,7 +767,8 @@ void gguf_rows_team(const void *x, int io_bf16, int m, int k, int exact, int sup
         }
         if (!exact)
             quantize_row(row, k, r->q + (int64_t)i * k, r->d + (int64_t)i * xblocks,
-                         r->half_sums + (int64_t)i * xblocks * 2, r->block_sums + (int64_t)i * xblocks);
+                         r->half_sums + (int64_t)i * xblocks * 2, r->block_sums + (int64_t)i * xblocks,
+                         r->isums + (int64_t)i * xblocks);
         if (!exact && super && k % SUPER == 0)
             quantize_row_super(row, k, r->super_q + (int64_t)i * k, r->super_d + (int64_t)i * (k / SUPER),
                                r->super_sums + (int64_t)i * (k / 16));
@@ -715,6 +779,10 @@ void gguf_matmul_team(const struct gguf_rows *r, const void *x, int io_bf16, int
                       int m, int n, int k, void *y, int64_t ldy, int col0, int *failed) {
     if (exact) {
         exact_matmul_team(io_bf16 ? r->f : (const float *)x, w, type, m, n, k, y, io_bf16, ldy, col0);
+        return;
+    }
+    if (type & INTERLEAVED) {
+        il_matmul_team(type & ~INTERLEAVED, w, r->q, r->d, r->block_sums, r->isums, m, n, k, y, io_bf16, ldy, col0);
         return;
     }
     if (takes_superblock_rows(type)) {
@@ -734,7 +802,7 @@ void gguf_matmul_team(const struct gguf_rows *r, const void *x, int io_bf16, int
 /* x [m, k] @ w^T -> y [m, n], in a region of num_threads threads around the team entries */
 static int linear_entry(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
                         int exact, int num_threads) {
-    if (type < 0 || type > LAST_TYPE) return -1;
+    if (!known_type(type) || (exact && (type & INTERLEAVED))) return -1;
     struct gguf_rows rows;
     if (gguf_rows_alloc(&rows, m, k, io_bf16, !exact) != 0) return -2;
     int failed = 0;

@@ -15,6 +15,7 @@ struct gguf_rows {
     float *f;
     int8_t *q;
     float *d, *half_sums, *block_sums;
+    int16_t *isums;   /* sum(q) per block of 32 (interleaved weights) */
     int8_t *super_q;
     float *super_d;
     int16_t *super_sums;
@@ -41,4 +42,8 @@ void gguf_matmul_team(const struct gguf_rows *r, const void *x, int io_bf16, int
 
 /* one row of w ([k] of block type `type`) -> k values, float32 or bfloat16, as gguf_dequantize */
 void gguf_dequantize_row(int type, const uint8_t *row, int k, void *out, int out_bf16);
+
+/* row `row` of w ([n, k] of block type `type`, interleaved ones too) -> k values, as
+ * gguf_dequantize; 0, or -2 without memory for an interleaved row's blocks */
+int gguf_dequantize_row_of(int type, const uint8_t *w, int64_t row, int k, void *out, int out_bf16);
 #endif
