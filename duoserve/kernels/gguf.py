@@ -21,6 +21,7 @@ between the dispatcher and the C code.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Protocol
 
 import torch
@@ -90,6 +91,35 @@ def interleave(data: torch.Tensor, type_id: int, cols: int, kernels: dict | None
     if fn(data.data_ptr(), type_id, data.shape[0], cols, out.data_ptr(), torch.get_num_threads()) < 0:
         return None
     return out
+
+
+def release_file_pages(data: torch.Tensor) -> None:
+    """Unmap from this process the whole pages under ``data`` where they are a file's (a GGUF
+    file's blocks, once repacked into a copy): they leave its resident set and stay in the page
+    cache, read from the file again if anything touches them. Anonymous memory is left alone (its
+    pages would come back zeroed)."""
+    page = mmap.PAGESIZE
+    start, end = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first or not _file_backed(start, end):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.madvise(first, last - first, mmap.MADV_DONTNEED)
+
+
+def _file_backed(start: int, end: int) -> bool:
+    """Whether [start, end) lies in one mapping of a file (/proc/self/maps: a non-zero inode)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                low, high = (int(a, 16) for a in fields[0].split("-"))
+                if low <= start < high:
+                    return end <= high and len(fields) >= 6 and fields[4] != "0"
+    except OSError:
+        pass
+    return False
 
 
 def type_id(weight: Blocks) -> int:

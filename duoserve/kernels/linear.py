@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from duoserve.kernels.dense import PACK_COLUMNS, pack_linear_weight
-from duoserve.kernels.gguf import INTERLEAVED, Blocks, gguf_embedding, interleave, type_id
+from duoserve.kernels.gguf import INTERLEAVED, Blocks, gguf_embedding, interleave, release_file_pages, type_id
 from duoserve.kernels.ops import define_ops
 
 
@@ -124,6 +124,7 @@ class GGUFLinear(nn.Module):
             data, type_ = part.data, type_id(part)
             repacked = interleave(data, type_, part.cols) if mode == "fast" and data.device.type == "cpu" else None
             if repacked is not None:
+                release_file_pages(data)
                 data, type_ = repacked, type_ | INTERLEAVED
             self.runs.append((f"blocks_{i}", type_, part.cols))
             self.parts.append(dataclasses.replace(part, data=data))
