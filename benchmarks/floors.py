@@ -6,7 +6,8 @@ Read bandwidth: the median time of summing a 512 MB float32 tensor with the give
 one-stream decode step reads its weights once: bytes a token / this = the step's floor). Kernel
 rate: ``duoserve::gguf_linear`` (fast mode, bf16 activations) on random blocks of three types and
 shapes like the served files' (Gemma's Q8_0 head, a Q4_K projection, a Q5_0 one) at 1, 16 and 128
-rows, in GMAC/s (a step's multiply-adds / this = its compute floor). Prints one line each.
+rows, in GMAC/s (a step's multiply-adds / this = its compute floor), on the blocks as fast mode
+holds them (GGUFLinear's runs: Q8_0 and Q5_0 interleaved). Prints one line each.
 """
 
 from __future__ import annotations
@@ -38,18 +39,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from duoserve.kernels.gguf import BLOCK_TYPES
-    from duoserve.kernels.ops import define_ops
+    from duoserve.kernels.linear import GGUFLinear
+    from duoserve.model.gguf_loader import GGUFBlocks
     from tests.kernels.test_gguf import random_blocks
 
-    define_ops()
     for type_name, n, k in (("Q8_0", 4096, 640), ("Q4_K", 2048, 2048), ("Q5_0", 2048, 896)):
         raw, _ = random_blocks(type_name, n, k, seed=1)
-        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, -1)
+        linear = GGUFLinear([GGUFBlocks(torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, -1), type_name, n, k)],
+                            None, "fast")
         for m in (1, 16, 128):
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            seconds = median_seconds(lambda: torch.ops.duoserve.gguf_linear(x, blocks, BLOCK_TYPES[type_name][0], k,
-                                                                            "fast"))
+            seconds = median_seconds(lambda: linear(x))
             print(f"gguf_linear {type_name} [{n} x {k}], {m:3d} rows: {seconds * 1e3:7.3f} ms, "
                   f"{m * n * k / seconds / 1e9:5.1f} GMAC/s")
     big = torch.ones(128 * 1024 * 1024, dtype=torch.float32)

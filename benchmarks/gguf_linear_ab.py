@@ -6,7 +6,9 @@
 Both builds with the engine's flags, loaded with ctypes; for each block type and weight shape
 [n x k] (default [2048 x 1024]) random blocks (random bytes under finite fp16 scales: the
 kernels' work does not depend on the values) and bfloat16 rows of x, 2 threads, the two kernels
-called alternately (--calls times each: the machine's drift hits both alike). Prints median
+called alternately (--calls times each: the machine's drift hits both alike), each on the blocks
+as fast mode keeps them in that build (repacked by its ``gguf_interleave`` where it has one and
+takes the type: GGUFLinear does so at load). Prints median
 milliseconds, their ratio, the weights' bytes read per second (GB/s: at one row a decode step's
 rate against the memory's, `floors.py`), the multiply-adds per second (GMAC/s: many rows'), and
 the largest relative difference of the outputs (0: the same bits; not 0 where the arithmetic
@@ -55,6 +57,18 @@ def build(sources: dict[str, str], work: Path, name: str) -> tuple[ctypes.CDLL, 
     return ctypes.CDLL(str(work / name)), time.perf_counter() - start
 
 
+def as_loaded(lib: ctypes.CDLL, w: torch.Tensor, type_id: int, n: int, k: int) -> tuple[torch.Tensor, int]:
+    """The blocks and type id the build computes from: its interleaved layout where it has one for
+    this type and row count (as GGUFLinear repacks at load), else the file's."""
+    interleave = getattr(lib, "gguf_interleave", None)
+    if interleave is None:
+        return w, type_id
+    interleave.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+    out = torch.empty_like(w)
+    repacked = interleave(w.data_ptr(), type_id, n, k, out.data_ptr(), 2)
+    return (out, repacked) if repacked >= 0 else (w, type_id)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="HEAD")
@@ -84,6 +98,8 @@ def main() -> None:
         for shape, type_name in ((shape, t) for shape in args.shapes.split(",") for t in types):
             n, k = map(int, shape.split("x"))
             w = torch.from_numpy(random_blocks(type_name, n, k))
+            loaded = {name: as_loaded(lib, w, BLOCK_TYPES[type_name][0], n, k)
+                      for name, lib in (("before", before), ("after", after))}
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).to(torch.bfloat16)
                 times: dict[str, list[float]] = {"before": [], "after": []}
@@ -92,9 +108,9 @@ def main() -> None:
                     for name, lib in (("before", before), ("after", after)):
                         y = torch.empty(m, n, dtype=torch.bfloat16)
                         start = time.perf_counter()
-                        status = lib.gguf_linear_fast(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(w.data_ptr()),
-                                                      BLOCK_TYPES[type_name][0], m, n, k, ctypes.c_void_p(y.data_ptr()),
-                                                      1, 2)
+                        blocks, type_id = loaded[name]
+                        status = lib.gguf_linear_fast(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(blocks.data_ptr()),
+                                                      type_id, m, n, k, ctypes.c_void_p(y.data_ptr()), 1, 2)
                         assert status == 0
                         times[name].append((time.perf_counter() - start) * 1000)
                         outs[name] = y
