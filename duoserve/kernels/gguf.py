@@ -68,7 +68,8 @@ def gguf_kernels_for(march: str) -> dict | None:
     return dict(dequantize=dequant, fast=load_c_function("gguf_linear", "gguf_linear_fast", matmul, march=march),
                 exact=load_c_function("gguf_linear", "gguf_linear_exact", matmul, march=march),
                 takes_superblock_rows=load_c_function("gguf_linear", "gguf_takes_superblock_rows", (_I,), march=march),
-                interleave=load_c_function("gguf_linear", "gguf_interleave", (_P, _I, _L, _I, _P, _I), march=march))
+                interleave=load_c_function("gguf_linear", "gguf_interleave", (_P, _I, _L, _I, _P, _I), march=march),
+                row_bytes=load_c_function("gguf_linear", "gguf_row_bytes", (_I, _I), restype=_L, march=march))
 
 
 def activation_block(type_name: str) -> int:
@@ -83,12 +84,15 @@ INTERLEAVED = 16   # a type id's flag: the rows repacked sixteen to a group (csr
 
 def interleave(data: torch.Tensor, type_id: int, cols: int, kernels: dict | None = None) -> torch.Tensor | None:
     """Blocks ``data`` [rows, bytes per row] of ``type_id`` repacked for fast mode, sixteen rows to a
-    group (the same shape and bytes, type id ``type_id | INTERLEAVED``), or None where the type or
-    the row count does not allow it (a block type other than Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, rows not a
-    multiple of 16)."""
-    out = torch.empty_like(data)
-    fn = (kernels or _KERNELS or gguf_kernels())["interleave"]
-    if fn(data.data_ptr(), type_id, data.shape[0], cols, out.data_ptr(), torch.get_num_threads()) < 0:
+    group (type id ``type_id | INTERLEAVED``; the same bytes, but Q4_K's 148 a block for 144), or
+    None where the type or the row count does not allow it (Q2_K, Q3_K, Q5_K; rows not a multiple
+    of 16)."""
+    fns = kernels or _KERNELS or gguf_kernels()
+    row_bytes = fns["row_bytes"](type_id | INTERLEAVED, cols)
+    if row_bytes < 0 or data.shape[0] % 16:
+        return None
+    out = torch.empty(data.shape[0], row_bytes, dtype=torch.uint8)
+    if fns["interleave"](data.data_ptr(), type_id, data.shape[0], cols, out.data_ptr(), torch.get_num_threads()) < 0:
         return None
     return out
 

@@ -358,29 +358,32 @@ def test_cpp_kernel_of_the_op_equals_the_python_kernel():
                     assert torch.equal(got, want)  # the same C kernel
 
 
-INTERLEAVABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+INTERLEAVABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("type_name", INTERLEAVABLE)
 def test_interleaved_rows_dequantize_and_compute_as_the_files_blocks(type_name, isa):
-    """Rows repacked sixteen to a group (csrc/gguf_interleaved.h): the same bytes (every row
-    dequantizes to the file's values), fast mode's function of the 8-bit activations, and a row's
-    bits independent of its batch, on both sides of the tile of 4 rows of x."""
-    cols, rows = 96 * 3, 48   # 9 blocks a row (an odd number), 3 groups
+    """Rows repacked sixteen to a group (csrc/gguf_interleaved.h): the same values (every row
+    dequantizes to the file's; Q4_K's scales a byte each, 148 bytes a block), fast mode's function
+    of the 8-bit activations, and a row's bits independent of its batch, on both sides of the tile
+    of rows of x."""
+    block = activation_block(type_name)
+    cols, rows = (96 * 3 if block == 32 else 256 * 3), 48   # 9 blocks a row (an odd number) or 3 super-blocks; 3 groups
     raw, ref = random_blocks(type_name, rows, cols, seed=11)
     data = torch.from_numpy(np.ascontiguousarray(raw))
     type_id = BLOCK_TYPES[type_name][0]
     packed = interleave(data, type_id, cols)
-    assert packed.shape == data.shape and not torch.equal(packed, data)
+    assert packed.shape == (rows, data.shape[1] * 148 // 144 if type_name == "Q4_K" else data.shape[1])
+    assert not torch.equal(packed[:, :data.shape[1]], data)
     weight = GGUFBlocks(packed, type_name, rows, cols)
     dequantized = gguf_module._dequantize(packed, type_id | INTERLEAVED, cols, torch.float32, None, None)
     assert torch.equal(dequantized, ref)
     ids = torch.tensor([17, 0, 47, 17])
     assert torch.equal(gguf_module._dequantize(packed, type_id | INTERLEAVED, cols, torch.float32, ids, None), ref[ids])
     gen = torch.Generator().manual_seed(12)
-    x = away_from_rounding_ties(torch.randn(140, cols, generator=gen))
+    x = away_from_rounding_ties(torch.randn(140, cols, generator=gen), block)
     whole = gguf_linear(x, weight.data, type_id | INTERLEAVED, cols, "fast")
-    emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
+    emulated = (quantize_rows_like_fast_mode(x, block).double() @ ref.double().T).float()
     torch.testing.assert_close(whole, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())
     for m in (1, 2, 3, 4, 5, 8, 9, 33):
         for start in (0, 1, 140 - m):
@@ -396,7 +399,7 @@ def test_interleaved_rows_compute_the_same_bits_in_avx512_and_avx2(type_name):
     """A lane per weight row, whatever the register's width: AVX-512's 16 rows and AVX2's two
     halves of 8 sum every (row, block) in the same order (on a CPU without AVX-512 both builds
     are AVX2's)."""
-    cols = 256
+    cols = 512
     raw, _ = random_blocks(type_name, 32, cols, seed=13)
     data = torch.from_numpy(np.ascontiguousarray(raw))
     type_id = BLOCK_TYPES[type_name][0] | INTERLEAVED
@@ -412,12 +415,13 @@ def test_interleaved_rows_compute_the_same_bits_in_avx512_and_avx2(type_name):
 
 
 def test_fast_mode_interleaves_the_blocks_of_32_it_can():
-    """GGUFLinear in fast mode repacks a run of a 32-value type whose rows are a multiple of 16;
-    K-quants, other row counts and exact mode keep the file's layout; refused combinations say so."""
+    """GGUFLinear in fast mode repacks a run of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K whose rows
+    are a multiple of 16; the other K-quants, other row counts and exact mode keep the file's
+    layout; refused combinations say so."""
     parts = [blocks(random_blocks(name, rows, 256, seed=i)[0], name, 256)
-             for i, (name, rows) in enumerate([("Q8_0", 32), ("Q4_K", 16), ("Q5_0", 24)])]
+             for i, (name, rows) in enumerate([("Q8_0", 32), ("Q5_K", 16), ("Q5_0", 24)])]
     fast, exact = GGUFLinear(parts, None, "fast"), GGUFLinear(parts, None, "exact")
-    ids = [BLOCK_TYPES[name][0] for name in ("Q8_0", "Q4_K", "Q5_0")]
+    ids = [BLOCK_TYPES[name][0] for name in ("Q8_0", "Q5_K", "Q5_0")]
     assert [t for _, t, _ in fast.runs] == [ids[0] | INTERLEAVED, ids[1], ids[2]]
     assert [t for _, t, _ in exact.runs] == ids
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(15))

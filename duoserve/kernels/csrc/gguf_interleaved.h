@@ -38,8 +38,12 @@
 #define GROUP 16
 
 static inline int interleavable(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
 }
+
+/* the bytes of one row's block once interleaved: the file's, but Q4_K's, whose twelve bytes of
+ * packed six-bit scales and mins become sixteen, a byte each (148 bytes for 144) */
+static inline int il_block_bytes(int type) { return type == Q4_K ? 148 : BLOCK_BYTES[type]; }
 
 /* a type id gguf_linear.c knows: a file's block type, or one of those interleaved */
 static inline int known_type(int type) {
@@ -59,8 +63,110 @@ static inline int il_values(int type) { return il_fifth(type) + (has_fifth_bits(
 static inline int file_values(int type) { return type == Q8_0 ? 2 : type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8; }
 static inline int file_fifth(int type) { return type == Q5_0 ? 2 : 4; }
 
+/* ---- the K-quants' groups (one super-block of 256 values of 16 rows):
+ *     Q4_K: d[16], dmin[16] (fp16), sc[8][16], mn[8][16] (the sub-blocks' six-bit scales and mins,
+ *           a byte each), qs[4][8][16][4]: pair p of sub-blocks, bytes 4c..4c+3 of row r's 32
+ *           (low nibbles: values 64p + 4c.., sub-block 2p; high: 64p + 32 + 4c.., sub-block 2p + 1)
+ *     Q6_K: d[16], sc[16][16] (int8, one per run of 16 values), then for c = 0..15 three chunks of
+ *           [16][4] bytes read one after the other: the low four bits of values 4c.. (low nibbles)
+ *           and 64 + 4c.. (high), of 128 + 4c.. and 192 + 4c.., and the top two bits of the same
+ *           four groups (bit pairs 0-3)
+ * Values 4t..4t + 3 of the 16 rows make one register, as for the blocks of 32. */
+#define K_SCALES 64      /* Q4_K: offsets of sc, mn, qs */
+#define K_MINS 192
+#define K_QS 320
+#define K6_SCALES 32     /* Q6_K: offsets of sc and of the chunks */
+#define K6_CHUNKS 288
+
+/* value j (0..255) of a Q6_K super-block in the file's layout: its six bits, and where they sit */
+static inline int q6k_value(const uint8_t *b, int j) {
+    const int half = j / 128, l = j % 32, g = (j % 128) / 32;
+    const uint8_t ql = b[64 * half + l + (g & 1 ? 32 : 0)], qh = b[128 + 32 * half + l];
+    return ((g >> 1 ? ql >> 4 : ql) & 15) | ((qh >> (2 * g)) & 3) << 4;
+}
+
+static inline void q6k_set_value(uint8_t *b, int j, int q) {
+    const int half = j / 128, l = j % 32, g = (j % 128) / 32;
+    uint8_t *ql = b + 64 * half + l + (g & 1 ? 32 : 0), *qh = b + 128 + 32 * half + l;
+    *ql = (uint8_t)(g >> 1 ? (*ql & 0x0f) | (q & 15) << 4 : (*ql & 0xf0) | (q & 15));
+    *qh = (uint8_t)((*qh & ~(3 << (2 * g))) | ((q >> 4) & 3) << (2 * g));
+}
+
+/* the file's scale of Q6_K run r (values 16r..16r + 15) */
+static inline int q6k_run_scale(int r) {
+    const int j = 16 * r, half = j / 128, l = j % 32, g = (j % 128) / 32;
+    return 8 * half + l / 16 + 2 * g;
+}
+
+static void interleave_kblock(int type, const uint8_t *const src[GROUP], uint8_t *dst) {
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *b = src[r];
+        if (type == Q4_K) {
+            memcpy(dst + 2 * r, b, 2);
+            memcpy(dst + 2 * GROUP + 2 * r, b + 2, 2);
+            for (int s = 0; s < 8; s++) {
+                int sc, mn;
+                k_scale_min(b + 4, s, &sc, &mn);
+                dst[K_SCALES + s * GROUP + r] = (uint8_t)sc;
+                dst[K_MINS + s * GROUP + r] = (uint8_t)mn;
+            }
+            for (int p = 0; p < 4; p++)
+                for (int c = 0; c < 8; c++) memcpy(dst + K_QS + ((p * 8 + c) * GROUP + r) * 4, b + 16 + 32 * p + 4 * c, 4);
+        } else {   /* Q6_K */
+            memcpy(dst + 2 * r, b + 208, 2);
+            for (int run = 0; run < 16; run++) dst[K6_SCALES + run * GROUP + r] = b[192 + q6k_run_scale(run)];
+            for (int j = 0; j < 256; j++) {   /* value group t = c + 16 f */
+                const int q = q6k_value(b, j), t = j / 4, c = t % 16, f = t / 16, at = 4 * r + j % 4;
+                uint8_t *low = dst + K6_CHUNKS + (3 * c + f / 2) * 4 * GROUP + at;
+                uint8_t *high = dst + K6_CHUNKS + (3 * c + 2) * 4 * GROUP + at;
+                *low = (uint8_t)(f % 2 ? (*low & 0x0f) | (q & 15) << 4 : (*low & 0xf0) | (q & 15));
+                *high = (uint8_t)((*high & ~(3 << (2 * f))) | (q >> 4) << (2 * f));
+            }
+        }
+    }
+}
+
+/* value j of lane r of an interleaved K-quant group (unsigned: Q6_K's stored + 32) */
+static inline int il_kvalue(int type, const uint8_t *blk, int r, int j) {
+    const int t = j / 4, at = 4 * r + j % 4;
+    if (type == Q4_K) {
+        const int p = j / 64, c = (j % 32) / 4, high = (j % 64) >= 32;
+        return (blk[K_QS + (p * 8 + c) * 4 * GROUP + at] >> (high ? 4 : 0)) & 15;
+    }
+    const int c = t % 16, f = t / 16;
+    const int low = (blk[K6_CHUNKS + (3 * c + f / 2) * 4 * GROUP + at] >> (f % 2 ? 4 : 0)) & 15;
+    return low | ((blk[K6_CHUNKS + (3 * c + 2) * 4 * GROUP + at] >> (2 * f)) & 3) << 4;
+}
+
+static void deinterleave_kblock(int type, const uint8_t *src, int r, uint8_t *b) {
+    if (type == Q4_K) {
+        memcpy(b, src + 2 * r, 2);
+        memcpy(b + 2, src + 2 * GROUP + 2 * r, 2);
+        uint8_t *p = b + 4;
+        for (int s = 0; s < 4; s++) {   /* k_scale_min's packing, undone */
+            const int sc = src[K_SCALES + s * GROUP + r], mn = src[K_MINS + s * GROUP + r];
+            const int sc4 = src[K_SCALES + (s + 4) * GROUP + r], mn4 = src[K_MINS + (s + 4) * GROUP + r];
+            p[s] = (uint8_t)(sc | (sc4 >> 4) << 6);
+            p[s + 4] = (uint8_t)(mn | (mn4 >> 4) << 6);
+            p[s + 8] = (uint8_t)((sc4 & 15) | (mn4 & 15) << 4);
+        }
+        for (int j = 0; j < 128; j++) {   /* byte j of qs: value 64 (j / 32) + j % 32, and that + 32 */
+            const int v = 64 * (j / 32) + j % 32;
+            b[16 + j] = (uint8_t)(il_kvalue(type, src, r, v) | il_kvalue(type, src, r, v + 32) << 4);
+        }
+        return;
+    }
+    memcpy(b + 208, src + 2 * r, 2);
+    for (int run = 0; run < 16; run++) b[192 + q6k_run_scale(run)] = src[K6_SCALES + run * GROUP + r];
+    for (int j = 0; j < 256; j++) q6k_set_value(b, j, il_kvalue(type, src, r, j));
+}
+
 /* one block of 16 rows (their blocks `src[r]`) -> its interleaved form at dst, and back */
 static void interleave_block(int type, const uint8_t *const src[GROUP], uint8_t *dst) {
+    if (type == Q4_K || type == Q6_K) {
+        interleave_kblock(type, src, dst);
+        return;
+    }
     const int value_bytes = type == Q8_0 ? 32 : 16;
     for (int r = 0; r < GROUP; r++) {
         memcpy(dst + 2 * r, src[r], 2);
@@ -72,6 +178,10 @@ static void interleave_block(int type, const uint8_t *const src[GROUP], uint8_t 
 }
 
 static void deinterleave_block(int type, const uint8_t *src, int r, uint8_t *dst) {
+    if (type == Q4_K || type == Q6_K) {
+        deinterleave_kblock(type, src, r, dst);
+        return;
+    }
     const int value_bytes = type == Q8_0 ? 32 : 16;
     memcpy(dst, src + 2 * r, 2);
     if (has_min(type)) memcpy(dst + 2, src + il_mins(type) + 2 * r, 2);
@@ -82,10 +192,11 @@ static void deinterleave_block(int type, const uint8_t *src, int r, uint8_t *dst
 
 /* row `row` of an interleaved matrix of k values a row, in the file's own block format */
 static void deinterleave_row(int type, const uint8_t *w, int64_t row, int k, uint8_t *out) {
-    const int blocks = k / 32, bytes = BLOCK_BYTES[type];
+    const int blocks = k / BLOCK_VALUES[type], bytes = il_block_bytes(type);
     const uint8_t *group = w + (row / GROUP) * GROUP * (int64_t)blocks * bytes;
     for (int b = 0; b < blocks; b++)
-        deinterleave_block(type, group + (int64_t)b * GROUP * bytes, (int)(row % GROUP), out + (int64_t)b * bytes);
+        deinterleave_block(type, group + (int64_t)b * GROUP * bytes, (int)(row % GROUP),
+                           out + (int64_t)b * BLOCK_BYTES[type]);
 }
 
 /* the weight value j of interleaved block `blk` of lane r, as an unsigned integer q with w = d * q + m

@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void dequantize_row(int type, const
 /* rows of an interleaved w (gguf_interleaved.h), each put back in the file's blocks first */
 static int dequantize_interleaved(const uint8_t *w, int type, int64_t n, int k, const int64_t *ids, int64_t count,
                                   void *out, int out_bf16, int num_threads) {
-    const int64_t rows = ids ? count : n, row_bytes = (int64_t)(k / 32) * BLOCK_BYTES[type];
+    const int64_t rows = ids ? count : n, row_bytes = (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
     const int elem = out_bf16 ? 2 : 4;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
@@ -170,9 +170,9 @@ int gguf_dequantize(const uint8_t *w, int type, int64_t n, int k, const int64_t 
  * not a whole number of blocks */
 int64_t gguf_row_bytes(int type, int k) {
     if (!known_type(type)) return -1;
-    type &= ~INTERLEAVED;
-    if (k <= 0 || k % BLOCK_VALUES[type]) return -1;
-    return (int64_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type];
+    const int base = type & ~INTERLEAVED;
+    if (k <= 0 || k % BLOCK_VALUES[base]) return -1;
+    return (int64_t)(k / BLOCK_VALUES[base]) * (type & INTERLEAVED ? il_block_bytes(base) : BLOCK_BYTES[base]);
 }
 
 /* one row of w -> k values, float32 or bfloat16, as gguf_dequantize computes them */
@@ -187,7 +187,7 @@ int gguf_dequantize_row_of(int type, const uint8_t *w, int64_t row, int k, void 
         return 0;
     }
     type &= ~INTERLEAVED;
-    uint8_t *raw = malloc((size_t)(k / 32) * BLOCK_BYTES[type]);
+    uint8_t *raw = malloc((size_t)(k / BLOCK_VALUES[type]) * BLOCK_BYTES[type]);
     if (!raw) return -2;
     deinterleave_row(type, w, row, k, raw);
     gguf_dequantize_row(type, raw, k, out, out_bf16);
@@ -707,23 +707,26 @@ static void fast_matmul_portable_team(QRows xr, const uint8_t *w, int type, int 
 #endif
 
 #include "gguf_superblocks.h"
+#include "gguf_interleaved_k.h"
 
 /* ---- the team entries (gguf_team.h) and the entries that open their own region ---- */
 
-int gguf_takes_superblock_rows(int type) { return takes_superblock_rows(type); }
+int gguf_takes_superblock_rows(int type) { return takes_superblock_rows(type & ~INTERLEAVED); }
 
-/* w [n, k] of block type `type` (the file's layout) -> out, the same bytes interleaved
- * (gguf_interleaved.h); returns type | INTERLEAVED, or -1 where the type or n does not allow it */
+/* w [n, k] of block type `type` (the file's layout) -> out [n, gguf_row_bytes(type | INTERLEAVED, k)],
+ * its rows interleaved (gguf_interleaved.h); returns type | INTERLEAVED, or -1 where the type or n
+ * does not allow it */
 int gguf_interleave(const uint8_t *w, int type, int64_t n, int k, uint8_t *out, int num_threads) {
-    if (type < 0 || type > LAST_TYPE || !interleavable(type) || n % GROUP || k <= 0 || k % 32) return -1;
-    const int blocks = k / 32, bytes = BLOCK_BYTES[type];
-    const int64_t row_bytes = (int64_t)blocks * bytes;
+    if (type < 0 || type > LAST_TYPE || !interleavable(type) || n % GROUP || k <= 0 || k % BLOCK_VALUES[type])
+        return -1;
+    const int blocks = k / BLOCK_VALUES[type], bytes = BLOCK_BYTES[type], il_bytes = il_block_bytes(type);
+    const int64_t row_bytes = (int64_t)blocks * bytes, il_row_bytes = (int64_t)blocks * il_bytes;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t g = 0; g < n / GROUP; g++)
         for (int b = 0; b < blocks; b++) {
             const uint8_t *src[GROUP];
             for (int r = 0; r < GROUP; r++) src[r] = w + (g * GROUP + r) * row_bytes + (int64_t)b * bytes;
-            interleave_block(type, src, out + g * GROUP * row_bytes + (int64_t)b * GROUP * bytes);
+            interleave_block(type, src, out + g * GROUP * il_row_bytes + (int64_t)b * GROUP * il_bytes);
         }
     return type | INTERLEAVED;
 }
@@ -782,7 +785,13 @@ void gguf_matmul_team(const struct gguf_rows *r, const void *x, int io_bf16, int
         return;
     }
     if (type & INTERLEAVED) {
-        il_matmul_team(type & ~INTERLEAVED, w, r->q, r->d, r->block_sums, r->isums, m, n, k, y, io_bf16, ldy, col0);
+        const int base = type & ~INTERLEAVED;
+        if (takes_superblock_rows(base)) {
+            const SuperRows xs = {r->super_q, r->super_d, r->super_sums, k};
+            il_super_matmul_team(base, w, xs, m, n, k, y, io_bf16, ldy, col0);
+        } else {
+            il_matmul_team(base, w, r->q, r->d, r->block_sums, r->isums, m, n, k, y, io_bf16, ldy, col0);
+        }
         return;
     }
     if (takes_superblock_rows(type)) {
@@ -808,7 +817,7 @@ static int linear_entry(const void *x, const uint8_t *w, int type, int m, int n,
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        gguf_rows_team(x, io_bf16, m, k, exact, takes_superblock_rows(type), &rows);
+        gguf_rows_team(x, io_bf16, m, k, exact, takes_superblock_rows(type & ~INTERLEAVED), &rows);
         gguf_matmul_team(&rows, x, io_bf16, exact, w, type, m, n, k, y, n, 0, &failed);
     }
     gguf_rows_free(&rows);
