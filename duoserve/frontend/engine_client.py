@@ -146,12 +146,14 @@ class EngineClient:
             raise EngineStartError(f"{self.name} failed to start: {message.error}")
         if not isinstance(message, msg.EngineReady):
             raise EngineDeadError(f"{self.name} sent {type(message).__name__} before EngineReady")
-        self.ready = message
         if message.tokenizer_json is not None:
             self.tokenizer = Tokenizer(backend_of(message),
                                        bos_token_id=message.bos_token_id,
                                        eos_token_ids=tuple(message.eos_token_ids),
                                        chat_template=message.chat_template, add_bos_token=message.add_bos_token)
+        # kept without the tokenizer's text, parsed above: Gemma 3's is 13 MB of JSON, 4 bytes a
+        # character as a Python string (an emoji in it), for nothing once parsed
+        self.ready = msgspec.structs.replace(message, tokenizer_json=None)
 
     def tell_peers(self, peers: dict[str, str]) -> None:
         """A prefill engine: hand KV to these decode engines from now on (one came back elsewhere)."""

@@ -28,6 +28,7 @@ from duoserve.frontend.placement import Rates
 from duoserve.frontend.launcher import (engine_running, kill_engine, remove_socket, remove_turns_file, signal_engine,
                                        spawn_engine)
 from duoserve.frontend.tokenizer_preload import preload as preload_tokenizer
+from duoserve.heap import release_free_memory
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe_difference
 
@@ -140,6 +141,7 @@ class EngineSupervisor:
             for model in {c.config.model.model for c in launched}:
                 preload_tokenizer(model)   # parsed here while the engines load
             await asyncio.gather(*(client.connect() for client in managed))
+            release_free_memory()   # the ready messages' tokenizer text, parsed and dropped
             for client in managed:
                 self.check_model(client)
                 self._engine_up(client)
