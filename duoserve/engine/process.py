@@ -134,8 +134,23 @@ def launched_engine_main(name: str, environ: dict[str, str], config_bytes: bytes
     os.environ.clear()
     os.environ.update(environ)
     _set_process_name(f"duoserve-{name}")
+    _leave_fork_server()
     stop_with_launcher(parent_pid)
     return engine_main(config_bytes, address, log_level, parent_pid, auth_secret, signals=signals, name=name)
+
+
+def _leave_fork_server() -> None:
+    """Close this process's end of the pipe that keeps its fork server alive: the launcher stops
+    that server once its engines are up (``launcher.stop_engine_server``), which waits for every
+    holder of the pipe to let go; an engine that needs a process of its own starts a new server."""
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
 
 
 def _set_process_name(name: str) -> None:

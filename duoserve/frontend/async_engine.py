@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.errors import DuoserveError
-from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id
+from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id, process_running
 from duoserve.frontend.frontend import tell_engines
 from duoserve.frontend.input_processor import InputProcessor
 from duoserve.frontend.launcher import plan_deployment, signal_engine
@@ -58,7 +58,7 @@ def migration_cause(client: EngineClient, reason: str) -> str:
     its process, if launched here, lives on: frozen, or on a host cut off)."""
     if reason.startswith(f"{client.name} failed:"):
         return "failed"
-    if client.launched and client.process is not None and not client.process.is_alive():
+    if client.launched and client.process is not None and not process_running(client.process):
         return "exited"
     return "unreachable"
 

@@ -60,10 +60,15 @@ def new_frontend_id() -> str:
 FRONTEND_ID = new_frontend_id()   # the default for clients made outside an AsyncEngine
 
 
+_exit_codes: dict[int, int] = {}   # pid -> exit code, of the engines this process reaped itself
+
+
 def process_running(process: multiprocessing.process.BaseProcess) -> bool:
     """Whether a launched engine's process runs, asked of its pid: multiprocessing takes an
-    engine for ended once the fork server that reports its exit is gone (a SIGTERM to the
-    whole process group ends that server too), though the engine may still be draining."""
+    engine for ended once the fork server that reports its exit is gone (stopped once the
+    engines run, or a SIGTERM to the whole process group), though the engine may still be
+    draining. An engine that ended as this process's own child (the fork server gone, it
+    became ours: ``launcher.adopt_orphans``) is reaped here."""
     if process.pid is None:
         return False
     try:
@@ -73,7 +78,24 @@ def process_running(process: multiprocessing.process.BaseProcess) -> bool:
         return False
     except OSError:   # no /proc here, or gone meanwhile: multiprocessing's view
         return process.is_alive()
-    return stat.rpartition(")")[2].split()[0] != "Z"   # a zombie has ended
+    if stat.rpartition(")")[2].split()[0] != "Z":
+        return True
+    try:   # a zombie has ended
+        pid, status = os.waitpid(process.pid, os.WNOHANG)
+    except ChildProcessError:   # another process's child: its parent reaps it
+        return False
+    if not pid:   # its leader ended, its other threads still end (not yet waitable)
+        return True
+    _exit_codes[pid] = os.waitstatus_to_exitcode(status)
+    return False
+
+
+def exit_code(process: multiprocessing.process.BaseProcess) -> int | None:
+    """An ended engine's exit code (a signal's as its negative number): multiprocessing's, while
+    the fork server that forked it reports it, else the one this process reaped."""
+    if process.pid in _exit_codes:
+        return _exit_codes[process.pid]
+    return process.exitcode
 
 
 class EngineDeadError(DuoserveError):
@@ -277,7 +299,7 @@ class EngineClient:
             if not self.is_alive():
                 if self._lost is not None:
                     raise EngineDeadError(f"{self.name}: {self._lost} while waiting for {waiting_for}")
-                code = None if self.process is None else self.process.exitcode
+                code = None if self.process is None else exit_code(self.process)
                 raise EngineDeadError(f"{self.name} exited (exit code {code}) while waiting for {waiting_for}")
             if time.monotonic() >= deadline and waiting_for == "outputs":  # alive and connected: slow
                 if self.slow_since is None:

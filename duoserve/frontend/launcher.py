@@ -26,6 +26,7 @@ OpenMP threads on the same cores at once: they would stall each other at every b
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -34,6 +35,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 import uuid
 
 import msgspec
@@ -215,13 +217,41 @@ def engine_process_context() -> multiprocessing.context.BaseContext:
 
 def start_engine_server() -> None:
     """Start the fork server now: its imports take a second or two, which the caller's own
-    imports (the web server's) then overlap instead of preceding. It ends with this process."""
+    imports (the web server's) then overlap instead of preceding. It ends with this process, or
+    when the engines are up (``stop_engine_server``)."""
+    adopt_orphans()
     engine_process_context()
     multiprocessing.forkserver.ensure_running()
 
 
+def stop_engine_server() -> None:
+    """Stop the fork server once the engines it forked are up: it would hold its own copy of
+    their imports (torch and the model code: 161 MB of PSS beside Gemma 3 270M's engine) for
+    nothing until an engine must be launched again, which starts a new one (a relaunch then
+    waits for its imports, a second or two). The engines watch this process, not the fork
+    server, and become its children (``adopt_orphans``)."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
+        server._stop()   # closes the pipe it waits on and waits for it (multiprocessing's own way)
+
+
+def adopt_orphans() -> None:
+    """Make this process the parent of the processes its children leave behind (Linux's child
+    subreaper): the engines, once their fork server is stopped, stay in this process's tree,
+    and this process reaps them (``process_running``)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):   # not Linux: orphans go to init, which reaps them
+        pass
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
 def spawn_engine(client: EngineClient) -> None:
     """Start the process of an engine this frontend launches (``client.config``); the client watches it."""
+    adopt_orphans()
     process = engine_process_context().Process(
         target=launched_engine_main, name=f"duoserve-{client.name}", daemon=True,
         args=(client.name, dict(os.environ), msgspec.msgpack.encode(client.config), client.address,
@@ -244,7 +274,10 @@ def kill_engine(client: EngineClient) -> None:
     """Kill a launched engine's process if it still runs, and reap it."""
     if client.process is not None:
         signal_engine(client, signal.SIGKILL)
-        client.process.join(timeout=5)
+        client.process.join(timeout=5)   # its fork server reports its end, where it still runs
+        deadline = time.monotonic() + 5
+        while process_running(client.process) and time.monotonic() < deadline:   # else reaped here
+            time.sleep(0.01)
 
 
 def remove_socket(client: EngineClient) -> None:

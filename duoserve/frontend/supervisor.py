@@ -26,7 +26,7 @@ from duoserve.core.outputs import EngineCoreOutput
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError
 from duoserve.frontend.placement import Rates
 from duoserve.frontend.launcher import (engine_running, kill_engine, remove_socket, remove_turns_file, signal_engine,
-                                       spawn_engine)
+                                       spawn_engine, stop_engine_server)
 from duoserve.frontend.tokenizer_preload import preload as preload_tokenizer
 from duoserve.heap import release_free_memory
 from duoserve.messages import EngineStats
@@ -56,6 +56,8 @@ async def start_engine(client: EngineClient, timeout: float = 300.0) -> None:
     if client.launched:
         spawn_engine(client)
     await client.connect(timeout)
+    if client.launched:
+        stop_engine_server()
 
 
 async def restart_engine(client: EngineClient, timeout: float = 300.0) -> None:
@@ -141,6 +143,8 @@ class EngineSupervisor:
             for model in {c.config.model.model for c in launched}:
                 preload_tokenizer(model)   # parsed here while the engines load
             await asyncio.gather(*(client.connect() for client in managed))
+            if launched:
+                stop_engine_server()
             release_free_memory()   # the ready messages' tokenizer text, parsed and dropped
             for client in managed:
                 self.check_model(client)
