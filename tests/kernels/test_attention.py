@@ -323,9 +323,9 @@ def test_c_kernel_run_over_a_long_context_matches_reference(dtype, tiles):
                                    (4, 4, 128, 16, 0, 0.0), (4, 1, 64, 16, 48, 0.0), (8, 2, 64, 16, 0, 3.0),
                                    (8, 2, 32, 16, 0, 0.0)])
 def test_by_default_a_row_attends_with_the_same_bits_in_a_run_or_alone(dtype, shape):
-    """Tiles off (the default): a prompt chunk's rows (runs, tiled in the decode kernel's
-    arithmetic) compute what each computes alone, as a decode row, bit for bit, so a token's
-    attention does not depend on its chunk or batch; and they match plain softmax attention."""
+    """Tiles off (the default): a prompt chunk's rows compute what each computes alone, as a
+    decode row, bit for bit, so a token's attention does not depend on its chunk or batch; and
+    they match plain softmax attention."""
     torch.set_num_threads(2)
     num_heads, num_kv_heads, head_dim, block_size, window, cap = shape
     rng = random.Random(4)

@@ -66,9 +66,8 @@ static inline int first_key(int seq_len, int window) {
     return window > 0 && seq_len > window ? seq_len - window : 0;
 }
 
-/* each of num_heads rows of n scores (n apart) replaced by its softmax; not inlined, so the decode
- * kernel and the runs below share one compiled body (one vectorization of its loops) */
-__attribute__((noinline)) static void softmax_rows(float *scores, int num_heads, int n) {
+/* each of num_heads rows of n scores (n apart) replaced by its softmax */
+static void softmax_rows(float *scores, int num_heads, int n) {
     for (int h = 0; h < num_heads; h++) {
         float *s = scores + (int64_t)h * n;
         float max = -INFINITY, sum = 0.0f;
@@ -205,171 +204,7 @@ static int attend_fast(const float *q, const void *k_cache, const void *v_cache,
 #undef HEADS
     return 0;
 }
-
-/* Runs of a prompt chunk's tokens in the decode kernel's arithmetic. attend_head reads every key
- * and value row once per token; here a tile of up to 16 rows, (token, query head) pairs of one
- * KV head, reads each once. Each row's products and per-lane sums are attend_head's (a product
- * of q's first sixteen dims, then fused adds in order), sixteen rows' sums are reduced at once
- * along the tree _mm512_reduce_add_ps takes for one (lanes i and i + 8, then i + 4, i + 2, i + 1:
- * each addition the same two numbers), the scores scaled and capped by `capped`, softmax_rows
- * (one compiled body) turns them into probabilities, and each row's values are summed in key
- * order as attend_head sums them: a token's bits do not depend on its run (tested). */
-#define RUN_ROWS 16
-
-/* lane r of the result: the sum of d[r]'s lanes, added as _mm512_reduce_add_ps adds them */
-static inline __m512 reduce_rows(const __m512 *d) {
-    __m512 e[8], f[4], g[2];
-    for (int p = 0; p < 8; p++)   /* lanes i + (i + 8): of d[2p] in lanes 0-7, of d[2p + 1] in 8-15 */
-        e[p] = _mm512_add_ps(_mm512_shuffle_f32x4(d[2 * p], d[2 * p + 1], 0x44),
-                             _mm512_shuffle_f32x4(d[2 * p], d[2 * p + 1], 0xEE));
-    for (int p = 0; p < 4; p++)   /* + (i + 4): quarter k holds d[4p + k]'s four */
-        f[p] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * p], e[2 * p + 1], 0x88),
-                             _mm512_shuffle_f32x4(e[2 * p], e[2 * p + 1], 0xDD));
-    for (int p = 0; p < 2; p++)   /* + (i + 2) */
-        g[p] = _mm512_add_ps(_mm512_shuffle_ps(f[2 * p], f[2 * p + 1], 0x44),
-                             _mm512_shuffle_ps(f[2 * p], f[2 * p + 1], 0xEE));
-    __m512 h = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
-    /* + (i + 1): lane 4k + j holds d[4j + k]'s sum */
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_permutexvar_ps(order, h);
-}
-
-/* The tile's rows: row r is token r / group of the tile (its q and out rows) and query head
- * kv_head * group + r % group; it sees keys [starts[r], lens[r]). */
-struct run_tile {
-    const float *q[RUN_ROWS];
-    float *out[RUN_ROWS];
-    int starts[RUN_ROWS], lens[RUN_ROWS];
-    int rows, first, last;   /* keys [first, last): what any row sees */
-};
-
-static inline void run_scores(const struct run_tile *t, const void *k_cache, int is_bf16, const int64_t *table,
-                              int kv_head, int num_kv_heads, int block_size, float scale, float cap, float *scores,
-                              int stride, const int N16) {
-    __m512 row[N16], d[RUN_ROWS];
-    float sums[RUN_ROWS];
-    int head_dim = 16 * N16;
-    for (int key = t->first; key < t->last; key++) {
-        int64_t at = block_row(table, key, block_size, num_kv_heads, kv_head, head_dim) +
-                     (int64_t)(key % block_size) * num_kv_heads * head_dim;
-        load_row16(k_cache, is_bf16, at, N16, row);
-        for (int r = 0; r < RUN_ROWS; r++) {
-            if (r < t->rows && key >= t->starts[r] && key < t->lens[r]) {
-                d[r] = _mm512_mul_ps(_mm512_loadu_ps(t->q[r]), row[0]);
-                for (int j = 1; j < N16; j++) d[r] = _mm512_fmadd_ps(_mm512_loadu_ps(t->q[r] + 16 * j), row[j], d[r]);
-            } else {
-                d[r] = _mm512_setzero_ps();
-            }
-        }
-        _mm512_storeu_ps(sums, reduce_rows(d));
-        for (int r = 0; r < t->rows; r++)
-            if (key >= t->starts[r] && key < t->lens[r])
-                scores[(int64_t)r * stride + key - t->starts[r]] = capped(sums[r], scale, cap);
-    }
-}
-
-/* rows [r0, r0 + R) of the tile: their values summed, weighted by their probabilities */
-static inline void run_values(const struct run_tile *t, const void *v_cache, int is_bf16, const int64_t *table,
-                              int kv_head, int num_kv_heads, int block_size, const float *scores, int stride, int r0,
-                              const int R, const int N16) {
-    __m512 acc[R * N16], row[N16];
-    int head_dim = 16 * N16, first = t->lens[r0], last = 0;
-    for (int r = r0; r < r0 + R && r < t->rows; r++) {
-        first = t->starts[r] < first ? t->starts[r] : first;
-        last = t->lens[r] > last ? t->lens[r] : last;
-    }
-    for (int i = 0; i < R * N16; i++) acc[i] = _mm512_setzero_ps();
-    for (int key = first; key < last; key++) {
-        int64_t at = block_row(table, key, block_size, num_kv_heads, kv_head, head_dim) +
-                     (int64_t)(key % block_size) * num_kv_heads * head_dim;
-        load_row16(v_cache, is_bf16, at, N16, row);
-        for (int g = 0; g < R; g++) {
-            int r = r0 + g;
-            if (r < t->rows && key >= t->starts[r] && key < t->lens[r]) {
-                __m512 p = _mm512_set1_ps(scores[(int64_t)r * stride + key - t->starts[r]]);
-                for (int j = 0; j < N16; j++) acc[g * N16 + j] = _mm512_fmadd_ps(p, row[j], acc[g * N16 + j]);
-            }
-        }
-    }
-    for (int g = 0; g < R && r0 + g < t->rows; g++)
-        for (int j = 0; j < N16; j++) _mm512_storeu_ps(t->out[r0 + g] + 16 * j, acc[g * N16 + j]);
-}
-
-static void run_tile_exact(const struct run_tile *t, const void *k_cache, const void *v_cache, int is_bf16,
-                           const int64_t *table, int kv_head, int num_kv_heads, int block_size, float scale,
-                           float cap, float *scores, int stride, int head_dim) {
-    if (head_dim == 64) {
-        run_scores(t, k_cache, is_bf16, table, kv_head, num_kv_heads, block_size, scale, cap, scores, stride, 4);
-    } else {
-        run_scores(t, k_cache, is_bf16, table, kv_head, num_kv_heads, block_size, scale, cap, scores, stride, 8);
-    }
-    for (int r = 0; r < t->rows; r++) softmax_rows(scores + (int64_t)r * stride, 1, t->lens[r] - t->starts[r]);
-    for (int r0 = 0; r0 < t->rows; r0 += head_dim == 64 ? 4 : 2) {
-        if (head_dim == 64)
-            run_values(t, v_cache, is_bf16, table, kv_head, num_kv_heads, block_size, scores, stride, r0, 4, 4);
-        else
-            run_values(t, v_cache, is_bf16, table, kv_head, num_kv_heads, block_size, scores, stride, r0, 2, 8);
-    }
-}
-
-/* Whether runs take run_tile_exact: the shapes attend_fast has instances for (whose arithmetic
- * it reproduces). A soft-capped layer's rows take attend_head (capped, inlined there, compiles to
- * other bits than here). */
-static int runs_supported(int head_dim, int group) {
-    return (head_dim == 64 && group <= 8) || (head_dim == 128 && group <= 4);
-}
-
-/* The runs of one call in the enclosing parallel region (orphaned worksharing, ending in its
- * barrier): items of (run, KV head, tokens [i0, i0 + 16 / group)). */
-static void paged_runs_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                            const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *run_first,
-                            const int *run_count, int num_runs, int num_heads, int num_kv_heads, int head_dim,
-                            int block_size, int max_blocks, float scale, int window, float cap, int *failed) {
-    int group = num_heads / num_kv_heads, per_tile = RUN_ROWS / group, items = 0;
-    for (int r = 0; r < num_runs; r++) items += num_kv_heads * ((run_count[r] + per_tile - 1) / per_tile);
-    int stride = max_blocks * block_size;
-    float *scores = malloc(sizeof(float) * RUN_ROWS * (size_t)stride);
-    #pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < items; item++) {
-        if (!scores) {
-            #pragma omp atomic write
-            *failed = 1;
-            continue;
-        }
-        int r = 0, i = item, tiles;
-        for (;; r++) {
-            tiles = (run_count[r] + per_tile - 1) / per_tile;
-            if (i < num_kv_heads * tiles) break;
-            i -= num_kv_heads * tiles;
-        }
-        int tile = tiles - 1 - i / num_kv_heads, h = i % num_kv_heads;   /* a run's longest contexts first */
-        int first = run_first[r] + tile * per_tile, end = run_first[r] + run_count[r];
-        int tokens = end - first < per_tile ? end - first : per_tile;
-        struct run_tile t = {.rows = tokens * group, .first = 1 << 30, .last = 0};
-        for (int row = 0; row < t.rows; row++) {
-            int token = first + row / group;
-            int64_t at = ((int64_t)token * num_heads + h * group + row % group) * head_dim;
-            t.q[row] = q + at;
-            t.out[row] = out + at;
-            t.lens[row] = (int)seq_lens[token];
-            t.starts[row] = first_key(t.lens[row], window);
-            t.first = t.starts[row] < t.first ? t.starts[row] : t.first;
-            t.last = t.lens[row] > t.last ? t.lens[row] : t.last;
-        }
-        const int64_t *table = block_tables + (int64_t)(end - 1) * max_blocks;   /* the run's longest row's */
-        run_tile_exact(&t, k_cache, v_cache, is_bf16, table, h, num_kv_heads, block_size, scale, cap, scores,
-                       stride, head_dim);
-    }
-    free(scores);
-}
 #else
-static int runs_supported(int head_dim, int group) { return 0; }
-
-static void paged_runs_team(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                            const int64_t *block_tables, const int64_t *seq_lens, float *out, const int *run_first,
-                            const int *run_count, int num_runs, int num_heads, int num_kv_heads, int head_dim,
-                            int block_size, int max_blocks, float scale, int window, float cap, int *failed) {}
-
 static int attend_fast(const float *q, const void *k_cache, const void *v_cache, int is_bf16, const int64_t *table,
                        int seq_len, int start, int kv_begin, int kv_end, int group, int num_kv_heads, int head_dim,
                        int block_size, float scale, float cap, float *scores, float *out) {
@@ -430,9 +265,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
     int failed = 0, num_runs = 0, num_singles = num_rows, windowed = 0;
     for (int r = 0; r < num_rows && window > 0; r++) windowed |= seq_lens[r] > window;
     int *runs = NULL;
-    /* the opt-in tiles (paged_prefill.c: other arithmetic), else runs in the decode kernel's */
-    int tiles = paged_prefill_supported(head_dim, is_bf16) && !windowed && cap <= 0.0f;
-    if (tiles || (runs_supported(head_dim, num_heads / num_kv_heads) && cap <= 0.0f)) {
+    if (paged_prefill_supported(head_dim, is_bf16) && !windowed && cap <= 0.0f) {
         runs = malloc(sizeof(int) * 3 * (size_t)num_rows);   /* firsts, counts, single rows */
         if (!runs) return -1;
         num_runs = paged_find_runs(block_tables, seq_lens, num_rows, max_blocks, block_size, runs,
@@ -445,10 +278,7 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
             paged_decode_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, singles, num_singles,
                               num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, cap,
                               num_threads, &failed);
-        if (num_runs && !tiles)
-            paged_runs_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, runs, runs + num_rows, num_runs,
-                            num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window, cap, &failed);
-        else if (num_runs)
+        if (num_runs)
             paged_prefill_team(q, k_cache, v_cache, is_bf16, block_tables, seq_lens, out, runs, runs + num_rows,
                                num_runs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
     }
