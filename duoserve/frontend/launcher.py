@@ -235,6 +235,9 @@ def stop_engine_server() -> None:
         server._stop()   # closes the pipe it waits on and waits for it (multiprocessing's own way)
 
 
+PR_SET_CHILD_SUBREAPER = 36   # prctl's option (linux/prctl.h)
+
+
 def adopt_orphans() -> None:
     """Make this process the parent of the processes its children leave behind (Linux's child
     subreaper): the engines, once their fork server is stopped, stay in this process's tree,
@@ -244,9 +247,6 @@ def adopt_orphans() -> None:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):   # not Linux: orphans go to init, which reaps them
         pass
-
-
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def spawn_engine(client: EngineClient) -> None:
