@@ -150,7 +150,6 @@ def _leave_fork_server() -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
-        server._forkserver_pid = None
 
 
 def _set_process_name(name: str) -> None:

@@ -219,7 +219,6 @@ def start_engine_server() -> None:
     """Start the fork server now: its imports take a second or two, which the caller's own
     imports (the web server's) then overlap instead of preceding. It ends with this process, or
     when the engines are up (``stop_engine_server``)."""
-    adopt_orphans()
     engine_process_context()
     multiprocessing.forkserver.ensure_running()
 

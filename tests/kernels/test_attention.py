@@ -316,8 +316,9 @@ def test_c_kernel_run_over_a_long_context_matches_reference(dtype, tiles):
 
 @pytest.mark.needs(paged_decode_kernel, reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (heads, KV heads, head_dim, block size, window, cap): groups of 1 to 8 rows a token, both head
-# sizes the runs take, a window some rows outgrow, a soft cap; 32 takes the decode kernel throughout
+# (heads, KV heads, head_dim, block size, window, cap): groups of 1 to 8 query heads a KV head, both
+# head sizes of the decode kernel's register path, a window some rows outgrow, a soft cap; 32
+# takes its portable loop
 @pytest.mark.parametrize("shape", [(8, 2, 64, 16, 0, 0.0), (9, 3, 64, 16, 0, 0.0), (14, 2, 64, 16, 0, 0.0),
                                    (4, 4, 64, 8, 0, 0.0), (8, 1, 64, 32, 0, 0.0), (8, 2, 128, 16, 0, 0.0),
                                    (4, 4, 128, 16, 0, 0.0), (4, 1, 64, 16, 48, 0.0), (8, 2, 64, 16, 0, 3.0),
@@ -332,8 +333,7 @@ def test_by_default_a_row_attends_with_the_same_bits_in_a_run_or_alone(dtype, sh
     torch.manual_seed(4)
     k_cache = torch.randn(64, block_size, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(64, block_size, num_kv_heads, head_dim).to(dtype)
-    # a chunk after 30 cached keys (tiles of several tokens and a short last one), a whole
-    # prompt, a decode, a run of 3 from the first key
+    # a chunk after 30 cached keys, a whole prompt, a decode, a run of 3 from the first key
     tables, lens, blocks = _rows([(40, 30), (5, 0), (1, 60), (3, 0)], block_size, 64, rng)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype).float()
     together = c_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, window, cap)
