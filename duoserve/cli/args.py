@@ -16,7 +16,7 @@ from duoserve.config import (AUTO_DECODE_STEP_TOKENS, CLUSTERS, CORE_SHARINGS, K
                              ROUTINGS, ClusterConfig, DisaggConfig, EngineConfig)
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
-from duoserve.entrypoints.tools import TOOL_CALL_PARSERS
+from duoserve.entrypoints.tool_formats import TOOL_CALL_PARSERS
 from duoserve.sampling_params import POOLINGS
 
 
@@ -229,8 +229,8 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
                    help="largest request body accepted, larger gets 413 (default: 1048576)")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: "
-                        "Qwen2.5 and Hermes <tool_call> JSON). Without it 'auto' is refused; 'required' and a "
-                        "named function need none (the call is generated under a grammar)")
+                        "<tool_call> JSON, fenced or bare). Default: the one the model's chat template speaks "
+                        "(a template without tools gets the generic format: docs/serving.md)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
                         "(vLLM's names)")

@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from duoserve.entrypoints.errors import APIError
+from duoserve.entrypoints.tool_formats import HERMES
 from duoserve.entrypoints.tools import ToolPlan
 from duoserve.errors import ConfigError
 from duoserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -289,7 +290,7 @@ class ChatCompletionRequest(SamplingFields):
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise APIError(400, f"invalid request: {where}: {first.get('msg')}", param=where or None) from exc
 
-    def tool_plan(self, parser: str | None) -> ToolPlan:
+    def tool_plan(self, parser: str = HERMES, lazy: bool = True) -> ToolPlan:
         """What the request's tools ask for (``duoserve.entrypoints.tools``); refuses what cannot be served."""
         tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
@@ -308,11 +309,9 @@ class ChatCompletionRequest(SamplingFields):
             if choice.function.name not in names:
                 raise ConfigError("tool_choice", choice.function.name, f"the name of a given tool ({', '.join(names)})")
             return ToolPlan("named", tools, choice.function.name, self.parallel_tool_calls)
-        if choice == "auto" and parser is None:
-            raise ConfigError("tool_choice", "auto", "'required', 'none' or a named function: this server reads "
-                              "no tool calls out of free text (start it with --tool-call-parser hermes, "
-                              "llama3_json or mistral)")
-        return ToolPlan(choice, tools, None, self.parallel_tool_calls)
+        # auto under a response format: the format's grammar holds the answer, calls are only read
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        return ToolPlan(choice, tools, None, self.parallel_tool_calls, parser, lazy and not formatted)
 
 
 class TokenizeRequest(_Body):

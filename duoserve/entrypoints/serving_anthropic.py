@@ -68,8 +68,8 @@ class AnthropicServing:
 
     async def count_tokens(self, body: MessagesRequest) -> dict:
         request = body.to_chat(self.chat.reasoning_parser, for_counting=True)
-        plan = _params(lambda: request.tool_plan(self.chat.tool_call_parser))
-        return {"input_tokens": len(self.chat.chat_prompt(request, plan.tools))}
+        plan = self.chat.tool_plan(request)
+        return {"input_tokens": len(self.chat.chat_prompt(request, plan))}
 
     async def messages(self, body: MessagesRequest, raw: Request):
         streams, plan = await self.chat.start(body.to_chat(self.chat.reasoning_parser), id_prefix="msg")

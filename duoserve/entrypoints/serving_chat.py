@@ -16,6 +16,7 @@ from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import ChatCompletionRequest, GenerateRequest
 from duoserve.entrypoints.reasoning import ReasoningStream, split_reasoning
 from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect, sse, usage
+from duoserve.entrypoints.tool_formats import GENERIC, render_generic, tool_format
 from duoserve.entrypoints.tools import ToolCall, ToolPlan, ToolStream, for_template
 from duoserve.outputs import CompletionOutput, RequestOutput
 
@@ -55,10 +56,24 @@ class ChatServing:
                  reasoning_parser: str | None = None) -> None:
         self.base = base
         self.engine = base.engine
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = tool_call_parser   # None: the one the model's chat template speaks
         self.reasoning_parser = reasoning_parser
 
-    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+    def tool_format(self) -> str:
+        """How the model writes tool calls: ``--tool-call-parser``, else what its chat template
+        speaks; a template that shows no tools gets the generic format whatever was asked."""
+        tokenizer = self.engine.tokenizer
+        found = tool_format(tokenizer.chat_template if tokenizer is not None else None)
+        return found if found == GENERIC else self.tool_call_parser or found
+
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        """The request's tool plan; ``auto`` holds a started call to the tools' grammar unless
+        another grammar holds the whole answer or a reasoning model thinks first (its thoughts
+        may name a tool's tags: the calls are then only read)."""
+        return _params(lambda: body.tool_plan(self.tool_format(), lazy=self.reasoning_parser is None
+                                              and body.structured_outputs is None))
+
+    def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         if not self.engine.started:
             raise APIError(503, f"the engine is unavailable: {self.engine.not_ready_reason()}")
         tokenizer = self.engine.tokenizer
@@ -66,6 +81,9 @@ class ChatServing:
             raise APIError(400, "this model has no chat template: start the server with --chat-template (a Jinja "
                            "template or a file holding one), or use /v1/completions", param="messages")
         messages = for_template([m.for_template() for m in body.messages])
+        tools = plan.tools if plan is not None else []
+        if self.tool_format() == GENERIC:   # a template that knows no tools
+            messages, tools = render_generic(messages, tools, plan is not None and plan.mode == "auto"), []
         final = body.messages[-1]
         if body.continue_final_message and (final.role != "assistant" or not final.text()):
             raise APIError(400, "continue_final_message needs a final assistant message with text to go on from",
@@ -95,7 +113,7 @@ class ChatServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _params(lambda: body.sampling_params(max_tokens, logprobs))
-        plan = _params(lambda: body.tool_plan(self.tool_call_parser))
+        plan = self.tool_plan(body)
         call_grammar = plan.grammar()
         if call_grammar is not None:   # a named or required call: generated under its schema
             params = dataclasses.replace(params, structured_outputs=call_grammar)
@@ -107,7 +125,7 @@ class ChatServing:
                            "would forbid the model's reasoning, and applying it only after </think> is not "
                            "supported yet: send chat_template_kwargs {\"enable_thinking\": false}, or leave it "
                            "out", param=params.structured_outputs.param)
-        prompt = self.chat_prompt(body, plan.tools)
+        prompt = self.chat_prompt(body, plan)
         streams = Streams(self.engine, [prompt], params, f"{id_prefix}-{uuid.uuid4().hex}", prompt_param="messages")
         await streams.start()
         return streams, plan
@@ -115,7 +133,7 @@ class ChatServing:
     def answer(self, c: CompletionOutput, plan: ToolPlan) -> ChatAnswer:
         """A finished choice read back: its reasoning, content and tool calls."""
         reasoning, text = split_reasoning(self.reasoning_parser, c.text) if self.reasoning_parser else (None, c.text)
-        content, calls = plan.calls(text or "", self.tool_call_parser) if text is not None else (None, [])
+        content, calls = plan.calls(text or "") if text is not None else (None, [])
         finish = "tool_calls" if calls and c.finish_reason == "stop" and plan.mode != "named" else c.finish_reason
         return ChatAnswer(reasoning, content, calls, finish, c.stop_reason)
 
@@ -140,7 +158,7 @@ class ChatServing:
                 if logprobs and c.logprobs:
                     lp = c.logprobs[logged.get(c.index, 0):len(c.token_ids)]
                     logged[c.index] = len(c.token_ids)
-                tools = tool_streams.setdefault(c.index, ToolStream(plan, self.tool_call_parser))
+                tools = tool_streams.setdefault(c.index, ToolStream(plan))
                 text, deltas = c.delta_text, []
                 if self.reasoning_parser:
                     thinking = reasoning_streams.setdefault(c.index, ReasoningStream(self.reasoning_parser))

@@ -5,21 +5,28 @@
   JSON schema (so they always parse and validate); one call, ``finish_reason`` ``stop`` (OpenAI's).
 - ``required``: the output is a JSON list of ``{"name", "parameters"}`` objects, each under one
   tool's schema (one item when ``parallel_tool_calls`` is false); ``finish_reason`` ``tool_calls``.
-- ``auto`` (the default with tools): the model answers freely with the tools in its chat template,
-  and the server's ``--tool-call-parser`` reads the calls out of the text: ``hermes`` (Qwen2.5,
-  Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), ``llama3_json`` (a bare
-  ``{"name": ..., "parameters": ...}``), ``mistral`` (``[TOOL_CALLS] [{"name", "arguments"}]``).
-  Text the parser does not recognise as a call stays content.
+- ``auto`` (the default with tools): the model answers freely with the tools in its chat template
+  (or the generic format's system prompt: ``tool_formats``), and once it starts a call the rest is
+  held to the tools' grammar; the calls are read out of the text by the model's parser (found from
+  its template, or ``--tool-call-parser``): ``hermes`` (``<tool_call>{"name": ..., "arguments": ...}
+  </tool_call>``, and the same JSON fenced or bare), ``llama3_json`` (a bare ``{"name": ...,
+  "parameters": ...}``), ``mistral`` (``[TOOL_CALLS] [{"name", "arguments"}]``). Text the parser
+  does not recognise as a call stays content.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
+import regex
+
+from duoserve.entrypoints.tool_formats import (GENERIC, HERMES, LEADING_TRIGGER, LLAMA3_JSON, MISTRAL,
+                                               TOOL_CALL_PARSERS, TRIGGER, auto_call_grammar, generic_schema)
 from duoserve.sampling_params import StructuredOutputsParams
+
+__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolPlan", "ToolStream", "for_template"]
 
 @dataclass
 class ToolCall:
@@ -38,12 +45,23 @@ class ToolPlan:
     tools: list[dict]                    # the definitions the chat template sees ([] for none)
     name: str | None = None              # named: the function
     parallel: bool = True
+    parser: str = HERMES                 # auto: how the model writes its calls
+    lazy: bool = True                    # auto: a started call is held to the tools' grammar
 
     def grammar(self) -> StructuredOutputsParams | None:
-        """The constraint a named or required choice puts on the output."""
+        """The constraint the choice puts on the output: a named or required call's from the first
+        token, ``auto``'s once a call starts (Mistral's calls open with a special token: read, not held)."""
         functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.mode == "named":
             return StructuredOutputsParams(json=functions[self.name], param="tool_choice")
+        if self.mode == "auto":
+            if not self.lazy or self.parser == MISTRAL:
+                return None
+            if self.parser == GENERIC:
+                return StructuredOutputsParams(json=generic_schema(self.tools, self.parallel), param="tools")
+            llama3 = self.parser == LLAMA3_JSON
+            return StructuredOutputsParams(grammar=auto_call_grammar(
+                self.tools, self.parallel, "parameters" if llama3 else "arguments", tags=not llama3), param="tools")
         if self.mode != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
@@ -54,7 +72,7 @@ class ToolPlan:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema, param="tools")
 
-    def calls(self, text: str, parser: str | None) -> tuple[str | None, list[ToolCall]]:
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output."""
         if self.mode == "named":
             return None, [ToolCall(self.name, text)]
@@ -64,40 +82,76 @@ class ToolPlan:
             except json.JSONDecodeError:       # cut short by max_tokens: no call to give
                 return text, []
             return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
-        if self.mode == "auto" and parser is not None:
-            content, calls = PARSERS[parser](text)
+        if self.mode == "auto":
+            content, calls = (parse_generic if self.parser == GENERIC else PARSERS[self.parser])(text)
             return content, calls if self.parallel else calls[:1]
         return text, []
 
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_TRIGGER = regex.compile(TRIGGER)
+_LEADING = regex.compile(LEADING_TRIGGER)
+_DECODER = json.JSONDecoder()
 
 
-def _call_of(document: str, arguments_key: str) -> ToolCall | None:
-    try:
-        item = json.loads(document)
-    except json.JSONDecodeError:
-        return None
+def _call_of(item, arguments_key: str) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
-    arguments = item.get(arguments_key, item.get("arguments", {}))
+    arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", {})))
     return ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
+def call_start(text: str, leading: bool = True) -> int | None:
+    """Where the first call starts in ``text`` (a trigger; with ``leading``, also JSON opening the answer)."""
+    if leading and _LEADING.match(text):
+        return len(text) - len(text.lstrip())
+    found = _TRIGGER.search(text)
+    return found.start() if found else None
+
+
+def _scan_calls(text: str, start: int, arguments_key: str) -> list[ToolCall] | None:
+    """The calls from ``start`` to the end, each tagged, fenced or bare; None when one does not
+    parse (cut short by max_tokens, or not a call after all)."""
+    calls, at = [], start
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        if at == len(text):
+            return calls
+        closing = None
+        if text.startswith("<tool_call>", at):
+            at, closing = at + len("<tool_call>"), "</tool_call>"
+        elif text.startswith("```", at):
+            at, closing = at + 3 + (4 if text.startswith("json", at + 3) else 0), "```"
+        elif text[at] != "{":
+            return calls or None       # text after the calls: nothing the grammar lets through
+        at = len(text) - len(text[at:].lstrip())
+        try:
+            item, at = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call_of(item, arguments_key)
+        if call is None:
+            return None
+        calls.append(call)
+        if closing is not None:
+            rest = text[at:].lstrip()
+            at = len(text) - len(rest) + (len(closing) if rest.startswith(closing) else 0)
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find("<tool_call>")
-    if start < 0:
-        return text, []
-    calls = [_call_of(m.group(1), "arguments") for m in _HERMES.finditer(text, start)]
-    if not calls or None in calls:
+    """Hermes' tagged calls, and the same JSON fenced, or bare at the answer's start."""
+    start = call_start(text)
+    calls = _scan_calls(text, start, "arguments") if start is not None else None
+    if not calls:
         return text, []
     return text[:start].rstrip() or None, calls
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     stripped = text.strip().removeprefix("<|python_tag|>")
-    calls = [_call_of(part, "parameters") for part in stripped.split(";")] if stripped.startswith("{") else []
-    if not calls or None in calls:
+    if not stripped.startswith("{"):
+        return text, []
+    calls = _scan_calls(stripped.replace("};", "}\n"), 0, "parameters")
+    if not calls:
         return text, []
     return None, calls
 
@@ -110,15 +164,55 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
         items = json.loads(text[start + len("[TOOL_CALLS]"):].strip())
     except json.JSONDecodeError:
         return text, []
-    calls = [_call_of(json.dumps(i), "arguments") for i in (items if isinstance(items, list) else [items])]
+    calls = [_call_of(i, "arguments") for i in (items if isinstance(items, list) else [items])]
     if not calls or None in calls:
         return text, []
     return text[:start].rstrip() or None, calls
 
 
-PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
-TOOL_CALL_PARSERS = tuple(PARSERS)   # serve --tool-call-parser's choices
-OPENING = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}   # where calls begin
+_RESPONSE_OPENING = regex.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+
+def string_prefix(body: str) -> tuple[str, bool]:
+    """(the text of a JSON string's body so far, whether it closed): an escape not yet whole, or
+    the first half of a surrogate pair, waits for the rest."""
+    i = 0
+    while i < len(body):
+        if body[i] == '"':
+            return json.loads(f'"{body[:i]}"'), True
+        if body[i] == "\\":
+            step = 6 if body[i + 1:i + 2] == "u" else 2
+            if i + step > len(body):
+                break
+            i += step
+        else:
+            i += 1
+    text = json.loads(f'"{body[:i]}"')
+    return (text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text), False
+
+
+def parse_generic(text: str) -> tuple[str | None, list[ToolCall]]:
+    """The generic format's JSON answer: its calls, or its response (so far, when cut short by
+    max_tokens); other text is content as it is."""
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError:
+        opening = _RESPONSE_OPENING.match(text)
+        if opening is None:
+            return text, []
+        try:
+            return string_prefix(text[opening.end():])[0], []
+        except json.JSONDecodeError:
+            return text, []
+    if isinstance(answer, dict) and isinstance(answer.get("response"), str) and len(answer) == 1:
+        return answer["response"], []
+    items = answer.get("tool_calls") if isinstance(answer, dict) else None
+    calls = [_call_of(i, "arguments") for i in items] if isinstance(items, list) and items else [None]
+    return (text, []) if None in calls else (None, calls)
+
+
+PARSERS = {HERMES: parse_hermes, LLAMA3_JSON: parse_llama3_json, MISTRAL: parse_mistral}
+assert tuple(PARSERS) == TOOL_CALL_PARSERS
 
 
 def for_template(messages: list[dict]) -> list[dict]:
@@ -148,14 +242,13 @@ class ToolStream:
     """One streamed choice under a tool plan: the deltas to send for each new piece of text.
     A named call streams its arguments as they come (its name first); a required list, or calls
     an ``auto`` parser finds, go out whole when the output ends (each call's index, id and name,
-    then its arguments). In ``auto`` the content is held back while it could be the start of the
-    parser's opening (and trailing whitespace before it), so the streamed content is the whole
-    answer's content."""
+    then its arguments). In ``auto`` the content is held back while it could be the start of a
+    call (and trailing whitespace before it), so the streamed content is the whole answer's content."""
 
-    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
-        self.plan, self.parser = plan, parser
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
         self.text, self.sent = "", 0      # all text so far; how much of it went out as content
-        self.in_calls = False             # auto: the parser's opening has been seen
+        self.in_calls = False             # auto: a call has started
         self.named_call: ToolCall | None = None
         self.num_calls = 0
 
@@ -174,8 +267,10 @@ class ToolStream:
         self.text += delta
         if mode == "required":
             return self._calls(self.text) if finished else []
-        if mode != "auto" or self.parser is None:
+        if mode != "auto":
             return self._content(len(self.text)) if delta else []
+        if self.plan.parser == GENERIC:
+            return self._generic(finished)
         if not self.in_calls:
             start = self._opening()
             if start is not None:
@@ -187,28 +282,55 @@ class ToolStream:
             return self._content(self._safe_end())
         return self._calls(self.text) if finished else []
 
+    def _generic(self, finished: bool) -> list[dict]:
+        """The generic format: a response's text goes out as it comes, calls when the answer ends."""
+        if finished:
+            content, calls = self.plan.calls(self.text)
+            if calls:
+                return self._calls(self.text)
+            piece = (content or "")[self.sent:]
+            self.sent += len(piece)
+            return [{"content": piece}] if piece else []
+        opening = _RESPONSE_OPENING.match(self.text)
+        if opening is None:
+            return []
+        try:
+            so_far = string_prefix(self.text[opening.end():])[0]
+        except json.JSONDecodeError:
+            return []
+        piece, self.sent = so_far[self.sent:], max(self.sent, len(so_far))
+        return [{"content": piece}] if piece else []
+
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.num_calls and self.plan.mode != "named" else reason
 
     def _opening(self) -> int | None:
-        opening = OPENING[self.parser]
-        if self.parser == "llama3_json":   # a bare JSON call: only when the answer begins with it
-            stripped = self.text.lstrip().removeprefix("<|python_tag|>")
-            return len(self.text) - len(stripped) if stripped.startswith("{") else None
-        start = self.text.find(opening)
-        return start if start >= 0 else None
+        parser, text = self.plan.parser, self.text
+        if parser == MISTRAL:
+            start = text.find("[TOOL_CALLS]")
+            return start if start >= 0 else None
+        if parser == LLAMA3_JSON:   # a bare JSON call: only when the answer begins with it
+            stripped = text.lstrip().removeprefix("<|python_tag|>")
+            return len(text) - len(stripped) if stripped.startswith("{") else None
+        return call_start(text)
 
     def _safe_end(self) -> int:
-        """How far the text may go out as content: not a possible start of the opening, nor the
+        """How far the text may go out as content: not a possible start of a call, nor the
         whitespace before it."""
-        opening, text = OPENING[self.parser], self.text
-        if self.parser == "llama3_json" and not text.strip():
-            return self.sent          # nothing but whitespace yet: the answer may still open with "{"
+        text, parser = self.text, self.plan.parser
+        if parser == HERMES and _LEADING.match(text, partial=True) or parser == LLAMA3_JSON and not text.strip():
+            return self.sent          # the answer may still open with a bare call
         end = len(text)
-        for k in range(min(len(opening) - 1, len(text)), 0, -1):
-            if text.endswith(opening[:k]):
-                end = len(text) - k
-                break
+        if parser == MISTRAL:
+            for k in range(min(len("[TOOL_CALLS]") - 1, len(text)), 0, -1):
+                if text.endswith("[TOOL_CALLS]"[:k]):
+                    end = len(text) - k
+                    break
+        elif parser == HERMES:
+            for at in range(self.sent, len(text)):
+                if _TRIGGER.match(text, at, partial=True):
+                    end = at
+                    break
         return max(self.sent, len(text[:end].rstrip()))
 
     def _content(self, end: int) -> list[dict]:
@@ -216,7 +338,7 @@ class ToolStream:
         return [{"content": piece}] if piece else []
 
     def _calls(self, text: str) -> list[dict]:
-        content, calls = self.plan.calls(text, self.parser)
+        content, calls = self.plan.calls(text)
         if not calls:                 # nothing parsed as a call: it is content after all
             return self._content(len(self.text))
         self.num_calls = len(calls)

@@ -1,6 +1,7 @@
 """Tool calls: what each tool_choice asks the engine for, the parsers that read calls out of a
-model's text, the streamed deltas reassembled into the whole answer, and the chat template
-seeing the tools and a conversation's calls (no model)."""
+model's text, the format found from a chat template (and the generic one for a template without
+tools), the lazy grammar of ``auto`` over the default model's vocabulary, the streamed deltas
+reassembled into the whole answer, and the chat template seeing the tools and a conversation's calls."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jsonschema
 import pytest
 
 from duoserve.entrypoints.protocol import ChatCompletionRequest
+from duoserve.entrypoints.tool_formats import render_generic, tool_format
 from duoserve.entrypoints.tools import ToolStream, for_template, parse_hermes, parse_llama3_json, parse_mistral
 from duoserve.errors import ConfigError
 
@@ -26,22 +28,24 @@ def body(**fields) -> ChatCompletionRequest:
 
 
 def test_each_choice_mode_and_its_grammar():
-    assert body().tool_plan(None).mode == "none"
-    assert body(tools=[WEATHER], tool_choice="none").tool_plan(None).tools == []   # the model never sees them
+    assert body().tool_plan().mode == "none"
+    assert body(tools=[WEATHER], tool_choice="none").tool_plan().tools == []   # the model never sees them
     named = body(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
-    plan = named.tool_plan(None)
+    plan = named.tool_plan()
     assert plan.mode == "named" and json.loads(plan.grammar().json) == TIME["function"]["parameters"]
-    required = body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False).tool_plan(None)
+    required = body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False).tool_plan()
     schema = json.loads(required.grammar().json)
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
     for wrong in ([], [{"name": "get_time", "parameters": {}}], [{"name": "get_weather", "parameters": {"city": "a"}}] * 2):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
-    assert body(tools=[WEATHER]).tool_plan("hermes").mode == "auto"
+    auto = body(tools=[WEATHER]).tool_plan()
+    assert auto.mode == "auto" and auto.parser == "hermes" and auto.grammar().param == "tools"
+    assert body(tools=[WEATHER]).tool_plan("mistral").grammar() is None   # opened by a special token: read only
+    assert body(tools=[WEATHER], response_format={"type": "json_object"}).tool_plan().grammar() is None
 
 
 @pytest.mark.parametrize("fields, parser, param, words", [
-    ({"tools": [WEATHER]}, None, "tool_choice", "--tool-call-parser"),
     ({"tool_choice": "required"}, None, "tool_choice", "when no tools are given"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "tool_choice",
      "get_weather"),
@@ -51,8 +55,103 @@ def test_each_choice_mode_and_its_grammar():
 ])
 def test_what_cannot_be_served_is_refused_by_name(fields, parser, param, words):
     with pytest.raises(ConfigError) as info:
-        body(**fields).tool_plan(parser)
+        body(**fields).tool_plan()
     assert info.value.field == param and words in str(info.value)
+
+
+def test_calls_written_as_fenced_or_bare_json_are_read_too():
+    content, calls = parse_hermes('Calling it.\n```json\n{"name": "get_weather", "parameters": {"city": "Oslo"}}\n```')
+    assert content == "Calling it." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    content, calls = parse_hermes(' {"name": "get_time", "arguments": {"zone": "UTC"}}\n\n'
+                                  '{"name": "get_weather", "arguments": {"city": "Lima"}}')
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert parse_hermes('The object {"name": "x"} is JSON') == ('The object {"name": "x"} is JSON', [])
+    assert parse_hermes('```json\n{"name": "get_time", "arguments": {"zone"') [1] == []   # cut short: content
+
+
+def test_the_format_comes_from_the_chat_template():
+    assert tool_format("{% if tools %}...<tool_call>\n{\"name\": <function-name>}...{% endif %}") == "hermes"
+    assert tool_format("{{ bos }}[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
+    assert tool_format("{%- if tools %}<|python_tag|>{% endif %}") == "llama3_json"
+    assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "generic"   # shows no tools
+    assert tool_format(None) == "generic"
+
+
+def test_the_generic_format_shows_the_tools_calls_and_results_to_a_template_without_tools():
+    messages = render_generic([
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo and Lima?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lima"}}}]},
+        {"role": "tool", "content": "12 C", "tool_call_id": "c1"}], [WEATHER], auto=True)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\nYou can call") and '"name": "get_weather"' in system
+    assert system.endswith('or {"response": "..."} to reply to the user.')
+    assert json.loads(messages[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                                                 {"name": "get_weather", "arguments": {"city": "Lima"}}]}
+    assert json.loads(messages[3]["content"]) == {"tool_response": {"content": "12 C", "id": "c1"}}
+    named = render_generic([{"role": "user", "content": "hi"}], [WEATHER], auto=False)
+    assert named[0]["role"] == "system" and "response" not in named[0]["content"]   # one added, no JSON asked
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"response": "Hello \\"you\\" \\u00e9"}', 'Hello "you" \u00e9', []),
+    ('{"response": "cut sho', "cut sho", []),                                 # max_tokens
+    ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": '
+     '{"zone": "CET"}}]}', None, [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]),
+    ('{"tool_calls": [{"name": "get_weather", "arguments": {"ci', '{"tool_calls": [{"name": "get_weather", "arguments": {"ci', []),
+])
+def test_the_generic_answer_is_read_whole_and_streamed(text, content, calls):
+    plan = body(tools=[WEATHER, TIME]).tool_plan("generic")
+    assert plan.grammar().kind == "json"
+    whole_content, whole_calls = plan.calls(text)
+    assert whole_content == content and [(c.name, json.loads(c.arguments)) for c in whole_calls] == calls
+    for size in (1, 2, 5, len(text)):
+        streamed, streamed_calls, finish = reassemble(plan, [text[i:i + size] for i in range(0, len(text), size)])
+        assert streamed == content and [c["name"] for c in streamed_calls] == [name for name, _ in calls]
+        assert finish == ("tool_calls" if calls else "stop")
+
+
+@pytest.fixture(scope="module")
+def vocabulary():
+    import llguidance
+
+    from duoserve.model.gguf_file import read_gguf
+    from duoserve.model.paths import default_model_path
+    from duoserve.model.tokenizer import tokenizer_from_gguf
+    from duoserve.structured.grammar import GrammarCompiler
+
+    tokenizer = tokenizer_from_gguf(read_gguf(default_model_path()).meta, (2,))
+    return tokenizer, GrammarCompiler(tokenizer, 49152, (2,)).ll_tokenizer, llguidance
+
+
+@pytest.mark.parametrize("parallel, text, whole", [
+    (True, "Sure, the answer is 4.", True),
+    (True, "Use ```python\nprint(1)\n``` or <tool but not a call.", True),
+    (True, '{"a": 1} is JSON', True),
+    (True, 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', True),
+    (True, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>', True),
+    (False, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>', False),
+    (True, 'Here:\n```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```', True),
+    (True, ' {"name": "get_time", "arguments": {"zone": "UTC"}}\n{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),
+    (False, '{"name": "get_time", "arguments": {"zone": "UTC"}}\n{', False),
+    (True, '<tool_call>\n{"name": "get_clock"', False),                      # no such tool
+    (True, '{"name": "get_time", "arguments": {"zone": "UTC"}} and more', False),   # calls end the answer
+    (True, 'I will call: <tool_call>{"name": "get_time", "parameters"', False),     # its arguments' key
+    (True, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}', False),   # its schema
+])
+def test_auto_lets_text_through_and_holds_a_started_call_to_the_tools(vocabulary, parallel, text, whole):
+    tokenizer, ll_tokenizer, llguidance = vocabulary
+    grammar = body(tools=[WEATHER, TIME], parallel_tool_calls=parallel).tool_plan().grammar().grammar
+    matcher = llguidance.LLMatcher(ll_tokenizer, llguidance.grammar_from("lark", grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    accepted = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+    assert (accepted and matcher.is_accepting()) == whole
+    if whole and "name" in text:
+        assert body(tools=[WEATHER, TIME]).tool_plan().calls(text)[1]   # what the grammar lets through parses
 
 
 def test_parsers():
@@ -70,8 +169,8 @@ def test_parsers():
     assert len({c.id for c in parse_hermes('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}')[1]}) == 2
 
 
-def reassemble(plan, parser, pieces: list[str]) -> tuple[str | None, list[dict], str]:
-    stream = ToolStream(plan, parser)
+def reassemble(plan, pieces: list[str]) -> tuple[str | None, list[dict], str]:
+    stream = ToolStream(plan)
     deltas = []
     for i, piece in enumerate(pieces):
         deltas += stream.feed(piece, i == len(pieces) - 1)
@@ -93,20 +192,23 @@ def reassemble(plan, parser, pieces: list[str]) -> tuple[str | None, list[dict],
     '"arguments": {"city": "Lima"}}</tool_call>',
     "A plain answer with a < sign and <tool but no call.",
     "<tool_call>{broken</tool_call>",
+    'Use it like this:\n```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',
+    '  {"name": "get_weather", "arguments": {"city": "Rome"}}\n{"name": "get_time", "arguments": {"zone": "CET"}}',
+    '{"a": 1} is JSON, and ```python\nx = 1\n``` is code.',
 ])
 def test_streamed_deltas_reassemble_into_the_whole_answer(text):
-    plan = body(tools=[WEATHER, TIME]).tool_plan("hermes")
-    whole_content, whole_calls = plan.calls(text, "hermes")
+    plan = body(tools=[WEATHER, TIME]).tool_plan()
+    whole_content, whole_calls = plan.calls(text)
     for size in (1, 3, 7, len(text)):
-        content, calls, finish = reassemble(plan, "hermes", [text[i:i + size] for i in range(0, len(text), size)])
+        content, calls, finish = reassemble(plan, [text[i:i + size] for i in range(0, len(text), size)])
         assert content == whole_content
         assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
         assert finish == ("tool_calls" if whole_calls else "stop")
 
 
 def test_a_named_call_streams_its_arguments_as_they_come():
-    plan = body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tool_plan(None)
-    content, calls, finish = reassemble(plan, None, ['{"city"', ': "Oslo"', "}"])
+    plan = body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tool_plan()
+    content, calls, finish = reassemble(plan, ['{"city"', ': "Oslo"', "}"])
     assert content is None and calls == [{"id": calls[0]["id"], "name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert finish == "stop"   # OpenAI's, for a forced function
 

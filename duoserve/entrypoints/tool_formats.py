@@ -1,0 +1,138 @@
+"""How a model writes tool calls, found from its chat template, and the grammars that keep a call whole.
+
+``tool_format`` reads the template: Hermes' ``<tool_call>`` tags (Qwen2/2.5/3, Hermes, SmolLM3),
+Mistral's ``[TOOL_CALLS]``, Llama 3.x's bare JSON (``<|python_tag|>``). A template that never
+mentions ``tools`` would drop them silently, so such a model (SmolLM2, Gemma) gets llama.cpp's
+**generic format**: ``render_generic`` writes the tools into the system prompt, and under ``auto``
+the whole answer is JSON (``generic_schema``): ``{"tool_calls": [{"name": ..., "arguments": ...}]}``
+or ``{"response": "..."}``, the model choosing which; an earlier call is shown as that JSON, a
+tool's result as a user turn holding ``{"tool_response": ...}``.
+
+Small models often write the call as bare or fenced JSON instead of their template's tags. Under
+``tool_choice: "auto"`` the output is free until it starts a call in any of those forms (the
+*triggers*: ``<tool_call>``, a ```json fence opening ``{"name": "``, or an answer opening with
+``{"name": "``); from there on ``auto_call_grammar`` holds it to the tools' names and argument
+schemas, and then to more calls or the end: llama.cpp's lazy grammars, written as one llguidance
+grammar whose free-text lexeme cannot contain a trigger.
+"""
+
+from __future__ import annotations
+
+import json
+
+HERMES, LLAMA3_JSON, MISTRAL, GENERIC = "hermes", "llama3_json", "mistral", "generic"
+TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)   # serve --tool-call-parser's choices
+
+_WS = r"[ \t\r\n]*"
+NAME_OPENING = r"\{" + _WS + r'"name"' + _WS + ":" + _WS + '"'   # a call's JSON up to its name's quote
+FENCE_OPENING = "```(?:json)?" + _WS                                 # a fenced call's fence
+# where a call starts anywhere in the answer, and at its very beginning (bare JSON)
+TRIGGER = "<tool_call>|" + FENCE_OPENING + NAME_OPENING
+LEADING_TRIGGER = _WS + NAME_OPENING
+
+
+def tool_format(template: str | None) -> str:
+    """How the model writes tool calls, from its chat template: ``generic`` when it shows no tools."""
+    text = template or ""
+    if "tools" not in text:
+        return GENERIC
+    if "[TOOL_CALLS]" in text:
+        return MISTRAL
+    if "<|python_tag|>" in text or ("ipython" in text and '"parameters"' in text):
+        return LLAMA3_JSON
+    return HERMES   # <tool_call> tags, or a markup of the template's own: read as Hermes' and JSON
+
+
+GENERIC_TOOLS = "You can call the following tools to satisfy the user's requests:\n{tools}"
+GENERIC_AUTO = ('\n\nAnswer in JSON: either {"tool_calls": [...]} to call tools (each call '
+                '{"name": ..., "arguments": {...}}), or {"response": "..."} to reply to the user.')
+
+
+def render_generic(messages: list[dict], tools: list[dict], auto: bool) -> list[dict]:
+    """A conversation for a template that knows no tools (llama.cpp's generic format): the tools
+    join the system prompt (one is added when there is none), with the JSON answer ``auto`` asks
+    for; an assistant's calls become that JSON, and a tool's result a user turn holding
+    ``{"tool_response": ...}`` (templates that know only user and assistant roles render it)."""
+    out: list[dict] = []
+    if tools:
+        described = GENERIC_TOOLS.format(tools=json.dumps([t["function"] for t in tools], indent=2,
+                                                          ensure_ascii=False)) + (GENERIC_AUTO if auto else "")
+        if messages and messages[0]["role"] in ("system", "developer"):
+            first, messages = messages[0], messages[1:]
+            out.append({"role": "system", "content": f"{first.get('content') or ''}\n\n{described}".lstrip()})
+        else:
+            out.append({"role": "system", "content": described})
+    for message in messages:
+        role = message["role"]
+        if message.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+        elif role in ("tool", "function"):
+            result = {"tool_response": {"content": message.get("content") or ""}}
+            if message.get("tool_call_id"):
+                result["tool_response"]["id"] = message["tool_call_id"]
+            out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
+        else:
+            out.append({k: v for k, v in message.items() if k not in ("tool_call_id", "name")})
+    return out
+
+
+def generic_schema(tools: list[dict], parallel: bool) -> dict:
+    """The generic format's answer: ``{"tool_calls": [...]}`` under the tools' schemas (leniently:
+    a keyword llguidance cannot enforce is no reason to refuse the request), or ``{"response": ...}``."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    listed = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        listed["maxItems"] = 1
+    return {"x-guidance": {"lenient": True},
+            "anyOf": [{"type": "object", "properties": {"tool_calls": listed}, "required": ["tool_calls"],
+                       "additionalProperties": False},
+                      {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                       "additionalProperties": False}]}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)   # a JSON string is a Lark string literal
+
+
+def auto_call_grammar(tools: list[dict], parallel: bool, arguments_key: str = "arguments",
+                      tags: bool = True) -> str:
+    """The lazy grammar of ``tool_choice: "auto"``: free text that contains no trigger, or text
+    up to a trigger and then calls, each naming a given tool with arguments under its schema
+    (leniently: a keyword llguidance cannot enforce is not a reason to refuse the request), in the
+    form the first one took; with ``parallel`` more calls may follow, then the answer ends."""
+    names = []
+    for k, tool in enumerate(tools):
+        function = tool["function"]
+        schema = dict(function.get("parameters") or {"type": "object"})
+        schema["x-guidance"] = {"lenient": True, "whitespace_flexible": False,
+                                "item_separator": ", ", "key_separator": ": "}
+        head = _lark_string(function["name"] + '", "' + arguments_key + '": ')
+        names.append(f'call_{k}: {head} args_{k} "}}"\nargs_{k}: %json {json.dumps(schema)}')
+    tail = " | ".join(f"call_{k}" for k in range(len(tools)))
+    opening = _lark_string('{"name": "')
+    forms = {"bare": (f"LEAD_BARE call{' (WS bare)*' if parallel else ''} WS?",
+                      f"bare: {opening} call"),
+             "fenced": (f"LEAD_FENCE call FENCE_CLOSE{' (WS fenced)*' if parallel else ''} WS?",
+                        f'fenced: "```json\\n" {opening} call FENCE_CLOSE')}
+    if tags:
+        forms["tagged"] = (f"LEAD_TAG tag_body{' (WS tagged)*' if parallel else ''} WS?",
+                           'tagged: "<tool_call>" tag_body')
+    no_trigger = f"~/(?s:.*)(?:{TRIGGER})(?s:.*)/ & ~/(?:{LEADING_TRIGGER})(?s:.*)/"
+    lines = ["start: FREE | " + " | ".join(start for start, _ in forms.values()),
+             f"FREE: /(?s:.*)/ & {no_trigger}",
+             f"LEAD_BARE: /{LEADING_TRIGGER}/",
+             # text with no trigger, then the first one: the fence's ends with its call's name quote
+             f"LEAD_FENCE: /(?s:.*){FENCE_OPENING}{NAME_OPENING}/ & ~/(?s:.*)(?:{TRIGGER})(?s:.+)/ & "
+             f"~/(?:{LEADING_TRIGGER})(?s:.*)/",
+             'FENCE_CLOSE: /[ \\t\\r\\n]*```/',
+             "WS: /[ \\t\\r\\n]+/",
+             f"call: {tail}",
+             *[rule for _, rule in forms.values()]]
+    if tags:
+        lines += [f"LEAD_TAG: /(?s:.*)<tool_call>/ & ~/(?s:.*)(?:{TRIGGER})(?s:.+)/ & ~/(?:{LEADING_TRIGGER})(?s:.*)/",
+                  f'tag_body: "\\n"? {opening} call "\\n"? "</tool_call>"']
+    return "\n".join(lines + names) + "\n"
