@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -98,11 +98,13 @@ class APIKeyGuard:
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.key is None or scope["path"] == "/health":
+        if scope["type"] not in ("http", "websocket") or self.key is None or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key)
         if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+            if scope["type"] == "websocket":   # refused before it opens: the client sees HTTP 403
+                return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
             response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'", code="invalid_api_key", path=scope["path"])
             return await response(scope, receive, send)
@@ -259,6 +261,37 @@ async def embeddings(body: EmbeddingRequest, raw: Request):
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, raw: Request):
     return await raw.app.state.responses.create(body, raw)
+
+
+@router.websocket("/v1/responses")
+async def responses_socket(ws: WebSocket):
+    await ws.app.state.responses.socket(ws)
+
+
+@router.post("/v1/responses/compact")
+async def responses_compact(body: ResponsesRequest, raw: Request):
+    return await raw.app.state.responses.compact(body)
+
+
+@router.get("/v1/responses/{response_id}")
+async def responses_get(response_id: str, raw: Request):
+    return raw.app.state.responses.get(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def responses_delete(response_id: str, raw: Request):
+    return raw.app.state.responses.delete(response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def responses_cancel(response_id: str, raw: Request):
+    return await raw.app.state.responses.cancel(response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def responses_input_items(response_id: str, raw: Request, limit: int = 20, order: str = "desc",
+                                after: str | None = None):
+    return raw.app.state.responses.input_items(response_id, limit, order, after)
 
 
 @router.post("/generate")
