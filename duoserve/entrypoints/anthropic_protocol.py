@@ -1,7 +1,8 @@
 """Anthropic's Messages API request (``POST /v1/messages``), translated at the edge into the one
 chat request the engine path serves (``ChatCompletionRequest``).
 
-What maps: ``system`` (a string or text blocks), ``messages`` of text, ``tool_use`` and
+What maps: ``system`` (a string or text blocks; a ``system`` message inside ``messages``, as Claude
+Code style clients send it, joins it), ``messages`` of text, ``tool_use`` and
 ``tool_result`` blocks (an assistant's calls and the results sent back, as the chat template shows
 them), a final assistant message (the answer goes on from it), ``max_tokens``, ``stop_sequences``,
 ``temperature`` (the API's default 1.0), ``top_p``, ``top_k`` (and vLLM's ``ignore_eos``), ``tools`` (``input_schema``) and
@@ -55,7 +56,7 @@ class ContentBlock(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]   # system: Claude Code style clients send it here too
     content: str | list[ContentBlock]
 
 
@@ -130,10 +131,15 @@ class MessagesRequest(_Strict):
 
     def _messages(self) -> list[dict]:
         out: list[dict] = []
-        if self.system:
-            out.append({"role": "system", "content": _text_of(self.system, "system")})
+        # the system prompt: ``system`` and any system message (merged in order, as one prompt)
+        system = [_text_of(self.system, "system")] if self.system else []
+        system += [_text_of(m.content, f"messages.{i}.content") for i, m in enumerate(self.messages) if m.role == "system"]
+        if any(system):
+            out.append({"role": "system", "content": "\n\n".join(text for text in system if text)})
         for i, message in enumerate(self.messages):
             where = f"messages.{i}.content"
+            if message.role == "system":
+                continue
             if isinstance(message.content, str):
                 out.append({"role": message.role, "content": message.content})
             elif message.role == "user":

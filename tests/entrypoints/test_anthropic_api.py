@@ -64,6 +64,36 @@ def test_system_prompt_reaches_the_model(claude, client):
                                           messages=[{"role": "system", "content": system}, *messages])
     assert message.content[0].text == chat.choices[0].message.content
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    # Claude Code style: the system prompt as a message of its own, joined to the one in ``system``
+    inline = claude.messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY, system="Be brief.", messages=[
+        {"role": "system", "content": system}, *messages])
+    chat = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0,
+                                          messages=[{"role": "system", "content": f"Be brief.\n\n{system}"}, *messages])
+    assert inline.content[0].text == chat.choices[0].message.content
+
+
+def test_a_tool_use_loop_with_no_tool_choice(claude):
+    """The SDK's loop as an agent runs it: tools and no tool_choice (auto), the calls answered with
+    tool_result blocks until the model answers in text, or the turns run out (the default model,
+    greedy, asks again after a result: an agent's turn limit ends its loop); every call names a
+    tool and its input validates."""
+    tools = [WEATHER, {"name": "get_time", "description": "The time in a city", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    used = []
+    for _ in range(4):   # bounded turns
+        message = claude.messages.create(model=MODEL, max_tokens=64, tools=tools, messages=messages, extra_body=GREEDY)
+        calls = [b for b in message.content if b.type == "tool_use"]
+        assert (message.stop_reason == "tool_use") == bool(calls)
+        if not calls:
+            break
+        for call in calls:
+            jsonschema.validate(call.input, next(t["input_schema"] for t in tools if t["name"] == call.name))
+        used += [call.name for call in calls]
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": c.id, "content": "sunny, 21 C"}
+                                                  for c in calls]}]
+    assert used and used[0] == "get_weather"
 
 
 @pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
