@@ -178,8 +178,8 @@ class ChatServing:
         for c in final.outputs:
             answer = self.answer(c, plan)
             message = {"role": "assistant", "content": answer.content, "refusal": None}
-            if self.reasoning_parser:
-                message["reasoning_content"] = answer.reasoning
+            if self.reasoning_parser:   # vLLM's older name, and the one OpenAI-compatible clients now read
+                message["reasoning_content"] = message["reasoning"] = answer.reasoning
             if answer.calls:
                 message["tool_calls"] = [call.as_dict() for call in answer.calls]
             choices.append({"index": c.index, "message": message,
@@ -212,6 +212,8 @@ class ChatServing:
                     last = k == len(deltas) - 1
                     if not delta and not last:
                         continue
+                    if "reasoning_content" in delta:
+                        delta = {**delta, "reasoning": delta["reasoning_content"]}
                     chunk = {**head, "choices": [{
                         "index": c.index, "delta": delta, "logprobs": lp if k == 0 else None,
                         "finish_reason": piece.finish_reason if last else None}]}

@@ -158,8 +158,8 @@ class ResponsesServing:
                         yield event(name, **data)
                 if piece.finish_reason is not None:
                     out = piece.out
-                    turn.final = self._finished(turn, blocks.blocks, piece.choice, len(out.prompt_token_ids),
-                                                out.num_cached_tokens, logprobs)
+                    turn.final = self._finished(turn.head, turn.body.max_tool_calls, blocks.blocks, piece.choice,
+                                                len(out.prompt_token_ids), out.num_cached_tokens, logprobs)
                     self._record(turn)
                     yield event(f"response.{turn.final['status']}", response=turn.final)
         except APIError as exc:
@@ -170,19 +170,20 @@ class ResponsesServing:
                         error={"type": "server_error", "code": exc.code or str(exc.status), "message": exc.message,
                                "param": exc.param})
 
-    def _finished(self, turn: Turn, blocks: list[Block], c, num_prompt: int, num_cached: int,
+    @staticmethod
+    def _finished(head: dict, max_tool_calls: int | None, blocks: list[Block], c, num_prompt: int, num_cached: int,
                   logprobs: dict[int, list]) -> dict:
         """The response once its answer ended: completed, incomplete (max_output_tokens), or failed
         (the request ended early: an engine's error, the server's drain deadline)."""
         for block in blocks:
             block.item_id = block.item_id or _ids(block)
         calls = [b for b in blocks if b.kind is BlockKind.TOOL_CALL]
-        limit = turn.body.max_tool_calls
+        limit = max_tool_calls
         if limit is not None and len(calls) > limit:   # calls beyond the request's limit are not made
             blocks = [b for b in blocks if b.kind is not BlockKind.TOOL_CALL or b in calls[:limit]]
         status = {"length": "incomplete", "error": "failed", "abort": "failed"}.get(c.finish_reason, "completed")
         num_output = len(c.token_ids)
-        return {**turn.head, "status": status, "completed_at": int(time.time()),
+        return {**head, "status": status, "completed_at": int(time.time()),
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "error": {"code": "server_error", "message": f"the request ended early: {c.error or c.finish_reason}"}
                 if status == "failed" else None,

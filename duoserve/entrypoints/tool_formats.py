@@ -25,10 +25,16 @@ TOOL_CALL_PARSERS = (HERMES, LLAMA3_JSON, MISTRAL)   # serve --tool-call-parser'
 
 _WS = r"[ \t\r\n]*"
 NAME_OPENING = r"\{" + _WS + r'"name"' + _WS + ":" + _WS + '"'   # a call's JSON up to its name's quote
-FENCE_OPENING = "```(?:json)?" + _WS                                 # a fenced call's fence
-# where a call starts anywhere in the answer, and at its very beginning (bare JSON)
-TRIGGER = "<tool_call>|" + FENCE_OPENING + NAME_OPENING
-LEADING_TRIGGER = _WS + NAME_OPENING
+LIST_OPENING = r"(?:\[" + _WS + ")?"                              # calls may come as a JSON list
+FENCE_OPENING = "```(?:json)?" + _WS + LIST_OPENING                 # a fenced call's fence
+
+
+def trigger(names: list[str]) -> str:
+    """Where a call starts: ``<tool_call>``, a ```json fence opening a call's JSON, or anywhere a
+    call's JSON naming one of the tools (``{"name": "get_weather"``); another JSON object stays text.
+    Tool names are ``[a-zA-Z0-9_-]`` (the API checks), so they need no escaping here."""
+    named = LIST_OPENING + NAME_OPENING + "(?:" + "|".join(names) + ')"'
+    return "<tool_call>|" + FENCE_OPENING + NAME_OPENING + "|" + named
 
 
 def tool_format(template: str | None) -> str:
@@ -98,41 +104,41 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)   # a JSON string is a Lark string literal
 
 
+CALL_OPENING = '{"name": "'   # how the grammar writes a call's start after a tag or between calls
+
+
 def auto_call_grammar(tools: list[dict], parallel: bool, arguments_key: str = "arguments",
                       tags: bool = True) -> str:
     """The lazy grammar of ``tool_choice: "auto"``: free text that contains no trigger, or text
     up to a trigger and then calls, each naming a given tool with arguments under its schema
     (leniently: a keyword llguidance cannot enforce is not a reason to refuse the request), in the
-    form the first one took; with ``parallel`` more calls may follow, then the answer ends."""
-    names = []
+    form the first one took (tagged, fenced, or bare JSON, alone or listed); with ``parallel`` more
+    calls may follow, then the answer ends."""
+    names = [t["function"]["name"] for t in tools]
+    rules = []
     for k, tool in enumerate(tools):
-        function = tool["function"]
-        schema = dict(function.get("parameters") or {"type": "object"})
+        schema = dict(tool["function"].get("parameters") or {"type": "object"})
         schema["x-guidance"] = {"lenient": True, "whitespace_flexible": False,
                                 "item_separator": ", ", "key_separator": ": "}
-        head = _lark_string(function["name"] + '", "' + arguments_key + '": ')
-        names.append(f'call_{k}: {head} args_{k} "}}"\nargs_{k}: %json {json.dumps(schema)}')
-    tail = " | ".join(f"call_{k}" for k in range(len(tools)))
-    opening = _lark_string('{"name": "')
-    forms = {"bare": (f"LEAD_BARE call{' (WS bare)*' if parallel else ''} WS?",
-                      f"bare: {opening} call"),
-             "fenced": (f"LEAD_FENCE call FENCE_CLOSE{' (WS fenced)*' if parallel else ''} WS?",
-                        f'fenced: "```json\\n" {opening} call FENCE_CLOSE')}
+        after = f', "{arguments_key}": '
+        rules += [f"call_{k}: {_lark_string(names[k] + chr(34))} after_{k}",
+                  f'after_{k}: {_lark_string(after)} args_{k} "}}"',
+                  f"args_{k}: %json {json.dumps(schema)}"]
+    no_trigger = f"~/(?s:.*)(?:{trigger(names)})(?s:.*)/"
+    first_only = f"~/(?s:.*)(?:{trigger(names)})(?s:.+)/"   # the lead ends at its trigger, the first
+    more = "((SEP | WS) bare)*" if parallel else ""
+    starts = [f"LEAD_FENCE call {more} FENCE_CLOSE WS?",
+              *[f"LEAD_NAMED_{k} after_{k} {more} CLOSE? WS?" for k in range(len(tools))]]
+    lines = [f"FREE: /(?s:.*)/ & {no_trigger}",
+             f"LEAD_FENCE: /(?s:.*){FENCE_OPENING}{NAME_OPENING}/ & {first_only}",
+             *[f"LEAD_NAMED_{k}: /(?s:.*){LIST_OPENING}{NAME_OPENING}{name}\"/ & {first_only}"
+               for k, name in enumerate(names)],
+             'FENCE_CLOSE: /[ \\t\\r\\n]*(\\][ \\t\\r\\n]*)?```/', 'CLOSE: /[ \\t\\r\\n]*\\]/',
+             "SEP: /[ \\t\\r\\n]*,[ \\t\\r\\n]*/", "WS: /[ \\t\\r\\n]+/",
+             f"bare: {_lark_string(CALL_OPENING)} call",
+             "call: " + " | ".join(f"call_{k}" for k in range(len(tools)))]
     if tags:
-        forms["tagged"] = (f"LEAD_TAG tag_body{' (WS tagged)*' if parallel else ''} WS?",
-                           'tagged: "<tool_call>" tag_body')
-    no_trigger = f"~/(?s:.*)(?:{TRIGGER})(?s:.*)/ & ~/(?:{LEADING_TRIGGER})(?s:.*)/"
-    lines = ["start: FREE | " + " | ".join(start for start, _ in forms.values()),
-             f"FREE: /(?s:.*)/ & {no_trigger}",
-             f"LEAD_BARE: /{LEADING_TRIGGER}/",
-             # text with no trigger, then the first one: the fence's ends with its call's name quote
-             f"LEAD_FENCE: /(?s:.*){FENCE_OPENING}{NAME_OPENING}/ & ~/(?s:.*)(?:{TRIGGER})(?s:.+)/ & "
-             f"~/(?:{LEADING_TRIGGER})(?s:.*)/",
-             'FENCE_CLOSE: /[ \\t\\r\\n]*```/',
-             "WS: /[ \\t\\r\\n]+/",
-             f"call: {tail}",
-             *[rule for _, rule in forms.values()]]
-    if tags:
-        lines += [f"LEAD_TAG: /(?s:.*)<tool_call>/ & ~/(?s:.*)(?:{TRIGGER})(?s:.+)/ & ~/(?:{LEADING_TRIGGER})(?s:.*)/",
-                  f'tag_body: "\\n"? {opening} call "\\n"? "</tool_call>"']
-    return "\n".join(lines + names) + "\n"
+        starts.append(f"LEAD_TAG tag_body{' (WS tagged)*' if parallel else ''} WS?")
+        lines += [f"LEAD_TAG: /(?s:.*)<tool_call>/ & {first_only}", 'tagged: "<tool_call>" tag_body',
+                  f'tag_body: "\\n"? {_lark_string(CALL_OPENING)} call "\\n"? "</tool_call>"']
+    return "\n".join(["start: FREE | " + " | ".join(starts)] + lines + rules) + "\n"

@@ -16,14 +16,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
 
 import regex
 
-from duoserve.entrypoints.tool_formats import (GENERIC, HERMES, LEADING_TRIGGER, LLAMA3_JSON, MISTRAL,
-                                               TOOL_CALL_PARSERS, TRIGGER, auto_call_grammar, generic_schema)
+from duoserve.entrypoints.tool_formats import (GENERIC, HERMES, LLAMA3_JSON, MISTRAL, TOOL_CALL_PARSERS,
+                                               auto_call_grammar, generic_schema, trigger)
 from duoserve.sampling_params import StructuredOutputsParams
 
 __all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolPlan", "ToolStream", "for_template"]
@@ -83,14 +84,24 @@ class ToolPlan:
                 return text, []
             return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
-            content, calls = (parse_generic if self.parser == GENERIC else PARSERS[self.parser])(text)
+            if self.parser == HERMES:
+                content, calls = parse_hermes(text, self.names)
+            else:
+                content, calls = (parse_generic if self.parser == GENERIC else PARSERS[self.parser])(text)
             return content, calls if self.parallel else calls[:1]
         return text, []
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t["function"]["name"] for t in self.tools)
 
-_TRIGGER = regex.compile(TRIGGER)
-_LEADING = regex.compile(LEADING_TRIGGER)
+
 _DECODER = json.JSONDecoder()
+
+
+@functools.lru_cache(maxsize=256)
+def _trigger(names: tuple[str, ...]) -> regex.Pattern:
+    return regex.compile(trigger(list(names)))
 
 
 def _call_of(item, arguments_key: str) -> ToolCall | None:
@@ -100,46 +111,39 @@ def _call_of(item, arguments_key: str) -> ToolCall | None:
     return ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
-def call_start(text: str, leading: bool = True) -> int | None:
-    """Where the first call starts in ``text`` (a trigger; with ``leading``, also JSON opening the answer)."""
-    if leading and _LEADING.match(text):
-        return len(text) - len(text.lstrip())
-    found = _TRIGGER.search(text)
+def call_start(text: str, names: tuple[str, ...]) -> int | None:
+    """Where the first call starts in ``text`` (its trigger: ``tool_formats.trigger``)."""
+    found = _trigger(names).search(text)
     return found.start() if found else None
 
 
 def _scan_calls(text: str, start: int, arguments_key: str) -> list[ToolCall] | None:
-    """The calls from ``start`` to the end, each tagged, fenced or bare; None when one does not
-    parse (cut short by max_tokens, or not a call after all)."""
+    """The calls from ``start`` to the end, each tagged, fenced or bare, alone or listed; None
+    when one does not parse (cut short by max_tokens, or not a call after all)."""
     calls, at = [], start
     while True:
-        at = len(text) - len(text[at:].lstrip())
-        if at == len(text):
-            return calls
-        closing = None
-        if text.startswith("<tool_call>", at):
-            at, closing = at + len("<tool_call>"), "</tool_call>"
-        elif text.startswith("```", at):
-            at, closing = at + 3 + (4 if text.startswith("json", at + 3) else 0), "```"
-        elif text[at] != "{":
-            return calls or None       # text after the calls: nothing the grammar lets through
-        at = len(text) - len(text[at:].lstrip())
-        try:
-            item, at = _DECODER.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return None
-        call = _call_of(item, arguments_key)
-        if call is None:
-            return None
-        calls.append(call)
-        if closing is not None:
-            rest = text[at:].lstrip()
-            at = len(text) - len(rest) + (len(closing) if rest.startswith(closing) else 0)
+        while at < len(text) and text[at] in " \t\r\n,[]":
+            at += 1
+        for mark in ("<tool_call>", "</tool_call>", "```json", "```"):
+            if text.startswith(mark, at):
+                at += len(mark)
+                break
+        else:
+            if at == len(text) or text[at] != "{":
+                return calls or None   # text after the calls: nothing the grammar lets through
+            try:
+                item, at = _DECODER.raw_decode(text, at)
+            except json.JSONDecodeError:
+                return None
+            call = _call_of(item, arguments_key)
+            if call is None:
+                return None
+            calls.append(call)
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Hermes' tagged calls, and the same JSON fenced, or bare at the answer's start."""
-    start = call_start(text)
+def parse_hermes(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[ToolCall]]:
+    """Hermes' tagged calls, the same JSON fenced, or JSON naming one of the tools (``names``)."""
+    start = call_start(text, names)
     calls = _scan_calls(text, start, "arguments") if start is not None else None
     if not calls:
         return text, []
@@ -312,13 +316,13 @@ class ToolStream:
         if parser == LLAMA3_JSON:   # a bare JSON call: only when the answer begins with it
             stripped = text.lstrip().removeprefix("<|python_tag|>")
             return len(text) - len(stripped) if stripped.startswith("{") else None
-        return call_start(text)
+        return call_start(text, self.plan.names)
 
     def _safe_end(self) -> int:
         """How far the text may go out as content: not a possible start of a call, nor the
         whitespace before it."""
         text, parser = self.text, self.plan.parser
-        if parser == HERMES and _LEADING.match(text, partial=True) or parser == LLAMA3_JSON and not text.strip():
+        if parser == LLAMA3_JSON and not text.strip():
             return self.sent          # the answer may still open with a bare call
         end = len(text)
         if parser == MISTRAL:
@@ -327,8 +331,9 @@ class ToolStream:
                     end = len(text) - k
                     break
         elif parser == HERMES:
+            pattern = _trigger(self.plan.names)
             for at in range(self.sent, len(text)):
-                if _TRIGGER.match(text, at, partial=True):
+                if pattern.match(text, at, partial=True):
                     end = at
                     break
         return max(self.sent, len(text[:end].rstrip()))

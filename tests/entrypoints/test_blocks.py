@@ -55,8 +55,8 @@ def test_how_each_api_says_an_answer_ended():
     assert stop_reason("stop", None, None, has_calls=True) == ("tool_use", None)      # a named call
     assert stop_reason("tool_calls", None, None, has_calls=True) == ("tool_use", None)
     for reason, status in (("stop", "completed"), ("length", "incomplete"), ("error", "failed"), ("abort", "failed")):
-        done = ResponsesServing._finished({"id": "resp_1"}, [], CompletionOutput(0, token_ids=[1, 2], finish_reason=reason,
-                                                                                 error="drained"), 5, 2)
+        done = ResponsesServing._finished({"id": "resp_1"}, None, [], CompletionOutput(
+            0, token_ids=[1, 2], finish_reason=reason, error="drained"), 5, 2, {})
         assert done["status"] == status and done["usage"]["output_tokens"] == 2
         assert (done["error"] is not None) == (status == "failed")
         assert (done["incomplete_details"] == {"reason": "max_output_tokens"}) == (status == "incomplete")

@@ -184,6 +184,8 @@ def test_reasoning_is_split_from_the_answer(client):
     chunks = list(client.chat.completions.create(**request, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert message.model_extra["reasoning"] == reasoning   # the newer name, beside the old one
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == content
     plain = client.chat.completions.create(**{**request, "extra_body": {}})
     assert plain.choices[0].message.model_extra["reasoning_content"] is None and plain.choices[0].message.content
