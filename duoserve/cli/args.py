@@ -230,7 +230,7 @@ def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: "
                         "<tool_call> JSON, fenced or bare). Default: the one the model's chat template speaks "
-                        "(a template without tools gets the generic format: docs/serving.md)")
+                        "(a template without tools gets llama.cpp's generic JSON format: README, Tool calls)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
                         "(vLLM's names)")

@@ -33,6 +33,7 @@ from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequ
 from duoserve.entrypoints.serving import OpenAIServing
 from duoserve.entrypoints.responses_protocol import ResponsesRequest
 from duoserve.entrypoints.serving_anthropic import AnthropicServing
+from duoserve.entrypoints.responses_store import RedisResponseStore
 from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.serving_embeddings import EmbeddingServing
@@ -175,7 +176,8 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     app.state.engine, app.state.metrics, app.state.server = engine, metrics, server
     app.state.openai, app.state.chat = openai, ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
     app.state.anthropic = AnthropicServing(app.state.chat)
-    app.state.responses = ResponsesServing(app.state.chat)
+    kv_store = engine_config.kv_store
+    app.state.responses = ResponsesServing(app.state.chat, RedisResponseStore(kv_store.url) if kv_store else None)
     app.state.embeddings = EmbeddingServing(openai, server.pooling)
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
     app.add_middleware(APIKeyGuard, api_key=server.api_key)

@@ -1,20 +1,28 @@
 """Stored responses: what ``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``, its
 ``input_items`` and background responses read.
 
-A response is stored unless the request says ``store: false`` (OpenAI's default), in memory, the
+A response is stored unless the request says ``store: false`` (OpenAI's default): in memory, the
 newest ``capacity`` of them (an older one is forgotten: ``previous_response_id`` naming it is
-then a 400 ``previous_response_not_found``). Each keeps the conversation before it (``history``),
-so a chain of responses stays readable when its first links are forgotten.
+then a 400 ``previous_response_not_found``), or, with the shared KV tier configured
+(``--kv-store redis://...``), in that Redis too (``RedisResponseStore``: every server sharing it
+reads the others' responses, and they outlive a restart for ``RESPONSE_TTL``). Each keeps the
+conversation before it (``history``), so a chain of responses stays readable when its first links
+are forgotten. A background response's work is the server's own; Redis holds what it has so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_CAPACITY = 1000
+RESPONSE_TTL = 30 * 24 * 3600   # seconds a response stays in Redis (OpenAI keeps them 30 days)
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
@@ -69,5 +77,59 @@ class ResponseStore:
             stored.task.cancel()
         return stored is not None
 
+    def save(self, stored: StoredResponse) -> None:
+        """A stored response changed in place (a background response moved on): memory has it."""
+
     def __len__(self) -> int:
         return len(self._responses)
+
+
+class RedisResponseStore(ResponseStore):
+    """Responses in Redis (``duoserve:response:<id>``, JSON, ``RESPONSE_TTL``), the newest
+    ``capacity`` also in memory (and a background one's work). An unreachable Redis is logged
+    and the memory answers alone: a response is never refused for the tier's sake."""
+
+    PREFIX = "duoserve:response:"
+
+    def __init__(self, url: str, capacity: int = DEFAULT_CAPACITY, timeout: float = 1.0) -> None:
+        import redis
+
+        super().__init__(capacity)
+        self.redis = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    def put(self, stored: StoredResponse) -> None:
+        super().put(stored)
+        self._write(stored)
+
+    def save(self, stored: StoredResponse) -> None:
+        """Write a stored response again (a background response that moved on)."""
+        self._write(stored)
+
+    def _write(self, stored: StoredResponse) -> None:
+        record = {"response": stored.response, "input_items": stored.input_items, "history": stored.history}
+        try:
+            self.redis.set(self.PREFIX + stored.response["id"], json.dumps(record), ex=RESPONSE_TTL)
+        except Exception as exc:   # redis' errors and timeouts
+            logger.warning("response %s not written to Redis: %s", stored.response["id"], exc)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = super().get(response_id)
+        if stored is not None:
+            return stored
+        try:
+            raw = self.redis.get(self.PREFIX + response_id)
+        except Exception as exc:
+            logger.warning("response %s not read from Redis: %s", response_id, exc)
+            return None
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        return StoredResponse(record["response"], record["input_items"], record["history"])
+
+    def delete(self, response_id: str) -> bool:
+        here = super().delete(response_id)
+        try:
+            return bool(self.redis.delete(self.PREFIX + response_id)) or here
+        except Exception as exc:
+            logger.warning("response %s not deleted from Redis: %s", response_id, exc)
+            return here

@@ -61,10 +61,13 @@ class ChatServing:
 
     def tool_format(self) -> str:
         """How the model writes tool calls: ``--tool-call-parser``, else what its chat template
-        speaks; a template that shows no tools gets the generic format whatever was asked."""
+        speaks (``generic`` for a template that shows no tools)."""
         tokenizer = self.engine.tokenizer
-        found = tool_format(tokenizer.chat_template if tokenizer is not None else None)
-        return found if found == GENERIC else self.tool_call_parser or found
+        return self.tool_call_parser or tool_format(tokenizer.chat_template if tokenizer is not None else None)
+
+    def template_shows_tools(self) -> bool:
+        tokenizer = self.engine.tokenizer
+        return tool_format(tokenizer.chat_template if tokenizer is not None else None) != GENERIC
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """The request's tool plan; ``auto`` holds a started call to the tools' grammar unless
@@ -82,8 +85,9 @@ class ChatServing:
                            "template or a file holding one), or use /v1/completions", param="messages")
         messages = for_template([m.for_template() for m in body.messages])
         tools = plan.tools if plan is not None else []
-        if self.tool_format() == GENERIC:   # a template that knows no tools
-            messages, tools = render_generic(messages, tools, plan is not None and plan.mode == "auto"), []
+        if not self.template_shows_tools():   # the tools in the system prompt, the generic format's JSON asked
+            auto = plan is not None and plan.mode == "auto" and plan.parser == GENERIC
+            messages, tools = render_generic(messages, tools, auto), []
         final = body.messages[-1]
         if body.continue_final_message and (final.role != "assistant" or not final.text()):
             raise APIError(400, "continue_final_message needs a final assistant message with text to go on from",

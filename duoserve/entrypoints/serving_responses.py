@@ -199,6 +199,7 @@ class ResponsesServing:
                 self.store.put(StoredResponse(turn.final, turn.input_items, turn.history))
             else:   # a background response: its entry was made when it was queued
                 stored.response = turn.final
+                self.store.save(stored)
 
     # ---- HTTP -------------------------------------------------------------------------------
 
@@ -230,8 +231,10 @@ class ResponsesServing:
                 async for event in self.events(turn):
                     if event["type"] == "response.in_progress":
                         stored.response = {**turn.head, "status": "in_progress"}
+                        self.store.save(stored)
             except asyncio.CancelledError:
                 stored.response = {**stored.response, "status": "cancelled", "completed_at": int(time.time())}
+                self.store.save(stored)
                 raise
 
         stored.task = asyncio.create_task(work())
