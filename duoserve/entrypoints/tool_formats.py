@@ -10,10 +10,11 @@ tool's result as a user turn holding ``{"tool_response": ...}``.
 
 Small models often write the call as bare or fenced JSON instead of their template's tags. Under
 ``tool_choice: "auto"`` the output is free until it starts a call in any of those forms (the
-*triggers*: ``<tool_call>``, a ```json fence opening ``{"name": "``, or an answer opening with
-``{"name": "``); from there on ``auto_call_grammar`` holds it to the tools' names and argument
-schemas, and then to more calls or the end: llama.cpp's lazy grammars, written as one llguidance
-grammar whose free-text lexeme cannot contain a trigger.
+*triggers*: ``<tool_call>``, a ```json fence opening ``{"name": "``, or anywhere a call's JSON
+naming one of the tools, ``{"name": "get_weather"``, alone or opening a list); from there on
+``auto_call_grammar`` holds it to the tools' names and argument schemas, and then to more calls or
+the end: llama.cpp's lazy grammars, written as one llguidance grammar whose free-text lexeme cannot
+contain a trigger.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ LIST_OPENING = r"(?:\[" + _WS + ")?"                              # calls may co
 FENCE_OPENING = "```(?:json)?" + _WS + LIST_OPENING                 # a fenced call's fence
 
 
-def trigger(names: list[str]) -> str:
+def trigger(names: list[str], tags: bool = True) -> str:
     """Where a call starts: ``<tool_call>``, a ```json fence opening a call's JSON, or anywhere a
     call's JSON naming one of the tools (``{"name": "get_weather"``); another JSON object stays text.
     Tool names are ``[a-zA-Z0-9_-]`` (the API checks), so they need no escaping here."""
     named = LIST_OPENING + NAME_OPENING + "(?:" + "|".join(names) + ')"'
-    return "<tool_call>|" + FENCE_OPENING + NAME_OPENING + "|" + named
+    return ("<tool_call>|" if tags else "") + FENCE_OPENING + NAME_OPENING + "|" + named
 
 
 def tool_format(template: str | None) -> str:
@@ -124,8 +125,8 @@ def auto_call_grammar(tools: list[dict], parallel: bool, arguments_key: str = "a
         rules += [f"call_{k}: {_lark_string(names[k] + chr(34))} after_{k}",
                   f'after_{k}: {_lark_string(after)} args_{k} "}}"',
                   f"args_{k}: %json {json.dumps(schema)}"]
-    no_trigger = f"~/(?s:.*)(?:{trigger(names)})(?s:.*)/"
-    first_only = f"~/(?s:.*)(?:{trigger(names)})(?s:.+)/"   # the lead ends at its trigger, the first
+    no_trigger = f"~/(?s:.*)(?:{trigger(names, tags)})(?s:.*)/"
+    first_only = f"~/(?s:.*)(?:{trigger(names, tags)})(?s:.+)/"   # the lead ends at its trigger, the first
     more = "((SEP | WS) bare)*" if parallel else ""
     starts = [f"LEAD_FENCE call {more} FENCE_CLOSE WS?",
               *[f"LEAD_NAMED_{k} after_{k} {more} CLOSE? WS?" for k in range(len(tools))]]

@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 
 import regex
 
-from duoserve.entrypoints.tool_formats import (GENERIC, HERMES, LLAMA3_JSON, MISTRAL, TOOL_CALL_PARSERS,
-                                               auto_call_grammar, generic_schema, trigger)
+from duoserve.entrypoints.tool_formats import (GENERIC, HERMES, LLAMA3_JSON, MISTRAL, auto_call_grammar,
+                                               generic_schema, trigger)
 from duoserve.sampling_params import StructuredOutputsParams
-
-__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolPlan", "ToolStream", "for_template"]
 
 @dataclass
 class ToolCall:
@@ -84,10 +82,10 @@ class ToolPlan:
                 return text, []
             return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
-            if self.parser == HERMES:
-                content, calls = parse_hermes(text, self.names)
+            if self.parser in (HERMES, LLAMA3_JSON):
+                content, calls = (parse_hermes if self.parser == HERMES else parse_llama3_json)(text, self.names)
             else:
-                content, calls = (parse_generic if self.parser == GENERIC else PARSERS[self.parser])(text)
+                content, calls = (parse_generic if self.parser == GENERIC else parse_mistral)(text)
             return content, calls if self.parallel else calls[:1]
         return text, []
 
@@ -100,8 +98,8 @@ _DECODER = json.JSONDecoder()
 
 
 @functools.lru_cache(maxsize=256)
-def _trigger(names: tuple[str, ...]) -> regex.Pattern:
-    return regex.compile(trigger(list(names)))
+def _trigger(names: tuple[str, ...], tags: bool = True) -> regex.Pattern:
+    return regex.compile(trigger(list(names), tags))
 
 
 def _call_of(item, arguments_key: str) -> ToolCall | None:
@@ -111,9 +109,9 @@ def _call_of(item, arguments_key: str) -> ToolCall | None:
     return ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
-def call_start(text: str, names: tuple[str, ...]) -> int | None:
+def call_start(text: str, names: tuple[str, ...], tags: bool = True) -> int | None:
     """Where the first call starts in ``text`` (its trigger: ``tool_formats.trigger``)."""
-    found = _trigger(names).search(text)
+    found = _trigger(names, tags).search(text)
     return found.start() if found else None
 
 
@@ -143,21 +141,25 @@ def _scan_calls(text: str, start: int, arguments_key: str) -> list[ToolCall] | N
 
 def parse_hermes(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[ToolCall]]:
     """Hermes' tagged calls, the same JSON fenced, or JSON naming one of the tools (``names``)."""
-    start = call_start(text, names)
-    calls = _scan_calls(text, start, "arguments") if start is not None else None
+    return _parse_json_calls(text, names, "arguments", tags=True)
+
+
+def parse_llama3_json(text: str, names: tuple[str, ...] = ()) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3's calls: bare JSON with ``parameters`` (after ``<|python_tag|>``, ``;`` between
+    calls), opening the answer or naming one of the tools."""
+    stripped = text.strip().removeprefix("<|python_tag|>").replace("};", "}\n")
+    if stripped.startswith("{"):
+        calls = _scan_calls(stripped, 0, "parameters")
+        return (None, calls) if calls else (text, [])
+    return _parse_json_calls(text, names, "parameters", tags=False)
+
+
+def _parse_json_calls(text: str, names: tuple[str, ...], arguments_key: str, tags: bool) -> tuple[str | None, list[ToolCall]]:
+    start = call_start(text, names, tags)
+    calls = _scan_calls(text, start, arguments_key) if start is not None else None
     if not calls:
         return text, []
     return text[:start].rstrip() or None, calls
-
-
-def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    stripped = text.strip().removeprefix("<|python_tag|>")
-    if not stripped.startswith("{"):
-        return text, []
-    calls = _scan_calls(stripped.replace("};", "}\n"), 0, "parameters")
-    if not calls:
-        return text, []
-    return None, calls
 
 
 def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -213,10 +215,6 @@ def parse_generic(text: str) -> tuple[str | None, list[ToolCall]]:
     items = answer.get("tool_calls") if isinstance(answer, dict) else None
     calls = [_call_of(i, "arguments") for i in items] if isinstance(items, list) and items else [None]
     return (text, []) if None in calls else (None, calls)
-
-
-PARSERS = {HERMES: parse_hermes, LLAMA3_JSON: parse_llama3_json, MISTRAL: parse_mistral}
-assert tuple(PARSERS) == TOOL_CALL_PARSERS
 
 
 def for_template(messages: list[dict]) -> list[dict]:
@@ -313,10 +311,11 @@ class ToolStream:
         if parser == MISTRAL:
             start = text.find("[TOOL_CALLS]")
             return start if start >= 0 else None
-        if parser == LLAMA3_JSON:   # a bare JSON call: only when the answer begins with it
+        if parser == LLAMA3_JSON:   # a bare JSON call opening the answer, or one naming a tool
             stripped = text.lstrip().removeprefix("<|python_tag|>")
-            return len(text) - len(stripped) if stripped.startswith("{") else None
-        return call_start(text, self.plan.names)
+            if stripped.startswith("{"):
+                return len(text) - len(stripped)
+        return call_start(text, self.plan.names, tags=parser == HERMES)
 
     def _safe_end(self) -> int:
         """How far the text may go out as content: not a possible start of a call, nor the
@@ -330,8 +329,8 @@ class ToolStream:
                 if text.endswith("[TOOL_CALLS]"[:k]):
                     end = len(text) - k
                     break
-        elif parser == HERMES:
-            pattern = _trigger(self.plan.names)
+        else:
+            pattern = _trigger(self.plan.names, parser == HERMES)
             for at in range(self.sent, len(text)):
                 if pattern.match(text, at, partial=True):
                     end = at

@@ -218,6 +218,20 @@ def test_streamed_deltas_reassemble_into_the_whole_answer(text):
         assert finish == ("tool_calls" if whole_calls else "stop")
 
 
+@pytest.mark.parametrize("text", [
+    '{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", "parameters": {"city": "Lima"}}',
+    'Sure. {"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '{"a": 1} is not a call',
+])
+def test_llama3_json_calls_stream_as_they_read_whole(text):
+    plan = body(tools=[WEATHER, TIME]).tool_plan("llama3_json")
+    whole_content, whole_calls = plan.calls(text)
+    assert bool(whole_calls) == ("get_" in text)
+    for size in (1, 4, len(text)):
+        content, calls, _ = reassemble(plan, [text[i:i + size] for i in range(0, len(text), size)])
+        assert content == whole_content and [c["name"] for c in calls] == [c.name for c in whole_calls]
+
+
 def test_a_named_call_streams_its_arguments_as_they_come():
     plan = body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}).tool_plan()
     content, calls, finish = reassemble(plan, ['{"city"', ': "Oslo"', "}"])
