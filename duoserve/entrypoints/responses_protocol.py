@@ -13,7 +13,8 @@ items of an earlier turn are not shown to the model), ``instructions`` (a system
 without ``--reasoning-parser`` the effort changes nothing), ``store`` and ``background``. Echoed
 and changing nothing: ``metadata``, ``user``, ``safety_identifier``, ``service_tier``,
 ``prompt_cache_key``, ``prompt_cache_retention`` (the prefix cache is always on),
-``stream_options``, ``truncation: "disabled"``, an assistant message's ``phase``. Any other field,
+``stream_options``, an assistant message's ``phase``. ``truncation: "auto"`` drops the
+conversation's oldest items while the prompt does not fit the context. Any other field,
 or another value of these, is a 400 naming it.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +33,7 @@ ECHOED_FIELDS = ("metadata", "user", "safety_identifier", "service_tier", "promp
                  "prompt_cache_retention", "stream_options")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # fields of features this server lacks: refused unless they ask for nothing
-_REFUSED_UNLESS = {"conversation": (None,), "prompt": (None,), "truncation": (None, "disabled")}
+_REFUSED_UNLESS = {"conversation": (None,), "prompt": (None,)}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 COMPACTION_PREFIX = "duoserve.v1."   # what a compaction item's content starts with (its items, base64 JSON)
 
@@ -58,6 +59,7 @@ class ResponsesRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
     top_k: int | None = None      # vLLM's extras
     seed: int | None = None
     ignore_eos: bool = False
@@ -89,12 +91,13 @@ class ResponsesRequest(BaseModel):
             return [{"type": "message", "role": "user", "content": self.input}] if self.input else []
         return list(self.input)
 
-    def to_chat(self, history: list[dict], reasoning_parser: str | None) -> ChatCompletionRequest:
+    def to_chat(self, history: list[dict], reasoning_parser: str | None, drop: int = 0) -> ChatCompletionRequest:
         """The chat request of this turn: ``history`` (the items of the response it follows, its
-        output included) before its own input."""
+        output included) before its own input, less the ``drop`` oldest items (``truncation``)."""
         self.check()
         logprobs = LOGPROBS_INCLUDE in (self.include or ())
-        body: dict[str, Any] = {"model": self.model, "messages": messages_of(history, self.items(), self.instructions),
+        messages = messages_of(history, self.items(), self.instructions, drop)
+        body: dict[str, Any] = {"model": self.model, "messages": messages,
                                 "stream": self.stream, "max_tokens": self.max_output_tokens,
                                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -127,15 +130,26 @@ class ResponsesRequest(BaseModel):
                        "json_schema", param="text.format.type")
 
 
-def messages_of(history: list[dict], items: list[dict], instructions: str | None) -> list[dict]:
-    """The chat messages of a conversation's items; ``instructions`` first (they are not carried
-    over from an earlier response)."""
+def messages_of(history: list[dict], items: list[dict], instructions: str | None, drop: int = 0) -> list[dict]:
+    """The chat messages of a conversation's items, less the ``drop`` oldest (and the outputs of
+    calls dropped with them); ``instructions`` first (they are not carried over from an earlier
+    response)."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     calls: set[str] = set()
+    dropped: set[str] = set()
     for where, group in (("previous_response_id", history), ("input", items)):
         for i, item in enumerate(expand_compactions(group, where)):
-            _append(out, item, f"{where}.{i}" if where == "input" else where, calls)
+            if drop > 0:
+                drop -= 1
+                dropped.add(item.get("call_id") or item.get("id"))
+            elif not (item.get("type") == "function_call_output" and item.get("call_id") in dropped):
+                _append(out, item, f"{where}.{i}" if where == "input" else where, calls)
     return out
+
+
+def conversation_length(history: list[dict], items: list[dict]) -> int:
+    """How many items ``drop`` may count (compactions unfolded)."""
+    return len(expand_compactions(history, "previous_response_id")) + len(expand_compactions(items, "input"))
 
 
 def _append(out: list[dict], item: dict, where: str, calls: set[str]) -> None:

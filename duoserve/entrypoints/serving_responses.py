@@ -37,8 +37,8 @@ from pydantic import ValidationError
 from duoserve.entrypoints.blocks import Block, BlockKind, BlockStream
 from duoserve.entrypoints.errors import APIError, error_body
 from duoserve.entrypoints.protocol import ChatCompletionRequest
-from duoserve.entrypoints.responses_protocol import (ResponsesRequest, compaction_of, expand_compactions, messages_of,
-                                                     tool_echo)
+from duoserve.entrypoints.responses_protocol import (LOGPROBS_INCLUDE, ResponsesRequest, compaction_of,
+                                                     conversation_length, expand_compactions, messages_of, tool_echo)
 from duoserve.entrypoints.responses_store import ResponseStore, StoredResponse, with_ids
 from duoserve.entrypoints.serving import Streams, run_until_disconnect
 from duoserve.entrypoints.serving_chat import ChatServing, _chat_logprobs
@@ -101,9 +101,23 @@ class ResponsesServing:
 
     async def begin(self, body: ResponsesRequest, cache: dict[str, StoredResponse] | None = None) -> Turn:
         history = self._history(body, cache)
-        streams, plan = await self.chat.start(body.to_chat(history, self.chat.reasoning_parser), id_prefix="resp")
+        streams, plan = await self.chat.start(self._fitted(body, history), id_prefix="resp")
         head = self._head(body, streams.base_id.replace("-", "_", 1))
         return Turn(body, streams, plan, head, history, with_ids(body.items()))
+
+    def _fitted(self, body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+        """The turn's chat request; with ``truncation: "auto"`` the oldest items are dropped, one
+        at a time, while the prompt and ``max_output_tokens`` (at least one token) overflow the
+        context; the newest item always stays."""
+        request = body.to_chat(history, self.chat.reasoning_parser)
+        if body.truncation != "auto" or self.chat.engine.max_model_len is None:
+            return request
+        room = self.chat.engine.max_model_len - (body.max_output_tokens or 1)
+        for drop in range(1, conversation_length(history, body.items())):
+            if len(self.chat.chat_prompt(request, self.chat.tool_plan(request))) <= room:
+                break
+            request = body.to_chat(history, self.chat.reasoning_parser, drop)
+        return request
 
     def _head(self, body: ResponsesRequest, rid: str) -> dict:
         """The response object's fields known before the answer: the request's settings echoed,
@@ -128,7 +142,7 @@ class ResponsesServing:
                 "top_logprobs": body.top_logprobs or 0,
                 "text": {**(body.text or {}), "format": fmt},
                 "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-                "tools": [tool_echo(t) for t in body.tools or ()], "truncation": "disabled", "usage": None,
+                "tools": [tool_echo(t) for t in body.tools or ()], "truncation": body.truncation or "disabled", "usage": None,
                 "metadata": extra.get("metadata") or {}, "user": extra.get("user"),
                 "service_tier": extra.get("service_tier") or "default",
                 "safety_identifier": extra.get("safety_identifier"), "prompt_cache_key": extra.get("prompt_cache_key")}
@@ -145,7 +159,7 @@ class ResponsesServing:
         yield event("response.created", response=turn.head)
         yield event("response.in_progress", response=turn.head)
         blocks, logprobs = BlockStream(), {}
-        want_logprobs = turn.body.top_logprobs is not None and "message.output_text.logprobs" in (turn.body.include or ())
+        want_logprobs = LOGPROBS_INCLUDE in (turn.body.include or ())
         try:
             async for piece in self.chat.pieces(turn.streams, turn.plan, want_logprobs):
                 entries = _chat_logprobs(self.chat.engine.tokenizer, piece.logprobs)["content"] \

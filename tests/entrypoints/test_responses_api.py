@@ -104,7 +104,6 @@ def test_json_schema_format_validates(client):
 @pytest.mark.parametrize("kw, param", [
     (dict(previous_response_id="resp_123"), "previous_response_id"),
     (dict(extra_body={"conversation": "conv_1"}), "conversation"),
-    (dict(truncation="auto"), "truncation"),
     (dict(include=["file_search_call.results"]), "include.0"),
     (dict(store=False, background=True), "background"),
     (dict(input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]), "input.0.call_id"),
@@ -267,3 +266,29 @@ def test_the_websocket_mode_runs_turns_and_keeps_its_connections_responses(serve
     chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY).chat.completions.create(
         model=MODEL, max_tokens=6, temperature=0, messages=[{"role": "user", "content": "Name a fruit."}])
     assert chat.choices[0].message.content is not None
+
+
+def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(client):
+    long = [{"role": "user", "content": "hello " * 9000}, {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Name a fruit."}]
+    with pytest.raises(openai.BadRequestError):   # the context is 8192 tokens
+        client.responses.create(model=MODEL, input=long, max_output_tokens=4, temperature=0)
+    fitted = client.responses.create(model=MODEL, input=long, max_output_tokens=4, temperature=0, truncation="auto")
+    alone = client.responses.create(model=MODEL, input=long[1:], max_output_tokens=4, temperature=0)
+    assert fitted.truncation == "auto" and fitted.output_text == alone.output_text
+    assert fitted.usage.input_tokens == alone.usage.input_tokens
+
+
+def test_included_logprobs_match_chat_completions(client):
+    kw = dict(model=MODEL, max_output_tokens=5, temperature=0)
+    response = client.responses.create(**kw, input="Name a fruit.", top_logprobs=2,
+                                       include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "Name a fruit."}])
+    entries = response.output[0].content[0].logprobs
+    assert [(e.token, e.logprob, len(e.top_logprobs)) for e in entries] == [
+        (e.token, e.logprob, 2) for e in chat.choices[0].logprobs.content]
+    streamed = [e for e in client.responses.create(**kw, input="Name a fruit.", top_logprobs=2, stream=True,
+                                                   include=["message.output_text.logprobs"])
+                if e.type == "response.output_text.delta"]
+    assert [lp.token for e in streamed for lp in e.logprobs] == [e.token for e in entries]
