@@ -5,8 +5,9 @@ Mistral's ``[TOOL_CALLS]``, Llama 3.x's bare JSON (``<|python_tag|>``). A templa
 mentions ``tools`` would drop them silently, so such a model (SmolLM2, Gemma) gets llama.cpp's
 **generic format**: ``render_generic`` writes the tools into the system prompt, and under ``auto``
 the whole answer is JSON (``generic_schema``): ``{"tool_calls": [{"name": ..., "arguments": ...}]}``
-or ``{"response": "..."}``, the model choosing which; an earlier call is shown as that JSON, a
-tool's result as a user turn holding ``{"tool_response": ...}``.
+or ``{"response": "..."}``, the model choosing which; an earlier call is shown as that JSON, the
+tools' results as a user turn of lines ``Result of get_weather: ...`` (of the renderings tried, the
+one after which the default model answers instead of calling again: README, Tool calls).
 
 Small models often write the call as bare or fenced JSON instead of their template's tags. Under
 ``tool_choice: "auto"`` the output is free until it starts a call in any of those forms (the
@@ -58,9 +59,10 @@ GENERIC_AUTO = ('\n\nAnswer in JSON: either {"tool_calls": [...]} to call tools 
 def render_generic(messages: list[dict], tools: list[dict], auto: bool) -> list[dict]:
     """A conversation for a template that knows no tools (llama.cpp's generic format): the tools
     join the system prompt (one is added when there is none), with the JSON answer ``auto`` asks
-    for; an assistant's calls become that JSON, and a tool's result a user turn holding
-    ``{"tool_response": ...}`` (templates that know only user and assistant roles render it)."""
+    for; an assistant's calls become that JSON, and the results that follow one user turn of
+    ``Result of <tool>: <content>`` lines (templates that know only user and assistant roles render it)."""
     out: list[dict] = []
+    names: dict[str, str] = {}   # call id -> the tool it called
     if tools:
         described = GENERIC_TOOLS.format(tools=json.dumps([t["function"] for t in tools], indent=2,
                                                           ensure_ascii=False)) + (GENERIC_AUTO if auto else "")
@@ -74,15 +76,18 @@ def render_generic(messages: list[dict], tools: list[dict], auto: bool) -> list[
         if message.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                      for c in message["tool_calls"]]
+            names.update((c.get("id"), c["function"]["name"]) for c in message["tool_calls"])
             out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
         elif role in ("tool", "function"):
-            result = {"tool_response": {"content": message.get("content") or ""}}
-            if message.get("tool_call_id"):
-                result["tool_response"]["id"] = message["tool_call_id"]
-            out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
+            name = names.get(message.get("tool_call_id")) or message.get("name") or "the tool"
+            line = f"Result of {name}: {message.get('content') or ''}"
+            if out and out[-1].get("results"):
+                out[-1]["content"] += "\n" + line
+            else:
+                out.append({"role": "user", "content": line, "results": True})
         else:
             out.append({k: v for k, v in message.items() if k not in ("tool_call_id", "name")})
-    return out
+    return [{k: v for k, v in m.items() if k != "results"} for m in out]
 
 
 def generic_schema(tools: list[dict], parallel: bool) -> dict:

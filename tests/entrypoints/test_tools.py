@@ -89,14 +89,15 @@ def test_the_generic_format_shows_the_tools_calls_and_results_to_a_template_with
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lima"}}}]},
-        {"role": "tool", "content": "12 C", "tool_call_id": "c1"}], [WEATHER], auto=True)
+        {"role": "tool", "content": "12 C", "tool_call_id": "c1"}, {"role": "tool", "content": "20 C", "tool_call_id": "c2"}],
+        [WEATHER], auto=True)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     system = messages[0]["content"]
     assert system.startswith("Be brief.\n\nYou can call") and '"name": "get_weather"' in system
     assert system.endswith('or {"response": "..."} to reply to the user.')
     assert json.loads(messages[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
                                                                  {"name": "get_weather", "arguments": {"city": "Lima"}}]}
-    assert json.loads(messages[3]["content"]) == {"tool_response": {"content": "12 C", "id": "c1"}}
+    assert messages[3]["content"] == "Result of get_weather: 12 C\nResult of get_weather: 20 C"
     named = render_generic([{"role": "user", "content": "hi"}], [WEATHER], auto=False)
     assert named[0]["role"] == "system" and "response" not in named[0]["content"]   # one added, no JSON asked
 
