@@ -133,7 +133,8 @@ class MessagesRequest(_Strict):
         out: list[dict] = []
         # the system prompt: ``system`` and any system message (merged in order, as one prompt)
         system = [_text_of(self.system, "system")] if self.system else []
-        system += [_text_of(m.content, f"messages.{i}.content") for i, m in enumerate(self.messages) if m.role == "system"]
+        system += [_text_of(m.content, f"messages.{i}.content")
+                   for i, m in enumerate(self.messages) if m.role == "system"]
         if any(system):
             out.append({"role": "system", "content": "\n\n".join(text for text in system if text)})
         for i, message in enumerate(self.messages):

@@ -142,7 +142,8 @@ class ResponsesServing:
                 "top_logprobs": body.top_logprobs or 0,
                 "text": {**(body.text or {}), "format": fmt},
                 "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-                "tools": [tool_echo(t) for t in body.tools or ()], "truncation": body.truncation or "disabled", "usage": None,
+                "tools": [tool_echo(t) for t in body.tools or ()], "truncation": body.truncation or "disabled",
+                "usage": None,
                 "metadata": extra.get("metadata") or {}, "user": extra.get("user"),
                 "service_tier": extra.get("service_tier") or "default",
                 "safety_identifier": extra.get("safety_identifier"), "prompt_cache_key": extra.get("prompt_cache_key")}
@@ -250,6 +251,11 @@ class ResponsesServing:
                 stored.response = {**stored.response, "status": "cancelled", "completed_at": int(time.time())}
                 self.store.save(stored)
                 raise
+            except Exception as exc:   # not the engine's errors (events() answers those): a bug, shown
+                stored.response = {**stored.response, "status": "failed", "completed_at": int(time.time()),
+                                   "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
+                self.store.save(stored)
+                raise
 
         stored.task = asyncio.create_task(work())
         return stored.response
@@ -326,8 +332,9 @@ class ResponsesServing:
                 try:
                     body = self._socket_request(text)
                     turn = await self.begin(body, cache)
-                    async for event in self.events(turn):
-                        await ws.send_text(json.dumps(event))
+                    async with contextlib.aclosing(self.events(turn)) as events:   # a closed socket aborts it
+                        async for event in events:
+                            await ws.send_text(json.dumps(event))
                 except APIError as exc:
                     await ws.send_text(json.dumps(_socket_error(exc.status, exc.message, exc.param, exc.code)))
                     turn = None

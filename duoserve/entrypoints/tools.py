@@ -106,7 +106,8 @@ def _call_of(item, arguments_key: str) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     arguments = item.get(arguments_key, item.get("arguments", item.get("parameters", {})))
-    return ToolCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(item["name"], text)
 
 
 def call_start(text: str, names: tuple[str, ...], tags: bool = True) -> int | None:
@@ -154,7 +155,8 @@ def parse_llama3_json(text: str, names: tuple[str, ...] = ()) -> tuple[str | Non
     return _parse_json_calls(text, names, "parameters", tags=False)
 
 
-def _parse_json_calls(text: str, names: tuple[str, ...], arguments_key: str, tags: bool) -> tuple[str | None, list[ToolCall]]:
+def _parse_json_calls(text: str, names: tuple[str, ...], arguments_key: str,
+                      tags: bool) -> tuple[str | None, list[ToolCall]]:
     start = call_start(text, names, tags)
     calls = _scan_calls(text, start, arguments_key) if start is not None else None
     if not calls:
