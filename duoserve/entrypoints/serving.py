@@ -1,16 +1,13 @@
-"""The generation routes: /v1/completions, /v1/chat/completions and /generate.
+"""/v1/completions, and what every OpenAI surface shares: the served model's name checked.
 
-Each handler validates the body into SamplingParams (400 naming the parameter on a
-bad value), starts one engine stream per prompt, and either collects the streams into
-one JSON response or forwards their deltas as server-sent events ending with
-``data: [DONE]``. Only text and numbers reach this module: no tensors.
+The handler validates the body into SamplingParams (400 naming the parameter on a bad value),
+starts one engine stream per prompt (``streams``), and either collects the streams into one JSON
+response or forwards their deltas as server-sent events ending with ``data: [DONE]``. Only text
+and numbers reach this module: no tensors.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,116 +17,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import CompletionRequest
-from duoserve.errors import ConfigError, InvalidInputError, ModelLoadError
-from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from duoserve.frontend.engine_client import EngineDeadError
+from duoserve.entrypoints.streams import Streams, checked_params, run_until_disconnect, sse, usage
+from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.outputs import RequestOutput
-from duoserve.sampling_params import SamplingParams
-
-
-def _params(build) -> SamplingParams:
-    try:
-        return build()
-    except ConfigError as exc:
-        raise APIError(400, str(exc), param=exc.field) from exc
-
-
-async def _first(stream: AsyncIterator[RequestOutput], prompt_param: str = "prompt") -> RequestOutput:
-    """Start a stream, mapping input errors found at its start to HTTP errors (a prompt problem
-    names ``prompt_param``: the chat route's prompt comes from ``messages``)."""
-    try:
-        return await stream.__anext__()
-    except InvalidInputError as exc:
-        raise APIError(400, str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
-    except QueueFullError as exc:
-        raise APIError(429, str(exc), headers={"Retry-After": "1"}) from exc
-    except (EngineUnavailableError, EngineDeadError, ModelLoadError) as exc:
-        raise APIError(503, f"the engine is unavailable: {exc}") from exc
-
-
-class Streams:
-    """Several engine streams (one per prompt) merged into one, for a single HTTP request."""
-
-    def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, base_id: str,
-                 prompt_param: str = "prompt") -> None:
-        self.engine, self.base_id = engine, base_id
-        self.streams = [engine.generate(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
-        self.firsts: list[RequestOutput] = []
-        self.prompt_param = prompt_param
-
-    async def start(self) -> None:
-        try:
-            for stream in self.streams:
-                self.firsts.append(await _first(stream, self.prompt_param))
-        except BaseException:
-            await self.close()
-            raise
-
-    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, snapshot) in arrival order, the first snapshots included."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-            try:
-                async for item in stream:
-                    await queue.put((index, item))
-            except Exception as exc:
-                await queue.put((index, exc))
-            finally:
-                await queue.put((index, None))
-
-        for index, first in enumerate(self.firsts):
-            queue.put_nowait((index, first))
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)
-                 if not self.firsts[i].finished]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise APIError(503, str(item))
-                else:
-                    yield index, item
-            while not queue.empty():
-                index, item = queue.get_nowait()
-                if item is not None and not isinstance(item, Exception):
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await self.close()
-
-    async def close(self) -> None:
-        for stream in self.streams:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-
-
-async def run_until_disconnect(raw: Request, work) -> object:
-    """Run ``work`` (a coroutine) but cancel it, aborting its requests, if the client goes away."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await raw.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            raise APIError(499, "client disconnected")
-    return task.result()
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache (a request
-    that asks for prompt log-probabilities computes every prompt token, so it reports 0)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class OpenAIServing:
@@ -155,7 +45,7 @@ class OpenAIServing:
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         logprobs = body.logprobs
-        params = _params(lambda: body.sampling_params(body.max_tokens, logprobs,
+        params = checked_params(lambda: body.sampling_params(body.max_tokens, logprobs,
                                                       logprobs if body.echo and logprobs is not None else None))
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = Streams(self.engine, prompts, params, rid)
@@ -164,7 +54,7 @@ class OpenAIServing:
         if body.stream:
             return StreamingResponse(self._stream_completions(streams, body, rid, created),
                                      media_type="text/event-stream")
-        finals = await run_until_disconnect(raw, self._collect(streams, len(prompts)))
+        finals = await run_until_disconnect(raw, streams.collect())
         choices, num_prompt, num_completion = [], 0, 0
         for i, out in enumerate(finals):
             num_prompt += len(out.prompt_token_ids)
@@ -181,12 +71,6 @@ class OpenAIServing:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices,
                              "usage": usage(num_prompt, num_completion, sum(o.num_cached_tokens for o in finals))})
-
-    async def _collect(self, streams: Streams, count: int) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * count
-        async for index, out in streams.merged():
-            finals[index] = out
-        return finals
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from duoserve.entrypoints.anthropic_protocol import MessagesRequest
 from duoserve.entrypoints.blocks import Block, BlockKind, BlockStream
 from duoserve.entrypoints.errors import APIError, anthropic_error_body
-from duoserve.entrypoints.serving import Streams, _params, run_until_disconnect
+from duoserve.entrypoints.streams import Streams, run_until_disconnect
 from duoserve.entrypoints.serving_chat import ChatAnswer, ChatServing
 from duoserve.entrypoints.tools import ToolPlan
 
@@ -76,7 +76,7 @@ class AnthropicServing:
         rid = streams.base_id.replace("-", "_", 1)
         if body.stream:
             return StreamingResponse(self._stream(streams, plan, body, rid), media_type="text/event-stream")
-        (final,) = await run_until_disconnect(raw, self.chat.base._collect(streams, 1))
+        (final,) = await run_until_disconnect(raw, streams.collect())
         c = final.outputs[0]
         if c.finish_reason in ENDED_EARLY:   # e.g. the server's drain deadline: no message to give
             raise APIError(500, f"the request ended early: {c.error or c.finish_reason}")

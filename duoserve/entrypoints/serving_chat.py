@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import ChatCompletionRequest, GenerateRequest
 from duoserve.entrypoints.reasoning import ReasoningStream, split_reasoning
-from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect, sse, usage
+from duoserve.entrypoints.serving import OpenAIServing
+from duoserve.entrypoints.streams import Streams, checked_params, run_until_disconnect, sse, usage
 from duoserve.entrypoints.tool_formats import GENERIC, render_generic, tool_format
 from duoserve.entrypoints.tools import ToolCall, ToolPlan, ToolStream, for_template
 from duoserve.outputs import CompletionOutput, RequestOutput
@@ -73,7 +74,7 @@ class ChatServing:
         """The request's tool plan; ``auto`` holds a started call to the tools' grammar unless
         another grammar holds the whole answer or a reasoning model thinks first (its thoughts
         may name a tool's tags: the calls are then only read)."""
-        return _params(lambda: body.tool_plan(self.tool_format(), lazy=self.reasoning_parser is None
+        return checked_params(lambda: body.tool_plan(self.tool_format(), lazy=self.reasoning_parser is None
                                               and body.structured_outputs is None))
 
     def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
@@ -116,7 +117,7 @@ class ChatServing:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _params(lambda: body.sampling_params(max_tokens, logprobs))
+        params = checked_params(lambda: body.sampling_params(max_tokens, logprobs))
         plan = self.tool_plan(body)
         call_grammar = plan.grammar()
         if call_grammar is not None:   # a named or required call: generated under its schema
@@ -177,7 +178,7 @@ class ChatServing:
         rid, created = streams.base_id, int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(streams, body, rid, created, plan), media_type="text/event-stream")
-        (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
+        (final,) = await run_until_disconnect(raw, streams.collect())
         choices = []
         for c in final.outputs:
             answer = self.answer(c, plan)
@@ -235,13 +236,13 @@ class ChatServing:
 
     async def generate(self, body: GenerateRequest, raw: Request):
         """The seed documents' simple API: the completion only (no echo), its token ids and usage."""
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        params = checked_params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
         rid = f"gen-{uuid.uuid4().hex}"
         streams = Streams(self.engine, [body.prompt], params, rid)
         await streams.start()
         if body.stream:
             return StreamingResponse(self._stream_generate(streams), media_type="text/event-stream")
-        (final,) = await run_until_disconnect(raw, self.base._collect(streams, 1))
+        (final,) = await run_until_disconnect(raw, streams.collect())
         c = final.outputs[0]
         result = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                   "usage": usage(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens)}

@@ -18,7 +18,8 @@ from fastapi import Request
 
 from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import EmbeddingRequest
-from duoserve.entrypoints.serving import OpenAIServing, Streams, _params, run_until_disconnect
+from duoserve.entrypoints.serving import OpenAIServing
+from duoserve.entrypoints.streams import Streams, checked_params, run_until_disconnect
 from duoserve.sampling_params import SamplingParams
 
 
@@ -46,10 +47,10 @@ class EmbeddingServing:
         inputs = body.inputs()
         if not inputs:
             raise APIError(400, "input must not be empty", param="input")
-        params = _params(lambda: SamplingParams(max_tokens=0, pooling=self.chosen_pooling))
+        params = checked_params(lambda: SamplingParams(max_tokens=0, pooling=self.chosen_pooling))
         streams = Streams(self.base.engine, inputs, params, f"embd-{uuid.uuid4().hex}", prompt_param="input")
         await streams.start()
-        finals = await run_until_disconnect(raw, self.base._collect(streams, len(inputs)))
+        finals = await run_until_disconnect(raw, streams.collect())
         data, num_tokens = [], 0
         for index, out in enumerate(finals):
             vector = out.embedding   # normalised once

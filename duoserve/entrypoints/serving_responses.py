@@ -40,7 +40,7 @@ from duoserve.entrypoints.protocol import ChatCompletionRequest
 from duoserve.entrypoints.responses_protocol import (LOGPROBS_INCLUDE, ResponsesRequest, compaction_of,
                                                      conversation_length, expand_compactions, messages_of, tool_echo)
 from duoserve.entrypoints.responses_store import ResponseStore, StoredResponse, with_ids
-from duoserve.entrypoints.serving import Streams, run_until_disconnect
+from duoserve.entrypoints.streams import Streams, run_until_disconnect
 from duoserve.entrypoints.serving_chat import ChatServing, _chat_logprobs
 from duoserve.entrypoints.tools import ToolPlan
 
