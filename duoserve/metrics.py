@@ -29,6 +29,20 @@ class ServerMetrics:
     def __init__(self, log_interval: float = 5.0) -> None:
         self.registry = CollectorRegistry()
         r, b = self.registry, _LATENCY_BUCKETS
+        self._latencies(r, b)
+        self._engine_state(r)
+        self._kv_store(r)
+        self._structured_outputs(r)
+        self._placement(r, b)
+        self.log_interval = log_interval
+        self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
+        self._engines: dict[str, EngineStats] = {}      # engine name -> its latest stats
+        self._previous: dict[tuple[str, str], EngineStats] = {}  # (name, instance id) -> latest stats
+        # engine -> (time, generated tokens, (verifications, accepted guesses)) at its last line
+        self._log_marks: dict[str, tuple[float, int, tuple[int, int]]] = {}
+
+    def _latencies(self, r: CollectorRegistry, b: tuple) -> None:
+        """Latency histograms: per request and per stage."""
         self.ttft = Histogram("duoserve:time_to_first_token_seconds", "Time to first token", registry=r, buckets=b)
         self.tpot = Histogram("duoserve:time_per_output_token_seconds", "Mean time per output token after the "
                               "first, per request", registry=r, buckets=b)
@@ -40,6 +54,9 @@ class ServerMetrics:
                                registry=r, buckets=b)
         self.kv_transfer = Histogram("duoserve:kv_transfer_seconds", "KV handoff time per request", registry=r,
                                      buckets=b)
+
+    def _engine_state(self, r: CollectorRegistry) -> None:
+        """What the engines report: requests by state, KV and swap usage, tokens, memory."""
         self.running = Gauge("duoserve:num_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("duoserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.leased = Gauge("duoserve:num_requests_kv_leased", "Prefilled requests whose KV a prefill engine "
@@ -69,6 +86,9 @@ class ServerMetrics:
                                    "dropped to be recomputed", ["kind"], registry=r)
         self.memory = Gauge("duoserve:memory_bytes", "An engine's memory by kind, from its start-up report "
                             "(GET /v1/memory)", ["engine", "kind"], registry=r)
+
+    def _kv_store(self, r: CollectorRegistry) -> None:
+        """The shared KV tier's traffic and its breaker."""
         self.store_hits = Counter("duoserve:kv_store_hits", "Blocks found in the shared KV store", registry=r)
         self.store_misses = Counter("duoserve:kv_store_misses", "Blocks looked up in the shared KV store and "
                                     "not found (or not loadable)", registry=r)
@@ -79,6 +99,9 @@ class ServerMetrics:
                                      "store (write queue full, or the store failing)", registry=r)
         self.store_breaker = Gauge("duoserve:kv_store_breaker_open", "1 while the shared KV store's circuit "
                                    "breaker is open", ["engine"], registry=r)
+
+    def _structured_outputs(self, r: CollectorRegistry) -> None:
+        """Grammars: requests, compiles and the masks' time."""
         self._structured_seen: dict[str, int] = {}
         self.structured_requests = Counter("duoserve:structured_output_requests", "Requests with a grammar "
                                            "(structured outputs), accepted or refused as not enforceable",
@@ -91,6 +114,9 @@ class ServerMetrics:
                                   "masks", registry=r)
         self.mask_seconds = Counter("duoserve:structured_output_mask_seconds", "Seconds spent computing token "
                                     "masks (divided by mask_steps: the time a step spends on them)", registry=r)
+
+    def _placement(self, r: CollectorRegistry, b: tuple) -> None:
+        """Finished requests, where they ran, migrations and placement's predictions."""
         self.success = Counter("duoserve:request_success", "Finished requests", ["finish_reason"], registry=r)
         self.placements = Counter("duoserve:request_placements", "Requests by where they were prefilled and "
                                   "decoded (prefill_engine=local: on the decode engine itself)",
@@ -109,12 +135,6 @@ class ServerMetrics:
                                           "time to first token of placed prompts", ["prefill"], registry=r,
                                           buckets=(-5, -2, -1, -0.5, -0.2, -0.1, -0.05, 0, 0.05, 0.1, 0.2, 0.5,
                                                    1, 2, 5))
-        self.log_interval = log_interval
-        self._seen: dict[str, tuple[float, int]] = {}   # request id -> (last token time, tokens seen)
-        self._engines: dict[str, EngineStats] = {}      # engine name -> its latest stats
-        self._previous: dict[tuple[str, str], EngineStats] = {}  # (name, instance id) -> latest stats
-        # engine -> (time, generated tokens, (verifications, accepted guesses)) at its last line
-        self._log_marks: dict[str, tuple[float, int, tuple[int, int]]] = {}
 
     def observe_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
