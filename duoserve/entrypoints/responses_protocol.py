@@ -93,8 +93,8 @@ class ResponsesRequest(BaseModel):
 
     def to_chat(self, history: list[dict], reasoning_parser: str | None, drop: int = 0) -> ChatCompletionRequest:
         """The chat request of this turn: ``history`` (the items of the response it follows, its
-        output included) before its own input, less the ``drop`` oldest items (``truncation``)."""
-        self.check()
+        output included) before its own input, less the ``drop`` oldest items (``truncation``);
+        ``check`` has refused what this server does not implement."""
         logprobs = LOGPROBS_INCLUDE in (self.include or ())
         messages = messages_of(history, self.items(), self.instructions, drop)
         body: dict[str, Any] = {"model": self.model, "messages": messages,

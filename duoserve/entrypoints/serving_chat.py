@@ -60,15 +60,17 @@ class ChatServing:
         self.tool_call_parser = tool_call_parser   # None: the one the model's chat template speaks
         self.reasoning_parser = reasoning_parser
 
+    def _template_format(self) -> str:
+        tokenizer = self.engine.tokenizer
+        return tool_format(tokenizer.chat_template if tokenizer is not None else None)
+
     def tool_format(self) -> str:
         """How the model writes tool calls: ``--tool-call-parser``, else what its chat template
         speaks (``generic`` for a template that shows no tools)."""
-        tokenizer = self.engine.tokenizer
-        return self.tool_call_parser or tool_format(tokenizer.chat_template if tokenizer is not None else None)
+        return self.tool_call_parser or self._template_format()
 
     def template_shows_tools(self) -> bool:
-        tokenizer = self.engine.tokenizer
-        return tool_format(tokenizer.chat_template if tokenizer is not None else None) != GENERIC
+        return self._template_format() != GENERIC
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """The request's tool plan; ``auto`` holds a started call to the tools' grammar unless

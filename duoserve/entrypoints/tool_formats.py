@@ -20,6 +20,7 @@ contain a trigger.
 
 from __future__ import annotations
 
+import functools
 import json
 
 HERMES, LLAMA3_JSON, MISTRAL, GENERIC = "hermes", "llama3_json", "mistral", "generic"
@@ -39,6 +40,7 @@ def trigger(names: list[str], tags: bool = True) -> str:
     return ("<tool_call>|" if tags else "") + FENCE_OPENING + NAME_OPENING + "|" + named
 
 
+@functools.lru_cache(maxsize=8)   # asked per chat request; a server has one template
 def tool_format(template: str | None) -> str:
     """How the model writes tool calls, from its chat template: ``generic`` when it shows no tools."""
     text = template or ""
