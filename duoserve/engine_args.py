@@ -23,6 +23,7 @@ from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES,
                              CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from duoserve.errors import ConfigError
+from duoserve.gguf_types import block_type_names
 
 MODEL_GROUP = "model and engine"
 SPECULATIVE_GROUP = "speculative decoding (off unless --speculative-method is given)"
@@ -56,8 +57,7 @@ class EngineArgs:
         ModelConfig.dtype, "weights and activations; auto = bfloat16 on a GPU or on a CPU with native bf16 "
         "(AVX512-BF16, AMX), else float32. float32 matches transformers exactly", choices=DTYPES)
     quantization: str = flag(
-        ModelConfig.quantization, "gguf: keep a GGUF file's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, "
-        "Q3_K, Q4_K, Q5_K, Q6_K) in memory and compute from them (CPU); int8: quantize linear weights per output channel at "
+        ModelConfig.quantization, f"gguf: keep a GGUF file's quantized blocks ({block_type_names()}) in memory and compute from them (CPU); int8: quantize linear weights per output channel at "
         "load; none: dequantize to --dtype at load; auto = gguf for a quantized GGUF file on CPU, else none",
         choices=QUANTIZATIONS)
     gguf_mode: str = flag(

@@ -1,7 +1,7 @@
 """Kernels that compute from GGUF's quantized blocks (``csrc/gguf_linear.c``).
 
-A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K weight stays as its raw blocks (the bytes of the file, a
-sixth to a half of bf16's):
+A weight of one of GGUF's quantized types (``BLOCK_TYPES``, Q4_0 to Q6_K) stays as its raw blocks
+(the bytes of the file, a sixth to a half of bf16's):
 
 every row count, a decode step's few rows as a prompt's hundreds, goes straight through the
 blocks, with one arithmetic per mode so that a row's result never depends on its batch, its chunk
@@ -26,12 +26,11 @@ from typing import Protocol
 
 import torch
 
+from duoserve.gguf_types import block_types
 from duoserve.kernels.build import load_c_function
 
-# GGUF type name -> (id in gguf_linear.c, values per block, bytes per block)
-BLOCK_TYPES = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
-               "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210),
-               "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q2_K": (8, 256, 84), "Q3_K": (9, 256, 110)}
+# GGUF type name -> its row of csrc/gguf_blocks.h's table (id in gguf_linear.c, values and bytes per block, ...)
+BLOCK_TYPES = block_types()
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -76,7 +75,7 @@ def activation_block(type_name: str) -> int:
     """How many values of x share one 8-bit scale when fast mode computes a weight of ``type_name``:
     256 for the types gguf_linear.c takes a super-block at a time (the K-quants), else 32."""
     takes = (_KERNELS or gguf_kernels())["takes_superblock_rows"]
-    return 256 if takes(BLOCK_TYPES[type_name][0]) else 32
+    return 256 if takes(BLOCK_TYPES[type_name].id) else 32
 
 
 INTERLEAVED = 16   # a type id's flag: the rows repacked sixteen to a group (csrc/gguf_interleaved.h)
@@ -127,7 +126,7 @@ def _file_backed(start: int, end: int) -> bool:
 
 
 def type_id(weight: Blocks) -> int:
-    return BLOCK_TYPES[weight.type_name][0]
+    return BLOCK_TYPES[weight.type_name].id
 
 
 def _dequantize(data: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype, ids: torch.Tensor | None,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, quants
 
 from duoserve.errors import ModelLoadError
+from duoserve.gguf_types import block_types
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -143,21 +145,22 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return scales[:, :, None] * q  # [n, 16, 16]
 
 
-# type name -> (values per block, bytes per block, function)
-_QUANTIZED = {
-    "Q8_0": (32, 34, _q8_0),
-    "Q4_0": (32, 18, _q4_0),
-    "Q4_1": (32, 20, _q4_1),
-    "Q5_0": (32, 22, _q5_0),
-    "Q5_1": (32, 24, _q5_1),
-    "Q2_K": (256, 84, _q2_k),
-    "Q3_K": (256, 110, _q3_k),
-    "Q4_K": (256, 144, _q4_k),
-    "Q5_K": (256, 176, _q5_k),
-    "Q6_K": (256, 210, _q6_k),
-}
+# type name -> its torch dequantizer; the types, their block sizes and the order are the table's
+# (duoserve/gguf_types.py, read from csrc/gguf_blocks.h)
+_DEQUANTIZERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+                 "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", *_QUANTIZED)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *sorted(block_types()))
+
+
+def _by_gguf_package(type_name: str):
+    """A dequantizer for a type of the table with none in torch here: the ``gguf`` package's (numpy,
+    slower, the same values), so that a new type needs no code in this file to load."""
+    qtype = GGMLQuantizationType[type_name]
+
+    def dequantize_blocks(blocks: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(quants.dequantize(blocks.numpy(), qtype), dtype=np.float32))
+    return dequantize_blocks
 
 
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], name: str = "") -> torch.Tensor:
@@ -171,9 +174,9 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], name: st
     if type_name == "BF16":
         bits = torch.from_numpy(raw.view(np.int16)).reshape(shape)
         return bits.view(torch.bfloat16).float()
-    if type_name not in _QUANTIZED:
+    if type_name not in SUPPORTED_TYPES:
         raise ModelLoadError(f"GGUF tensor {name or '?'} has type {type_name}, which is not supported; supported "
                              f"types are {', '.join(SUPPORTED_TYPES)}")
-    block_values, type_size, fn = _QUANTIZED[type_name]
-    blocks = torch.from_numpy(raw.view(np.uint8)).reshape(-1, type_size)
+    fn = _DEQUANTIZERS.get(type_name) or _by_gguf_package(type_name)
+    blocks = torch.from_numpy(raw.view(np.uint8)).reshape(-1, block_types()[type_name].bytes)
     return fn(blocks).reshape(shape)

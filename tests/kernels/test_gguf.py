@@ -111,7 +111,7 @@ def test_gguf_linear_against_dequantized_matmul(type_name, mode, isa):
     cols = 512
     raw, ref = random_blocks(type_name, 40, cols, seed=1)
     data = torch.from_numpy(np.ascontiguousarray(raw))
-    type_id = BLOCK_TYPES[type_name][0]
+    type_id = BLOCK_TYPES[type_name].id
     gen = torch.Generator().manual_seed(2)
     block = activation_block(type_name)
     assert block == (256 if type_name.endswith("_K") else 32)
@@ -140,7 +140,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(type_name, mode, dtype, isa)
     cols = 512
     raw, _ = random_blocks(type_name, 42, cols, seed=7)
     data = torch.from_numpy(np.ascontiguousarray(raw))
-    type_id = BLOCK_TYPES[type_name][0]
+    type_id = BLOCK_TYPES[type_name].id
     x = torch.randn(140, cols, generator=torch.Generator().manual_seed(8)).to(dtype)
     whole = gguf_linear(x, data, type_id, cols, mode)
     for m in (1, 2, 3, 4, 5, 8, 9, 32, 33, 128, 129):
@@ -154,7 +154,7 @@ def test_gguf_linear_keeps_bfloat16_and_leading_dims():
     data = torch.from_numpy(np.ascontiguousarray(raw))
     for m in (1, 12):
         x = torch.randn(2, m, 256).to(torch.bfloat16)
-        got = gguf_linear(x, data, BLOCK_TYPES["Q4_1"][0], 256, "exact")
+        got = gguf_linear(x, data, BLOCK_TYPES["Q4_1"].id, 256, "exact")
         assert got.dtype == torch.bfloat16 and got.shape == (2, m, 48)
         want = x.float() @ ref.to(torch.bfloat16).float().T
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
@@ -247,8 +247,8 @@ def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
         with pytest.raises(ModelLoadError) as err:
             load_model(ModelConfig(model=str(out), dtype="float32", quantization=quantization))
         assert str(err.value).startswith("GGUF tensor token_embd.weight has type MXFP4, which is not supported; "
-                                         "supported types are F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
-                                         "Q4_K, Q5_K, Q6_K")
+                                         "supported types are F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, "
+                                         "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0")
 
 
 # ---- the default model (SmolLM2-135M, Q4_1 layers, Q8_0 embedding), float32 ----
@@ -347,7 +347,7 @@ def test_cpp_kernel_of_the_op_equals_the_python_kernel():
     for type_name in ("Q4_1", "Q6_K"):
         raw, _ = random_blocks(type_name, 24, 256, seed=5)
         data = torch.from_numpy(np.ascontiguousarray(raw))
-        type_id = BLOCK_TYPES[type_name][0]
+        type_id = BLOCK_TYPES[type_name].id
         for m in (1, 8, 9, 40):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 x = torch.randn(m, 256).to(dtype)
@@ -371,7 +371,7 @@ def test_interleaved_rows_dequantize_and_compute_as_the_files_blocks(type_name, 
     cols, rows = (96 * 3 if block == 32 else 256 * 3), 48   # 9 blocks a row (an odd number) or 3 super-blocks; 3 groups
     raw, ref = random_blocks(type_name, rows, cols, seed=11)
     data = torch.from_numpy(np.ascontiguousarray(raw))
-    type_id = BLOCK_TYPES[type_name][0]
+    type_id = BLOCK_TYPES[type_name].id
     packed = interleave(data, type_id, cols)
     assert packed.shape == (rows, data.shape[1] * 148 // 144 if type_name == "Q4_K" else data.shape[1])
     assert not torch.equal(packed[:, :data.shape[1]], data)
@@ -402,7 +402,7 @@ def test_interleaved_rows_compute_the_same_bits_in_avx512_and_avx2(type_name):
     cols = 512
     raw, _ = random_blocks(type_name, 32, cols, seed=13)
     data = torch.from_numpy(np.ascontiguousarray(raw))
-    type_id = BLOCK_TYPES[type_name][0] | INTERLEAVED
+    type_id = BLOCK_TYPES[type_name].id | INTERLEAVED
     packed = interleave(data, type_id & ~INTERLEAVED, cols)
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(14))
     outs = []
@@ -421,7 +421,7 @@ def test_fast_mode_interleaves_the_blocks_of_32_it_can():
     parts = [blocks(random_blocks(name, rows, 256, seed=i)[0], name, 256)
              for i, (name, rows) in enumerate([("Q8_0", 32), ("Q5_K", 16), ("Q5_0", 24)])]
     fast, exact = GGUFLinear(parts, None, "fast"), GGUFLinear(parts, None, "exact")
-    ids = [BLOCK_TYPES[name][0] for name in ("Q8_0", "Q5_K", "Q5_0")]
+    ids = [BLOCK_TYPES[name].id for name in ("Q8_0", "Q5_K", "Q5_0")]
     assert [t for _, t, _ in fast.runs] == [ids[0] | INTERLEAVED, ids[1], ids[2]]
     assert [t for _, t, _ in exact.runs] == ids
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(15))
@@ -439,7 +439,7 @@ def test_fast_mode_with_an_odd_number_of_blocks_per_row(type_name):
     data = torch.from_numpy(np.ascontiguousarray(raw))
     for m in (1, 3, 8, 9):
         x = away_from_rounding_ties(torch.randn(m, 96))
-        got = gguf_linear(x, data, BLOCK_TYPES[type_name][0], 96, "fast")
+        got = gguf_linear(x, data, BLOCK_TYPES[type_name].id, 96, "fast")
         emulated = (quantize_rows_like_fast_mode(x).double() @ ref.double().T).float()
         torch.testing.assert_close(got, emulated, rtol=0, atol=2e-5 * emulated.abs().max().item())
 
@@ -481,16 +481,16 @@ def test_team_entries_write_a_fused_projections_parts_with_the_entries_bits(mode
         for name, raw, _ in parts:
             data = np.ascontiguousarray(raw)
             fns["gguf_matmul_team"](ctypes.byref(rows), x.data_ptr(), bf16, exact, data.ctypes.data,
-                                    BLOCK_TYPES[name][0], m, raw.shape[0], cols, y.data_ptr(), width, col,
+                                    BLOCK_TYPES[name].id, m, raw.shape[0], cols, y.data_ptr(), width, col,
                                     ctypes.byref(failed))
             col += raw.shape[0]
     finally:
         fns["gguf_rows_free"](ctypes.byref(rows))
     assert failed.value == 0
-    want = torch.cat([gguf_linear(x, torch.from_numpy(np.ascontiguousarray(raw)), BLOCK_TYPES[name][0], cols, mode)
+    want = torch.cat([gguf_linear(x, torch.from_numpy(np.ascontiguousarray(raw)), BLOCK_TYPES[name].id, cols, mode)
                       for name, raw, _ in parts], dim=-1)
     assert torch.equal(y, want)
     name, raw, _ = parts[2]
     row = torch.empty(cols, dtype=dtype)
-    fns["gguf_dequantize_row"](BLOCK_TYPES[name][0], np.ascontiguousarray(raw[3]).ctypes.data, cols, row.data_ptr(), bf16)
+    fns["gguf_dequantize_row"](BLOCK_TYPES[name].id, np.ascontiguousarray(raw[3]).ctypes.data, cols, row.data_ptr(), bf16)
     assert torch.equal(row, dequantize_rows(blocks(raw, name, cols), dtype, ids=torch.tensor([3]))[0])

@@ -4,23 +4,60 @@
  * for each half of 16 (`sub_scales`):
  *     w[j] = scale[j / 16] * q[j] + offset[j / 16]
  * exact in float32 for every type, so that the reference dequantization's arithmetic is kept.
- * A new type is an entry in the enum and the tables, a case in EACH_TYPE, sub_scales, sub_values
- * and sub_values_vec (and, in gguf_linear.c's fast mode, SIGNED_WEIGHT / HALF_SCALES / OFFSETS).
- * Included by gguf_linear.c alone, after its includes. */
+ * The one table of the types is GGUF_BLOCK_TYPES below: Python reads it from this file
+ * (duoserve/gguf_types.py) for its own table, the dequantizers' keys and the flags' help. A new
+ * type is a row of it and its cases in sub_scales, sub_values and sub_values_vec, all in this file
+ * (gguf_superblocks.h's fast path for K-quants is an option a type may take later, in
+ * takes_superblock_rows). Included by gguf_linear.c alone, after its includes. */
 #ifndef DUOSERVE_GGUF_BLOCKS_H
 #define DUOSERVE_GGUF_BLOCKS_H
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 6, Q5_1 = 7, Q2_K = 8, Q3_K = 9,
-       LAST_TYPE = Q3_K };
 
-static const int BLOCK_VALUES[] = {32, 32, 32, 256, 256, 256, 32, 32, 256, 256};
-static const int BLOCK_BYTES[] = {18, 20, 34, 144, 176, 210, 22, 24, 84, 110};
+/* X(name, id, values per block, bytes per block, bias, half scales, offsets, ...), the macro's
+ * further arguments passed on to X:
+ *   bias: the weight is scale * (q - bias) for a stored unsigned q (the signed types; Q8_0's
+ *         int8 read unsigned is q - 128), 0 where it is scale * q + offset (a min per block);
+ *   half scales: 1 where each half of 16 values of a sub-block of 32 has its own scale;
+ *   offsets: how many offsets (mins) a sub-block of 32 has, 1 or 2 (each half its own). */
+#define GGUF_BLOCK_TYPES(X, ...) \
+    X(Q4_0, 0, 32, 18, 8, 0, 1, __VA_ARGS__) \
+    X(Q4_1, 1, 32, 20, 0, 0, 1, __VA_ARGS__) \
+    X(Q8_0, 2, 32, 34, 128, 0, 1, __VA_ARGS__) \
+    X(Q4_K, 3, 256, 144, 0, 0, 1, __VA_ARGS__) \
+    X(Q5_K, 4, 256, 176, 0, 0, 1, __VA_ARGS__) \
+    X(Q6_K, 5, 256, 210, 32, 1, 1, __VA_ARGS__) \
+    X(Q5_0, 6, 32, 22, 16, 0, 1, __VA_ARGS__) \
+    X(Q5_1, 7, 32, 24, 0, 0, 1, __VA_ARGS__) \
+    X(Q2_K, 8, 256, 84, 0, 1, 2, __VA_ARGS__) \
+    X(Q3_K, 9, 256, 110, 4, 1, 1, __VA_ARGS__)
 
-/* `switch (type)` over every block type, M(arg, T) the code for type T as a constant */
-#define EACH_TYPE(M, arg) switch (type) { \
-    case Q4_0: M(arg, Q4_0) break; case Q4_1: M(arg, Q4_1) break; case Q8_0: M(arg, Q8_0) break; \
-    case Q4_K: M(arg, Q4_K) break; case Q5_K: M(arg, Q5_K) break; case Q6_K: M(arg, Q6_K) break; \
-    case Q5_0: M(arg, Q5_0) break; case Q5_1: M(arg, Q5_1) break; case Q2_K: M(arg, Q2_K) break; \
-    default: M(arg, Q3_K) break; }
+#define TYPE_ID(name, id, values, bytes, bias, half, offsets, ...) name = id,
+#define TYPE_ONE(name, id, values, bytes, bias, half, offsets, ...) + 1
+enum { GGUF_BLOCK_TYPES(TYPE_ID, _) BLOCK_TYPE_COUNT = 0 GGUF_BLOCK_TYPES(TYPE_ONE, _) };
+#define LAST_TYPE (BLOCK_TYPE_COUNT - 1)   /* ids run 0..LAST_TYPE */
+
+#define TYPE_VALUES(name, id, values, bytes, bias, half, offsets, ...) [id] = values,
+#define TYPE_BYTES(name, id, values, bytes, bias, half, offsets, ...) [id] = bytes,
+static const int BLOCK_VALUES[] = {GGUF_BLOCK_TYPES(TYPE_VALUES, _)};
+static const int BLOCK_BYTES[] = {GGUF_BLOCK_TYPES(TYPE_BYTES, _)};
+
+/* the table's other columns as functions of a type (folded where the type is a constant) */
+#define TYPE_BIAS(name, id, values, bytes, bias, half, offsets, ...) case name: return bias;
+#define TYPE_HALF(name, id, values, bytes, bias, half, offsets, ...) case name: return half;
+#define TYPE_OFFSETS(name, id, values, bytes, bias, half, offsets, ...) case name: return offsets;
+static inline __attribute__((always_inline)) int type_bias(int type) {
+    switch (type) { GGUF_BLOCK_TYPES(TYPE_BIAS, _) default: return 0; }
+}
+static inline __attribute__((always_inline)) int half_scales(int type) {
+    switch (type) { GGUF_BLOCK_TYPES(TYPE_HALF, _) default: return 0; }
+}
+static inline __attribute__((always_inline)) int type_offsets(int type) {
+    switch (type) { GGUF_BLOCK_TYPES(TYPE_OFFSETS, _) default: return 1; }
+}
+
+/* `switch (type)` over every block type, M(arg, T) the code for type T as a constant; the callers
+ * have checked the type (known_type), so that no other case is laid out */
+#define TYPE_CASE_EACH(name, id, values, bytes, bias, half, offsets, M, arg) case name: M(arg, name) break;
+#define EACH_TYPE(M, arg) switch (type) { GGUF_BLOCK_TYPES(TYPE_CASE_EACH, M, arg) default: __builtin_unreachable(); }
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));

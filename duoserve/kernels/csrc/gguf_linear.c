@@ -175,6 +175,18 @@ int64_t gguf_row_bytes(int type, int k) {
     return (int64_t)(k / BLOCK_VALUES[base]) * (type & INTERLEAVED ? il_block_bytes(base) : BLOCK_BYTES[base]);
 }
 
+/* the table's row of a type (gguf_blocks.h): values, bytes, bias, half scales, offsets; -1 for an
+ * unknown type (the tests read the compiled table against the header's text and the gguf package) */
+int gguf_type_info(int type, int info[5]) {
+    if (type < 0 || type > LAST_TYPE) return -1;
+    info[0] = BLOCK_VALUES[type];
+    info[1] = BLOCK_BYTES[type];
+    info[2] = type_bias(type);
+    info[3] = half_scales(type);
+    info[4] = type_offsets(type);
+    return 0;
+}
+
 /* one row of w -> k values, float32 or bfloat16, as gguf_dequantize computes them */
 void gguf_dequantize_row(int type, const uint8_t *row, int k, void *out, int out_bf16) {
 #define ROW_TYPE(unused, T) dequantize_row(T, row, k, out, out_bf16);
@@ -346,14 +358,14 @@ static inline float sub_dot(const uint8_t q[32], const float scale[2], const flo
 
 #ifdef VEC_AVX2
 #define FAST_VEC 1
-/* Types whose weight is scale * (a signed integer) (Q4_0: q - 8, Q5_0: q - 16, Q8_0, Q6_K: q - 32,
- * Q3_K: q - 4), with no offset term; the others (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) are scale * q + offset,
- * q unsigned. */
-#define SIGNED_WEIGHT(t) ((t) == Q4_0 || (t) == Q5_0 || (t) == Q8_0 || (t) == Q6_K || (t) == Q3_K)
+/* Types whose weight is scale * (a signed integer): a bias in gguf_blocks.h's table (Q4_0: q - 8,
+ * Q5_0: q - 16, Q8_0, Q6_K: q - 32, Q3_K: q - 4), with no offset term; the others (Q4_1, Q5_1, Q2_K,
+ * Q4_K, Q5_K) are scale * q + offset, q unsigned. */
+#define SIGNED_WEIGHT(t) (type_bias(t) != 0)
 /* types with a scale per half of 16 values (the others' halves share one) */
-#define HALF_SCALES(t) ((t) == Q6_K || (t) == Q3_K || (t) == Q2_K)
+#define HALF_SCALES(t) half_scales(t)
 /* offsets kept per sub-block: Q2_K's two halves have their own min, the other types' share one */
-#define OFFSETS(t) ((t) == Q2_K ? 2 : 1)
+#define OFFSETS(t) type_offsets(t)
 #define TILE_W 4       /* weight rows of a tile (a weight row's sums for TILE_X rows of x in registers) */
 #ifdef VECTOR
 #define TILE_X 4       /* rows of x of a tile: AVX-512's 32 registers hold 4 x 4 sums and their inputs */
@@ -378,12 +390,9 @@ static inline __attribute__((always_inline)) void sub_weight(int type, const uin
                                                              __m256 *lane_scales, float *offset) {
     float scale[2], off[2];
     sub_scales(type, b, sub, scale, off);
-    if (type == Q8_0) *q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    if (type == Q8_0) *q = _mm256_loadu_si256((const __m256i *)(b + 2));  /* signed as stored: no bias to take */
+    else if (type_bias(type)) *q = _mm256_sub_epi8(sub_values_vec(type, b, sub), _mm256_set1_epi8((char)type_bias(type)));
     else *q = sub_values_vec(type, b, sub);
-    if (type == Q4_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(8));
-    if (type == Q5_0) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(16));
-    if (type == Q6_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(32));
-    if (type == Q3_K) *q = _mm256_sub_epi8(*q, _mm256_set1_epi8(4));
     *lane_scales = HALF_SCALES(type) ? _mm256_set_m128(_mm_set1_ps(scale[1]), _mm_set1_ps(scale[0]))
                                      : _mm256_set1_ps(scale[0]);
     offset[0] = off[0];
