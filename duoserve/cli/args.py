@@ -7,8 +7,8 @@ imports torch or the engine, so ``--help`` is instant; the flags become a config
 from __future__ import annotations
 
 import argparse
-import os
 
+from duoserve import envs
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
@@ -139,7 +139,7 @@ def _add_listen_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the --model value, or smollm2-135m)")
-    g.add_argument("--api-key", default=os.environ.get("DUOSERVE_API_KEY"),
+    g.add_argument("--api-key", default=envs.DUOSERVE_API_KEY,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DUOSERVE_API_KEY, or none)")
     g.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"],

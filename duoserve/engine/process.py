@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from duoserve import envs
+
 if TYPE_CHECKING:
     from duoserve.engine.lifecycle import StopSignals
 
@@ -172,7 +174,7 @@ def _pin(config_bytes: bytes) -> None:
 def _fault_start_sleep() -> None:
     """Fault injection for tests (documented in docs/architecture.md): the engine sleeps this
     many seconds before it loads, as a first start that builds kernels or compiles would."""
-    seconds = float(os.environ.get("DUOSERVE_FAULT_START_SLEEP", "0"))
+    seconds = envs.DUOSERVE_FAULT_START_SLEEP
     if seconds:
         time.sleep(seconds)
 
@@ -285,7 +287,7 @@ class EngineServer:
         poller = self._poller()
         # fault injection for tests (documented in docs/architecture.md): the first step with
         # work sleeps this many seconds, as a long step on an overloaded machine would
-        fault_sleep = float(os.environ.get("DUOSERVE_FAULT_STEP_SLEEP", "0"))
+        fault_sleep = envs.DUOSERVE_FAULT_STEP_SLEEP
         while True:
             outputs, self.kv_arrived = [], False
             busy = self.core.has_work()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from duoserve import envs
 from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.engine_args import EngineArgs
@@ -25,7 +25,7 @@ def show_logs_by_default() -> None:
     stderr, as a server prints them, so that a first start that builds kernels and compiles says
     what it is doing. Configuring logging first, or DUOSERVE_CONFIGURE_LOGGING=0, leaves them out."""
     ours = logging.getLogger("duoserve")
-    if os.environ.get("DUOSERVE_CONFIGURE_LOGGING", "1") == "0" or logging.getLogger().handlers or ours.handlers:
+    if not envs.DUOSERVE_CONFIGURE_LOGGING or logging.getLogger().handlers or ours.handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s duoserve: %(message)s", "%H:%M:%S"))

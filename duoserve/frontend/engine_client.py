@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from duoserve import envs
 from duoserve.config import EngineConfig
 from duoserve.frontend.placement import Rates
 from duoserve.core.request import Request
@@ -48,7 +49,7 @@ from duoserve.transport.heartbeat import keep_alive
 logger = logging.getLogger(__name__)
 
 # an engine connected but silent this long (stats come every second) is reported slow
-SILENCE_TIMEOUT = float(os.environ.get("DUOSERVE_SILENCE_TIMEOUT", "30"))
+SILENCE_TIMEOUT = envs.DUOSERVE_SILENCE_TIMEOUT
 POLL_S = 0.5
 
 

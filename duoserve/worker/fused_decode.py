@@ -23,11 +23,11 @@ the compiled graph for every step. ``DUOSERVE_DECODE_STEP=0`` turns it off.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from duoserve import envs
 from duoserve.kernels.dense import packed_linear_supported
 from duoserve.kernels.linear import CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding
 from duoserve.kernels.ops import StepContext, decode_step_available, register_context
@@ -108,7 +108,7 @@ def _embedding_why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
 
 def why_not(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Why this model's decode steps do not run in ``decode_step``, or None when they do."""
-    if os.environ.get("DUOSERVE_DECODE_STEP", "1") == "0":
+    if not envs.DUOSERVE_DECODE_STEP:
         return "DUOSERVE_DECODE_STEP=0"
     return why_not_takes(model, kv_caches)
 
@@ -218,7 +218,7 @@ class FusedDecodeStep:
                     int(moe.renormalize), arch.moe_intermediate_size, arch.shared_expert_intermediate_size or 0,
                     moe.expert_tokens, exact)
         self.context = context.handle
-        self.tiled_prefill = os.environ.get("DUOSERVE_TILED_PREFILL") == "1"   # as csrc/paged_prefill.c reads it
+        self.tiled_prefill = envs.DUOSERVE_TILED_PREFILL   # as kernels/build.py sets csrc/paged_prefill.c
 
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Any step of at most ``MAX_ROWS`` tokens: decodes, a speculating sequence's guesses, short

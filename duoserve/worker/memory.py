@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from duoserve import envs
 from duoserve.core.kv_cache_manager import NO_WINDOW, window_to_free
 
 if TYPE_CHECKING:  # torch-free at import: the API process reads its own size with rss_bytes
@@ -86,7 +87,7 @@ def scratch_measured() -> bool:
     """``DUOSERVE_MEASURE_SCRATCH=1``: the engine runs one chunk of the step budget at start and
     reports its measured peak instead of the estimate (a forward costs start-up time; the
     memory report's own tests ask for it)."""
-    return os.environ.get("DUOSERVE_MEASURE_SCRATCH", "0") == "1"
+    return envs.DUOSERVE_MEASURE_SCRATCH
 
 
 def _checkpoint_weights(path: Path, quantization: str, dtype_bytes: int) -> int:

@@ -13,12 +13,12 @@ forward runs (``duoserve.worker.grammar_masks``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from duoserve import envs
 from duoserve.core.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from duoserve.kv.reblock import insert_kv
 from duoserve.kv.staging import to_device
@@ -92,7 +92,7 @@ class ModelRunner:
             return
         self.forward, self.compiled = compiled, True
         logger.info("compiled the model step in %.1fs (graphs: %d; cache in %s)", seconds, compiled.num_compiles,
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+                    envs.TORCHINDUCTOR_CACHE_DIR)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

@@ -64,18 +64,13 @@ int paged_find_runs(const int64_t *block_tables, const int64_t *seq_lens, int nu
  * blocks of sixteen keys, against two passes over the row's scores), so with tiles on a token's
  * attention depends on whether its prompt chunk, prefix-cache hit or speculative check left it
  * in a run of MIN_RUN rows: the same prompt could answer differently batched than alone. Off
- * unless DUOSERVE_TILED_PREFILL=1 (read at the first call) or paged_set_tiled_prefill(1). */
-static int tiled_prefill = -1;
+ * unless paged_set_tiled_prefill(1): kernels/build.py calls it as it loads a library with this
+ * file, from DUOSERVE_TILED_PREFILL (duoserve/envs.py). */
+static int tiled_prefill = 0;
 
 void paged_set_tiled_prefill(int on) { tiled_prefill = on; }
 
-static int tiles_on(void) {
-    if (tiled_prefill < 0) {
-        const char *value = getenv("DUOSERVE_TILED_PREFILL");
-        tiled_prefill = value != NULL && value[0] == '1';
-    }
-    return tiled_prefill;
-}
+static int tiles_on(void) { return tiled_prefill; }
 
 int paged_prefill_supported(int head_dim, int is_bf16) {
 #if !defined(__AVX512BF16__)
