@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duoserve.errors import ConfigError
+from duoserve.flags import flag
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
@@ -283,28 +284,61 @@ def parse_address_list(value: str | None, field_name: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    """How a disaggregated deployment is laid out (``--mode disaggregated``): engines to launch or join."""
-    prefill_device: str = "cpu"       # cpu, cuda/gpu (every prompt), or auto (where its predicted TTFT is lowest)
-    max_prefill_len: int = 512        # auto: longer prompts are prefilled on the decode engine
-    prefill_threads: int | None = None
-    decode_threads: int | None = None
-    prefill_cpus: tuple[int, ...] | None = None
-    decode_cpus: tuple[int, ...] | None = None
-    kv_transport: str = "shm"         # shm (same host) or tcp
-    kv_lease_timeout: float = 30.0
-    prefill_block_size: int | None = None  # None = the decode engine's (KV is re-blocked either way)
-    prefill_max_num_batched_tokens: int | None = None  # None = --max-num-batched-tokens's (or its default)
-    num_prefill_engines: int = 1      # engines this frontend launches, when no addresses are given
-    num_decode_engines: int = 1
-    prefill_addrs: tuple[str, ...] = ()   # engines already running (duoserve prefill --listen ADDR)
-    decode_addrs: tuple[str, ...] = ()
-    engine_host: str = "127.0.0.1"    # where launched engines listen when they use TCP
-    auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.transport.auth); None: $DUOSERVE_AUTH_KEY*
-    insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
-    core_sharing: str = "turns"       # turns: both roles on every core, in turn; split: each role its own cores
+    """How a disaggregated deployment is laid out (``--mode disaggregated``): engines to launch or join.
+    Each flagged field is its ``duoserve serve`` flag (duoserve.flags)."""
+    FLAG_GROUP = (
+        "disaggregated serving (--mode disaggregated)",
+        "Engines launched on this host share its cores: unless one of --prefill-threads, --decode-threads, "
+        "--prefill-cpus or --decode-cpus is given, every engine uses every core and the roles take turns "
+        "(--core-sharing turns: a decode step waits at most --prefill-turn for a prompt), or decode engines "
+        "are pinned to the first half of the cores and prefill engines to the rest (--core-sharing split; "
+        "2 cores: prefill on CPU 1, decode on CPU 0). With --prefill-device cuda the CPU engines are not pinned.")
+    prefill_device: str = flag(
+        "cpu", "where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or auto: each "
+        "where its predicted time to first token is lowest, on a CPU prefill engine or on its decode engine "
+        f"(whose steps then hold at most {AUTO_DECODE_STEP_TOKENS} prompt tokens unless --max-num-batched-tokens "
+        "is given); before any rate is measured, --max-prefill-len decides", choices=PREFILL_DEVICES)
+    max_prefill_len: int = flag(
+        512, "auto placement before rates are measured: prompts of at most this many tokens on a prefill engine "
+        "(longer ones on the decode engine)", parse=int)
+    prefill_threads: int | None = flag(None, "torch threads of each prefill engine", parse=int,
+                                       default_help="its share of the cores, see above")
+    decode_threads: int | None = flag(None, "torch threads of each decode engine", parse=int,
+                                      default_help="its share of the cores")
+    prefill_cpus: tuple[int, ...] | None = flag(None, "pin the prefill engines to these CPUs: 0, 0-1, 0,2",
+                                                convert=parse_cpu_list,
+                                                default_help="see above")
+    decode_cpus: tuple[int, ...] | None = flag(None, "pin the decode engines to these CPUs",
+                                               convert=parse_cpu_list,
+                                               default_help="see above")
+    core_sharing: str = flag(
+        "turns", "how launched engines of both roles share this host's cores: every core, in turns, or split "
+        "between the roles", choices=CORE_SHARINGS)
     # turns: seconds a prompt holds the cores while a decode step waits; each turn costs the prompt
     # a decode step, so shorter turns lengthen the first tokens (BENCHMARKS.md, session 25)
-    prefill_turn: float = 0.4
+    prefill_turn: float = flag(0.4, "turns: seconds a prompt step keeps the cores while a decode step waits",
+                               parse=float)
+    kv_transport: str = flag("shm", "how KV moves between the engines: shared memory (same host) or TCP",
+                             choices=KV_TRANSPORTS)
+    kv_lease_timeout: float = flag(30.0, "seconds a prefill engine keeps KV for an unacknowledged handoff",
+                                   parse=float)
+    prefill_block_size: int | None = None  # None = the decode engine's (KV is re-blocked either way)
+    prefill_max_num_batched_tokens: int | None = flag(
+        None, "token budget of one prefill-engine step; smaller chunks let a short prompt overtake a long one "
+        "sooner", parse=int, default_help="--max-num-batched-tokens")
+    # engines this frontend launches, when no addresses are given (None on the command line: not given)
+    num_prefill_engines: int = flag(1, "prefill engines to launch on this host", parse=int, cli_default=None)
+    num_decode_engines: int = flag(1, "decode engines to launch on this host", parse=int, cli_default=None)
+    prefill_addrs: tuple[str, ...] = flag(
+        (), "use running prefill engines instead (`duoserve prefill --listen ADDR`): tcp://h1:p1,...",
+        convert=parse_address_list, cli_default=None, default_help="none")
+    decode_addrs: tuple[str, ...] = flag(
+        (), "use running decode engines instead (`duoserve decode --listen ADDR`): tcp://h2:p2,...",
+        convert=parse_address_list, cli_default=None, default_help="none")
+    engine_host: str = flag("127.0.0.1", "where launched engines listen when they use TCP; must be reachable "
+                            "from remote engines")
+    auth_key_file: str | None = None  # the deployment's CURVE key (duoserve.transport.auth); None: $DUOSERVE_AUTH_KEY*
+    insecure_no_auth: bool = False    # launched engines may listen beyond loopback without a key
 
     def __post_init__(self) -> None:
         if self.core_sharing not in CORE_SHARINGS:
@@ -373,14 +407,28 @@ ROUTINGS = ("prefix", "least-loaded")   # frontend/router.py
 class ClusterConfig:
     """Where a frontend's engines run (``--cluster``): launched on this host (or joined at
     ``--prefill-addrs``/``--decode-addrs``), or Ray actors placed on a cluster's nodes by their
-    ``duoserve_prefill``/``duoserve_decode`` resources (``duoserve.frontend.ray_cluster``)."""
-    kind: str = "local"
-    ray_address: str | None = None    # None: start a Ray instance here; "auto": the running one; or HOST:PORT
-    ray_namespace: str = "duoserve"   # one deployment's engines are the named actors of this namespace
+    ``duoserve_prefill``/``duoserve_decode`` resources (``duoserve.frontend.ray_cluster``). Each
+    flagged field is its ``duoserve serve`` flag (duoserve.flags)."""
+    FLAG_GROUP = (
+        "cluster (--cluster ray)",
+        "Engines as Ray actors, placed on the nodes that advertise duoserve_prefill / duoserve_decode resources "
+        "(`duoserve ray-node`), found again by name by every frontend, restarted by Ray when a node dies. "
+        "They outlive the frontends: `duoserve ray-stop` removes them.")
+    num_engines: int = flag(
+        1, "colocated engines to launch on this host, each on its share of the cores; a request whose engine goes "
+        "down goes on on another (with --mode disaggregated use --num-decode-engines)", parse=int)
+    routing: str = flag(
+        "prefix", "which of several engines of a role takes a request: prefix, the one with the fewest prompt "
+        "tokens to compute before its first token (its queue, plus the part of this prompt its prefix cache "
+        "probably lacks), none 4 requests busier than the least loaded; least-loaded, the one with the fewest "
+        "queued", choices=ROUTINGS)
+    kind: str = flag("local", "launch the engines on this host, or place them on a Ray cluster", choices=CLUSTERS,
+                     name="cluster")
+    ray_address: str | None = flag(
+        None, "the cluster to join: HOST:PORT, or auto for the one `ray start` runs here",
+        default_help="start a Ray instance on this host with the resources of the engines asked for")
+    ray_namespace: str = flag("duoserve", "one deployment's engines are the named actors of this namespace")
     auth_key_file: str | None = None  # the deployment key; None: $DUOSERVE_AUTH_KEY*, else the engines' own
-    num_engines: int = 1              # colocated engines launched on this host (each takes a share of its cores)
-    # among engines of a role: the fewest prompt tokens ahead (cache counted off), or least-loaded
-    routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.kind not in CLUSTERS:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -23,24 +23,12 @@ from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES,
                              CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from duoserve.errors import ConfigError
+from duoserve.flags import add_flags, flag, values_from_args
 from duoserve.gguf_types import block_type_names
 
 MODEL_GROUP = "model and engine"
 SPECULATIVE_GROUP = "speculative decoding (off unless --speculative-method is given)"
 KV_STORE_GROUP = "shared KV store (off unless --kv-store is given)"
-
-
-def flag(default: Any = None, help: str = "", *, parse: Callable[[str], Any] | None = None,
-         choices: tuple[str, ...] | None = None, group: str = MODEL_GROUP, default_help: str | None = None,
-         factory: Callable[[], Any] | None = None, cli: bool = True):
-    """A field of ``EngineArgs`` with what its flag needs: ``parse`` turns the flag's text into the
-    value (booleans get --x/--no-x), ``default_help`` says what the default means where the value
-    alone would not, ``cli=False`` keeps a keyword out of the command line."""
-    metadata = {"help": help, "parse": parse, "choices": choices, "group": group, "default_help": default_help,
-                "cli": cli}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 def _spec_defaults(table: dict[str, int]) -> str:
@@ -146,31 +134,16 @@ class EngineArgs:
         KVStoreConfig.required, "refuse to start when the store does not answer", parse=bool, group=KV_STORE_GROUP,
         default_help="off: warn, naming it, and serve without it until it does")
 
+    FLAG_GROUP = (MODEL_GROUP, None)   # the fields' group where they name none
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One ``--flag`` per field (its groups in field order)."""
-        groups: dict[str, argparse._ArgumentGroup] = {}
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if not meta["cli"]:
-                continue
-            if meta["group"] not in groups:
-                groups[meta["group"]] = parser.add_argument_group(meta["group"])
-            group = groups[meta["group"]]
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            shown = meta["default_help"] or ("on" if default is True else "off" if default is False else default)
-            kwargs: dict[str, Any] = {"default": default, "help": f"{meta['help']} (default: {shown})"}
-            if meta["parse"] is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif meta["parse"] is not None:
-                kwargs["type"] = meta["parse"]
-            if meta["choices"]:
-                kwargs["choices"] = list(meta["choices"])
-            group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        add_flags(parser, cls)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata["cli"]})
+        return cls(**values_from_args(cls, args))
 
     @classmethod
     def names(cls) -> list[str]:

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from duoserve import envs
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
-from duoserve.config import (AUTO_DECODE_STEP_TOKENS, CLUSTERS, CORE_SHARINGS, KV_TRANSPORTS, PREFILL_DEVICES,
-                             ROUTINGS, ClusterConfig, DisaggConfig, EngineConfig)
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.engine_args import EngineArgs
-from duoserve.entrypoints.reasoning import REASONING_PARSERS
-from duoserve.entrypoints.tool_formats import TOOL_CALL_PARSERS
-from duoserve.sampling_params import POOLINGS
+from duoserve.entrypoints.server_config import ServerConfig
+from duoserve.flags import add_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,125 +120,17 @@ def add_auth_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Every flag of ``serve`` but the engine's. The server group's limits come after the other
-    groups so that the usage line keeps its order."""
-    server = parser.add_argument_group("server")
-    _add_listen_args(server)
+    """Every flag of ``serve`` but the engine's: the server's, the disaggregated layout's, the
+    deployment key's and the cluster's, each declared on its config's fields (``duoserve.flags``)."""
+    add_flags(parser, ServerConfig)
     add_disagg_args(parser)
     add_auth_args(parser)
     add_cluster_args(parser)
-    _add_server_limit_args(server)
-
-
-def _add_listen_args(g: argparse._ArgumentGroup) -> None:
-    """Where the server listens, who may call it, and how many engines serve it."""
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the --model value, or smollm2-135m)")
-    g.add_argument("--api-key", default=envs.DUOSERVE_API_KEY,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $DUOSERVE_API_KEY, or none)")
-    g.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"],
-                   help="one engine doing prefill and decode, or separate engines (default: colocated)")
 
 
 def add_disagg_args(parser: argparse.ArgumentParser) -> None:
-    d = parser.add_argument_group(
-        "disaggregated serving (--mode disaggregated)",
-        "Engines launched on this host share its cores: unless one of --prefill-threads, --decode-threads, "
-        "--prefill-cpus or --decode-cpus is given, every engine uses every core and the roles take turns "
-        "(--core-sharing turns: a decode step waits at most --prefill-turn for a prompt), or decode engines "
-        "are pinned to the first half of the cores and prefill engines to the rest (--core-sharing split; "
-        "2 cores: prefill on CPU 1, decode on CPU 0). With --prefill-device cuda the CPU engines are not pinned.")
-    d.add_argument("--prefill-device", default=DisaggConfig.prefill_device, choices=PREFILL_DEVICES,
-                   help="where prompts are prefilled: on a prefill engine on that device (cpu, cuda/gpu), or "
-                        "auto: each where its predicted time to first token is lowest, on a CPU prefill "
-                        "engine or on its decode engine (whose steps then hold at most "
-                        f"{AUTO_DECODE_STEP_TOKENS} prompt tokens unless --max-num-batched-tokens is given); "
-                        "before any rate is measured, --max-prefill-len decides (default: cpu)")
-    d.add_argument("--max-prefill-len", type=int, default=DisaggConfig.max_prefill_len,
-                   help=f"auto placement before rates are measured: prompts of at most this many tokens on "
-                        f"a prefill engine (default: {DisaggConfig.max_prefill_len})")
-    d.add_argument("--prefill-threads", type=int, default=None,
-                   help="torch threads of each prefill engine (default: its share of the cores, see above)")
-    d.add_argument("--decode-threads", type=int, default=None,
-                   help="torch threads of each decode engine (default: its share of the cores)")
-    d.add_argument("--prefill-cpus", default=None,
-                   help="pin the prefill engines to these CPUs: 0, 0-1, 0,2 (default: see above)")
-    d.add_argument("--decode-cpus", default=None, help="pin the decode engines to these CPUs (default: see above)")
-    d.add_argument("--core-sharing", default=DisaggConfig.core_sharing, choices=CORE_SHARINGS,
-                   help="how launched engines of both roles share this host's cores: every core, in turns, "
-                        "or split between the roles (default: turns)")
-    d.add_argument("--prefill-turn", type=float, default=DisaggConfig.prefill_turn,
-                   help="turns: seconds a prompt step keeps the cores while a decode step waits "
-                        f"(default: {DisaggConfig.prefill_turn:g})")
-    d.add_argument("--kv-transport", default=DisaggConfig.kv_transport, choices=KV_TRANSPORTS,
-                   help="how KV moves between the engines: shared memory or TCP (default: shm)")
-    d.add_argument("--kv-lease-timeout", type=float, default=DisaggConfig.kv_lease_timeout,
-                   help="seconds a prefill engine keeps KV for an unacknowledged handoff "
-                        f"(default: {DisaggConfig.kv_lease_timeout:g})")
-    d.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one prefill-engine step (default: --max-num-batched-tokens); smaller "
-                        "chunks let a short prompt overtake a long one sooner")
-    d.add_argument("--num-prefill-engines", type=int, default=None,
-                   help="prefill engines to launch on this host (default: 1)")
-    d.add_argument("--num-decode-engines", type=int, default=None,
-                   help="decode engines to launch on this host (default: 1)")
-    d.add_argument("--prefill-addrs", default=None,
-                   help="use running prefill engines instead (`duoserve prefill --listen ADDR`): tcp://h1:p1,...")
-    d.add_argument("--decode-addrs", default=None,
-                   help="use running decode engines instead (`duoserve decode --listen ADDR`): tcp://h2:p2,...")
-    d.add_argument("--engine-host", default=DisaggConfig.engine_host,
-                   help="where launched engines listen when they use TCP; must be reachable from remote "
-                        "engines (default: 127.0.0.1)")
+    add_flags(parser, DisaggConfig)
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    r = parser.add_argument_group(
-        "cluster (--cluster ray)",
-        "Engines as Ray actors, placed on the nodes that advertise duoserve_prefill / duoserve_decode resources "
-        "(`duoserve ray-node`), found again by name by every frontend, restarted by Ray when a node dies. "
-        "They outlive the frontends: `duoserve ray-stop` removes them.")
-    r.add_argument("--num-engines", type=int, default=ClusterConfig.num_engines,
-                   help="colocated engines to launch on this host, each on its share of the cores; a request "
-                        "whose engine goes down goes on on another (default: 1; with --disagg use "
-                        "--num-decode-engines)")
-    r.add_argument("--routing", default=ClusterConfig.routing, choices=ROUTINGS,
-                   help="which of several engines of a role takes a request: prefix, the one with the fewest "
-                        "prompt tokens to compute before its first token (its queue, plus the part of this prompt "
-                        "its prefix cache probably lacks), none 4 requests busier than the least loaded; "
-                        "least-loaded, the one with the fewest queued (default: prefix)")
-    r.add_argument("--cluster", default=ClusterConfig.kind, choices=CLUSTERS,
-                   help="launch the engines on this host, or place them on a Ray cluster (default: local)")
-    r.add_argument("--ray-address", default=None,
-                   help="the cluster to join: HOST:PORT, or auto for the one `ray start` runs here (default: start "
-                        "a Ray instance on this host with the resources of the engines asked for)")
-    r.add_argument("--ray-namespace", default=ClusterConfig.ray_namespace,
-                   help="one deployment's engines are the named actors of this namespace (default: duoserve)")
-
-
-def _add_server_limit_args(g: argparse._ArgumentGroup) -> None:
-    """Admission, request size, shutdown and the HTTP server's logs."""
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="requests in flight beyond which new ones get 429 (default: no limit)")
-    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest request body accepted, larger gets 413 (default: 1048576)")
-    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                   help="how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: "
-                        "<tool_call> JSON, fenced or bare). Default: the one the model's chat template speaks "
-                        "(a template without tools gets llama.cpp's generic JSON format: README, Tool calls)")
-    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                   help="split a reasoning model's <think>...</think> from its answer into reasoning_content "
-                        "(vLLM's names)")
-    g.add_argument("--pooling", default=None, choices=POOLINGS,
-                   help="how /v1/embeddings pools a prompt's final hidden states: the last token's, or the "
-                        "mean of all (default: what the model file says (GGUF pooling_type, sentence-transformers' "
-                        "Pooling config), else last, as for a causal model)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default: 30)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="log level of the HTTP server's own messages (default: info)")
-    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="log every HTTP request (default: on)")
+    add_flags(parser, ClusterConfig)

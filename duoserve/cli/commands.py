@@ -10,8 +10,9 @@ import argparse
 import socket
 
 from duoserve.bench import serve as bench
-from duoserve.cli.configs import cluster_config_from_args, disagg_config_from_args, engine_config_from_args
-from duoserve.config import DEFAULT_MODEL_ALIAS, ClusterConfig, check_engine_address, parse_cpu_list
+from duoserve.cli.configs import (cluster_config_from_args, disagg_config_from_args, engine_config_from_args,
+                                  server_config_from_args)
+from duoserve.config import ClusterConfig, check_engine_address, parse_cpu_list
 from duoserve.errors import ConfigError, DuoserveError
 
 
@@ -47,11 +48,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from duoserve.model.paths import resolve_model_path
 
-    disagg = disagg_config_from_args(args)
+    disagg, server = disagg_config_from_args(args), server_config_from_args(args)
     # a launched engine's own SIGTERM drains it as long as the server's drains the server
-    engine_config = dataclasses.replace(engine_config_from_args(args), shutdown_timeout=args.shutdown_timeout)
+    engine_config = dataclasses.replace(engine_config_from_args(args), shutdown_timeout=server.shutdown_timeout)
     cluster = cluster_config_from_args(args)
-    check_port(args.host, args.port)
+    check_port(server.host, server.port)
     if not (disagg and disagg.decode_addrs and disagg.prefill_addrs) and cluster.kind == "local":
         resolve_model_path(args.model)   # a launched engine loads it: refuse a wrong path now
         from duoserve.frontend.launcher import start_engine_server
@@ -60,19 +61,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from duoserve.cli.start_signals import stop_start_on_signal
-    from duoserve.entrypoints.api_server import DrainingServer, ServerConfig, create_app
+    from duoserve.entrypoints.api_server import DrainingServer, create_app
     from duoserve.frontend.engine_client import EngineStartError
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_ALIAS)
-    server = ServerConfig(served_model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                          max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          pooling=args.pooling)
     app = create_app(engine_config, server, disagg, cluster)
     engine = app.state.engine
     # uvicorn cancels what still runs a little after the engine ended it with a final event
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
+                            access_log=server.access_log, timeout_graceful_shutdown=int(server.shutdown_timeout) + 5)
 
     async def main() -> int | None:
         """The signal that stopped the start, if one did; else serve until stopped."""
@@ -88,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 if exc.config_error:
                     raise DuoserveError(str(exc)) from None
                 raise
-        await DrainingServer(config, engine, args.shutdown_timeout).serve()
+        await DrainingServer(config, engine, server.shutdown_timeout).serve()
         return None
 
     try:

@@ -16,7 +16,6 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, WebSocket
@@ -35,24 +34,13 @@ from duoserve.entrypoints.responses_protocol import ResponsesRequest
 from duoserve.entrypoints.serving_anthropic import AnthropicServing
 from duoserve.entrypoints.responses_store import RedisResponseStore
 from duoserve.entrypoints.serving_responses import ResponsesServing
+from duoserve.entrypoints.server_config import ServerConfig
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.serving_embeddings import EmbeddingServing
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.metrics import ServerMetrics
 
 logger = logging.getLogger("duoserve.api")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    api_key: str | None = None
-    max_queue_len: int | None = None         # requests in flight beyond which new ones get 429
-    max_request_bytes: int = 1 << 20
-    shutdown_timeout: float = 30.0
-    tool_call_parser: str | None = None      # how the model writes tool calls (tool_choice "auto")
-    reasoning_parser: str | None = None      # how a reasoning model marks its thinking
-    pooling: str | None = None               # /v1/embeddings' pooling; None: the model file's, else last
 
 
 class BodyLimit:

@@ -1,0 +1,47 @@
+"""The API server's configuration (``duoserve serve``'s server flags), each field declaring its
+flag (``duoserve.flags``). Light: the command's parser imports it without the web stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from duoserve import envs
+from duoserve.entrypoints.reasoning import REASONING_PARSERS
+from duoserve.entrypoints.tool_formats import TOOL_CALL_PARSERS
+from duoserve.flags import flag
+from duoserve.sampling_params import POOLINGS
+
+MODES = ("colocated", "disaggregated")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    FLAG_GROUP = ("server", None)
+    # where the server listens, who may call it, and how many engines serve it
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(8000, "port to listen on", parse=int)
+    served_model_name: str | None = flag(None, "the model name clients use",
+                                         default_help="the --model value, or smollm2-135m")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health",
+                               cli_default=lambda: envs.DUOSERVE_API_KEY, default_help="$DUOSERVE_API_KEY, or none")
+    mode: str = flag("colocated", "one engine doing prefill and decode, or separate engines", choices=MODES)
+    # admission, request size, shutdown and the HTTP server's logs
+    max_queue_len: int | None = flag(None, "requests in flight beyond which new ones get 429", parse=int,
+                                     default_help="no limit")
+    max_request_bytes: int = flag(1 << 20, "largest request body accepted, larger gets 413", parse=int)
+    tool_call_parser: str | None = flag(
+        None, "how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: <tool_call> JSON, "
+        "fenced or bare)", choices=TOOL_CALL_PARSERS,
+        default_help="the one the model's chat template speaks (a template without tools gets llama.cpp's generic "
+        "JSON format: README, Tool calls)")
+    reasoning_parser: str | None = flag(
+        None, "split a reasoning model's <think>...</think> from its answer into reasoning_content (vLLM's names)",
+        choices=REASONING_PARSERS, default_help="none")
+    pooling: str | None = flag(
+        None, "how /v1/embeddings pools a prompt's final hidden states: the last token's, or the mean of all",
+        choices=POOLINGS, default_help="what the model file says (GGUF pooling_type, sentence-transformers' "
+        "Pooling config), else last, as for a causal model")
+    shutdown_timeout: float = flag(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", parse=float)
+    uvicorn_log_level: str = flag("info", "log level of the HTTP server's own messages", choices=UVICORN_LOG_LEVELS)
+    access_log: bool = flag(True, "log every HTTP request", parse=bool)
