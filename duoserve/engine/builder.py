@@ -30,7 +30,8 @@ from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.model.fingerprint import describe, fingerprint
 from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
-from duoserve.platform import resolve_device
+from duoserve.model.paths import resolve_model_path
+from duoserve.platform import resolve
 from duoserve.structured.cache import GrammarCache
 from duoserve.structured.grammar import GrammarCompiler
 from duoserve.worker.backends import load_model
@@ -58,12 +59,15 @@ class EngineBuilder:
         self.config = config
         self.start = time.monotonic()
         self.runtime_bytes = rss_bytes() if loaded is None else None  # the process before the model
-        self.device = resolve_device(config.model)
-        self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device))
+        # every "auto" of the config resolved once, here: the run-time record what follows reads
+        self.runtime = resolve(config.model, loaded.path if loaded else resolve_model_path(config.model.model),
+                               config.cache, dtype=None if loaded is None else str(loaded.dtype).removeprefix("torch."))
+        self.device = self.runtime.device
+        self.loaded = loaded or load_model(dataclasses.replace(config.model, device=self.device), self.runtime)
         self.max_model_len = check_max_model_len(self.loaded.arch, config.model.max_model_len)
         self.budget = config.scheduler.token_budget(self.max_model_len)
         cache = config.cache
-        self.kv_dtype = self.loaded.dtype if cache.kv_cache_dtype == "auto" else getattr(torch, cache.kv_cache_dtype)
+        self.kv_dtype = self.runtime.torch_kv_dtype
         self.block_bytes = bytes_per_token(self.loaded.arch, self.kv_dtype) * cache.block_size
         self.num_swap_blocks = int(cache.swap_space * (1 << 30)) // self.block_bytes
 

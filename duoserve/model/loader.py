@@ -17,7 +17,7 @@ from duoserve.model.paths import default_model_path, resolve_model_path  # noqa:
 from duoserve.model.pooling import declared_pooling
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import BlockModules, build_model
-from duoserve.platform import resolve_device, resolve_dtype
+from duoserve.platform import RunTime
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +51,6 @@ def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
     return max_model_len
 
 
-def resolve_quantization(config: ModelConfig, path: Path, device: str, gguf_kernels: bool) -> str:
-    """``none``, ``gguf`` or ``int8`` for this model file and device (``auto`` decided here);
-    ``gguf_kernels``: whether the kernels that compute from GGUF blocks run here."""
-    wanted = config.quantization
-    if wanted == "gguf" and not path.is_file():
-        raise ConfigError("quantization", wanted, "none or int8 for a Hugging Face checkpoint directory "
-                          "(gguf computes from the blocks of a .gguf file)")
-    if wanted in ("gguf", "int8") and device != "cpu":
-        raise ConfigError("quantization", wanted, f"none on {device} (quantized kernels run on the CPU)")
-    if wanted == "auto":
-        wanted = "gguf" if path.is_file() and device == "cpu" else "none"
-    if wanted == "gguf" and not gguf_kernels:
-        logger.warning("GGUF blocks need the C kernels (no C compiler, or DUOSERVE_C_KERNELS=0): "
-                       "dequantizing the weights at load (--quantization none)")
-        return "none"
-    return wanted
-
-
 def read_chat_template(given: str) -> str:
     """--chat-template: a file's text, else the text given; refused by name when Jinja cannot parse it."""
     from jinja2 import TemplateSyntaxError
@@ -89,13 +71,14 @@ def read_chat_template(given: str) -> str:
     return template
 
 
-def load_checkpoint(config: ModelConfig, blocks: BlockModules | None = None, quantization: str = "none") -> LoadedModel:
-    """The model of ``config`` in plain torch modules, a GGUF file's weights dequantized; with
-    ``blocks`` (the caller's modules for ``--quantization gguf``) the weights they compute from stay
-    in blocks. ``quantization`` labels the result (the fingerprint covers it)."""
+def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules | None = None,
+                    quantization: str = "none") -> LoadedModel:
+    """The model of ``config`` in plain torch modules on ``runtime``'s device and dtype, a GGUF
+    file's weights dequantized; with ``blocks`` (the caller's modules for ``--quantization gguf``)
+    the weights they compute from stay in blocks. ``quantization`` labels the result (the
+    fingerprint covers it)."""
     path = resolve_model_path(config.model)
-    dtype = getattr(torch, resolve_dtype(config))
-    device = resolve_device(config)
+    dtype, device = runtime.torch_dtype, runtime.device
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 

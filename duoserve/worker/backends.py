@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,23 +26,18 @@ from duoserve.config import ModelConfig
 from duoserve.heap import release_free_memory
 from duoserve.kernels.attention import CAttention, c_attention_serves
 from duoserve.kernels.dense import onednn_available
-from duoserve.kernels.gguf import BLOCK_TYPES, gguf_kernels
+from duoserve.kernels.gguf import BLOCK_TYPES
 from duoserve.kernels.glue import (OpExpertSum, OpGeluTanhAndMul, OpOffsetRMSNorm, OpRMSNorm, OpRotary,
                                    OpSharedExpertAdd, OpSiluAndMul, OpTopKRouting, glue_ops_available)
 from duoserve.kernels.linear import (CPULinear, GGUFEmbedding, GGUFLinear, PackedEmbedding, cpu_linear, int8_linear,
                                      replace_linears)
 from duoserve.model.layers import GeluTanhAndMul, OffsetRMSNorm, RMSNorm, Rotary, SiluAndMul
-from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, resolve_quantization, weight_bytes
+from duoserve.model.loader import LoadedModel, load_checkpoint, resolve_model_path, weight_bytes
 from duoserve.model.moe import ExpertSum, SharedExpertAdd, TopKRouting
 from duoserve.model.weights import BlockModules
-from duoserve.platform import resolve_device, resolve_dtype
+from duoserve.platform import RunTime, resolve
 
 logger = logging.getLogger(__name__)
-
-
-def choose_quantization(config: ModelConfig, path: Path, device: str) -> str:
-    """``none``, ``gguf`` or ``int8`` for this model file and device, given the kernels built here."""
-    return resolve_quantization(config, path, device, gguf_kernels() is not None)
 
 
 def gguf_block_modules(dtype: torch.dtype, mode: str) -> BlockModules:
@@ -53,15 +47,15 @@ def gguf_block_modules(dtype: torch.dtype, mode: str) -> BlockModules:
                         tied_embedding=functools.partial(GGUFEmbedding.reading_head, dtype=dtype))
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, runtime: RunTime | None = None) -> LoadedModel:
     """The model of ``config`` with its weights as ``--quantization`` says: GGUF blocks kept as
-    they are, int8, or dense (``auto``: blocks for a .gguf file on the CPU)."""
-    path = resolve_model_path(config.model)
-    quantization = choose_quantization(config, path, resolve_device(config))
-    dtype = getattr(torch, resolve_dtype(config))
-    blocks = gguf_block_modules(dtype, config.gguf_mode) if quantization == "gguf" else None
+    they are, int8, or dense (``auto``: blocks for a .gguf file on the CPU). ``runtime``: what the
+    config's ``auto`` values mean here, as the builder resolved them (resolved now without it)."""
+    runtime = runtime or resolve(config, resolve_model_path(config.model))
+    quantization = runtime.quantization
+    blocks = gguf_block_modules(runtime.torch_dtype, config.gguf_mode) if quantization == "gguf" else None
     label = f"gguf-{config.gguf_mode}" if quantization == "gguf" else quantization
-    loaded = load_checkpoint(config, blocks, label)
+    loaded = load_checkpoint(config, runtime, blocks, label)
     if quantization == "int8":
         replace_linears(loaded.model, int8_linear)
     logger.info("weights in memory: %s", ", ".join(f"{kind} {size / 2**20:.1f} MB"

@@ -120,12 +120,12 @@ def plan(config) -> dict:
 
     from duoserve.errors import ConfigError
     from duoserve.model.loader import check_max_model_len, resolve_model_path
-    from duoserve.platform import available_bytes, resolve_device, resolve_dtype
-    from duoserve.worker.backends import choose_quantization
+    from duoserve.platform import available_bytes, resolve
     from duoserve.worker.kv_cache import bytes_per_token, plan_kv_pool
 
     path = resolve_model_path(config.model.model)
-    device = resolve_device(config.model)
+    runtime = resolve(config.model, path, config.cache)   # every "auto", as the engine's builder resolves it
+    device = runtime.device
     if path.is_file():
         from duoserve.model.gguf_loader import open_gguf
 
@@ -134,9 +134,7 @@ def plan(config) -> dict:
         from duoserve.model.hf_loader import read_hf_arch
 
         arch = read_hf_arch(path, config.model.hf_overrides)
-    dtype = getattr(torch, resolve_dtype(config.model))
-    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
-    quantization = choose_quantization(config.model, path, device)
+    dtype, kv_dtype, quantization = runtime.torch_dtype, runtime.torch_kv_dtype, runtime.quantization
     weights = _checkpoint_weights(path, quantization, torch.tensor([], dtype=dtype).element_size())
     # refuses a pool too small for an asked context; caps the model's own to what the pool holds
     pool = plan_kv_pool(arch, config.cache, kv_dtype, device, check_max_model_len(arch, config.model.max_model_len),
