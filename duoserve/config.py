@@ -10,6 +10,7 @@ probes no hardware, so the API process builds and checks configs cheaply.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,23 @@ from duoserve.flags import flag
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 GGUF_MODES = ("fast", "exact")
-ROLES = ("colocated", "prefill", "decode")
+
+
+class Role(str, enum.Enum):
+    """An engine's part in serving: both steps of a request, or one side of a disaggregated pair.
+    What each role puts into an engine is built in one place, ``duoserve.engine.role_parts``."""
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:   # as its value's, so that a member and its string are one key
+        return hash(self.value)
+
+
+ROLES = tuple(role.value for role in Role)
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
 
 
@@ -227,7 +244,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None   # torch threads of the engine process; None = all cores
-    role: str = "colocated"          # colocated, prefill or decode
+    role: Role = Role.COLOCATED
     cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
     kv_lease_timeout: float = 30.0   # prefill role: seconds leased KV waits for the decode side's ack
     compile: bool = False            # compile the model step with torch.compile (CPU); else eager + C++ decode step
@@ -241,6 +258,7 @@ class EngineConfig:
             raise ConfigError("num_threads", self.num_threads, "a positive number of threads")
         if self.role not in ROLES:
             raise ConfigError("role", self.role, f"one of {', '.join(ROLES)}")
+        object.__setattr__(self, "role", Role(self.role))   # given as a string: the member
         if self.kv_lease_timeout <= 0:
             raise ConfigError("kv_lease_timeout", self.kv_lease_timeout, "a positive number of seconds")
         if self.shutdown_timeout < 0:
@@ -390,11 +408,11 @@ class DisaggConfig:
         scheduler = base.scheduler
         if self.prefill_max_num_batched_tokens is not None:
             scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=self.prefill_max_num_batched_tokens)
-        prefill = dataclasses.replace(base, role="prefill", num_threads=self.prefill_threads,
+        prefill = dataclasses.replace(base, role=Role.PREFILL, num_threads=self.prefill_threads,
                                       cpus=self.prefill_cpus, kv_lease_timeout=self.kv_lease_timeout,
                                       model=dataclasses.replace(base.model, device=device), cache=cache,
                                       scheduler=scheduler, speculative=None)  # first tokens only
-        decode = dataclasses.replace(base, role="decode", num_threads=self.decode_threads, cpus=self.decode_cpus,
+        decode = dataclasses.replace(base, role=Role.DECODE, num_threads=self.decode_threads, cpus=self.decode_cpus,
                                      scheduler=self.decode_scheduler(base.scheduler))
         return prefill, decode
 

@@ -11,7 +11,7 @@ import argparse
 from duoserve import __version__
 from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
-from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig, Role
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.server_config import ServerConfig
 from duoserve.flags import add_flags
@@ -51,13 +51,13 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
 
 def _add_engine_commands(commands: argparse._SubParsersAction) -> None:
     """``duoserve prefill`` and ``duoserve decode``: one engine of a disaggregated deployment."""
-    for role in ("prefill", "decode"):
+    for role in (Role.PREFILL, Role.DECODE):
         engine = commands.add_parser(
             role, help=f"run a {role} engine on its own, for `serve --mode disaggregated --{role}-addrs`")
         engine.add_argument("--listen", required=True,
                             help="address to listen on: tcp://HOST:PORT (e.g. tcp://0.0.0.0:7100), or ipc://PATH")
         engine.add_argument("--cpus", default=None, help="pin the engine to these CPUs (0, 0-1, 0,2)")
-        if role == "prefill":
+        if role is Role.PREFILL:
             engine.add_argument("--kv-lease-timeout", type=float, default=EngineConfig.kv_lease_timeout,
                                 help="seconds KV waits for the decode engine's acknowledgement "
                                      f"(default: {EngineConfig.kv_lease_timeout:g})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from duoserve.config import DEFAULT_MODEL_ALIAS, ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.config import DEFAULT_MODEL_ALIAS, ClusterConfig, DisaggConfig, EngineConfig, Role
 from duoserve.engine_args import EngineArgs
 from duoserve.entrypoints.server_config import ServerConfig
 from duoserve.errors import ConfigError
@@ -36,7 +36,7 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
             if value is not None:
                 raise ConfigError(name, value, "only with --mode disaggregated (colocated runs one engine)")
         return None
-    for role in ("prefill", "decode"):
+    for role in (Role.PREFILL, Role.DECODE):
         if placed[f"{role}_addrs"] is not None and placed[f"num_{role}_engines"] is not None:
             raise ConfigError(f"num_{role}_engines", placed[f"num_{role}_engines"],
                               f"unset when --{role}-addrs names the engines (their count is the list's)")

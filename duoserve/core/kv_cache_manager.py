@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from duoserve.config import Role
 from duoserve.core.block_pool import Block, BlockPool, hash_block
 from duoserve.core.request import Request
 
@@ -31,7 +32,7 @@ def salt_root(salt: str | None) -> bytes | None:
 NO_WINDOW = "off: no layer has a sliding window shorter than the context"
 
 
-def window_to_free(layer_windows: Sequence[int | None], role: str, has_draft: bool) -> tuple[int | None, str]:
+def window_to_free(layer_windows: Sequence[int | None], role: Role, has_draft: bool) -> tuple[int | None, str]:
     """The window past which a request's blocks go back to the pool (None: never), and why, in
     words for the memory report. Every layer reads the same block table, so a block can go only
     when every layer's window has passed it."""
@@ -43,7 +44,7 @@ def window_to_free(layer_windows: Sequence[int | None], role: str, has_draft: bo
         return None, (f"off: {num_full} of {len(layer_windows)} layers attend over the whole context and every layer "
                       "shares one block table, so no block falls outside every layer's view (the local layers' "
                       "blocks would need tables of their own)")
-    if role == "prefill":
+    if Role(role) is Role.PREFILL:
         return None, "off on a prefill engine: it hands the whole prompt's KV over; the decode engine frees it"
     if has_draft:
         return None, ("off with a draft model: its KV shares the blocks and catches up from behind (from the first "

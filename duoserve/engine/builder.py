@@ -18,14 +18,13 @@ import torch
 
 from duoserve.config import EngineConfig
 from duoserve.core.kv_cache_manager import KVCacheManager, window_to_free
-from duoserve.core.kv_sources import KVSource, PrefixCacheSource, SwapSource, TransferSource
-from duoserve.core.roles import PrefillOnly, RolePolicy
+from duoserve.core.kv_sources import KVSource, PrefixCacheSource, SwapSource
 from duoserve.core.scheduler import Scheduler, SchedulerSetup
 from duoserve.core.speculation import SpeculationPolicy
 from duoserve.core.swap_space import SwapCost, SwapSpace
 from duoserve.engine.core import EngineCore
-from duoserve.engine.core_turns import CoreTurns
-from duoserve.engine.handoff import Handoff, ReceiveKV, SendKV
+from duoserve.engine.core_turns import PREFILL, CoreTurns
+from duoserve.engine.role_parts import role_parts
 from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.model.fingerprint import describe, fingerprint
@@ -73,7 +72,8 @@ class EngineBuilder:
 
     def build(self) -> EngineCore:
         config, cache, loaded = self.config, self.config.cache, self.loaded
-        spec = config.speculative if config.role != "prefill" else None  # a prefill engine never decodes
+        parts = role_parts(config.role)   # what the role puts into the engine
+        spec = config.speculative if parts.decodes else None
         draft = None  # speculative decoding's draft model
         if spec is not None and spec.method == "draft":
             draft = load_draft(spec, config.model, loaded, self.max_model_len)
@@ -92,13 +92,13 @@ class EngineBuilder:
         scheduler = Scheduler(SchedulerSetup(
             kv=kv, max_num_batched_tokens=self.budget, max_num_seqs=config.scheduler.max_num_seqs,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
-            sources=_sources(config, kv, store, swap), swap=swap, role=_role_policy(config, kv),
+            sources=_sources(config, kv, store, swap), swap=swap, role=parts.policy(config, kv),
             speculation=SpeculationPolicy(spec) if spec else None, ready=grammars.ready if grammars else None))
         runner = self._runner(num_blocks, draft)
         if grammars is not None:
             runner.grammar_masks = GrammarMasks(grammars, loaded.arch.vocab_size)
         engine = EngineCore(config=config, loaded=loaded, max_model_len=self.max_model_len, scheduler=scheduler,
-                            runner=runner, handoff=_handoff(config, scheduler, runner), store=store, swap=swap,
+                            runner=runner, handoff=parts.handoff(config, scheduler, runner), store=store, swap=swap,
                             draft=draft, memory=self._memory_report(runner, num_blocks, draft), grammars=grammars,
                             turns=self._turns(runner))
         # The model, its compiled graph and the tokenizer are millions of long-lived objects: moved
@@ -114,10 +114,10 @@ class EngineBuilder:
         decode engines a turn between two layers of a prompt step (an eager step's: a compiled
         one offers it between steps only)."""
         config = self.config
-        if config.turns is None or config.role not in ("prefill", "decode"):
+        turns = role_parts(config.role).turns(config)
+        if turns is None:
             return None
-        turns = CoreTurns(config.turns, config.role)
-        if config.role == "prefill" and not runner.compiled:
+        if turns.role == PREFILL and not runner.compiled:
             for layer in self.loaded.model.layers:
                 layer.register_forward_pre_hook(lambda module, args: turns.checkpoint())
         return turns
@@ -208,21 +208,7 @@ def _sources(config: EngineConfig, kv: KVCacheManager, store: StoreSource | None
         sources.append(store)
     if swap is not None:
         sources.append(swap)
-    if config.role == "decode":
-        sources.append(TransferSource())
-    return sources
-
-
-def _role_policy(config: EngineConfig, kv: KVCacheManager) -> RolePolicy:
-    return PrefillOnly(kv, config.kv_lease_timeout) if config.role == "prefill" else RolePolicy()
-
-
-def _handoff(config: EngineConfig, scheduler: Scheduler, runner: ModelRunner) -> Handoff:
-    if config.role == "prefill":
-        return SendKV(scheduler, runner, config.kv_lease_timeout)
-    if config.role == "decode":
-        return ReceiveKV(scheduler)
-    return Handoff()
+    return sources + role_parts(config.role).kv_sources()
 
 
 def _log_memory(report: dict) -> None:

@@ -191,7 +191,7 @@ class EngineCore:
         """The cores for one step: at once, or in turn with the other role's engines."""
         if self.turns is None:
             return contextlib.nullcontext()
-        return self.turns.prefill_step() if self.config.role == "prefill" else self.turns.decode_step()
+        return self.turns.step()
 
     def _measure_rates(self, plan: SchedulerOutput, seconds: float) -> None:
         """Keep the measured rates current: prompt tokens a second (from steps that compute 32

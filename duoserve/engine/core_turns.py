@@ -35,7 +35,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from duoserve.config import TurnsConfig
+from duoserve.config import Role, TurnsConfig
 
 IDLE, WANT, RUNNING, PAUSED = 0, 1, 2, 3
 PREFILL, DECODE = 1, 2
@@ -70,7 +70,7 @@ class CoreTurns:
     """One engine's side of the turns: ``decode_step()`` / ``prefill_step()`` around its steps,
     and ``checkpoint()`` between a prompt step's layers (prefill engines)."""
 
-    def __init__(self, config: TurnsConfig, role: str) -> None:
+    def __init__(self, config: TurnsConfig, role: Role) -> None:
         fd = os.open(config.path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -84,7 +84,7 @@ class CoreTurns:
         if not 0 <= config.slot < self.num_slots:
             raise ValueError(f"turn slot {config.slot} is not among the file's {self.num_slots}")
         self.slot, self.quantum = config.slot, config.quantum
-        self.role = PREFILL if role == "prefill" else DECODE
+        self.role = PREFILL if Role(role) is Role.PREFILL else DECODE
         self.words[self._at(self.slot)] = self.role
         self._set(IDLE)
         self.since = 0.0          # prefill: when it last took the cores
@@ -138,6 +138,10 @@ class CoreTurns:
             timeout = (ctypes.c_long * 2)(int(seconds), int(seconds % 1 * 1e9))
             call(ctypes.c_long(number), ctypes.byref(self.bell), ctypes.c_long(FUTEX_WAIT),
                  ctypes.c_long(rung), timeout, None, ctypes.c_long(0))
+
+    def step(self):
+        """Around one step of this engine: its role's side of the turns."""
+        return self.prefill_step() if self.role == PREFILL else self.decode_step()
 
     # ---- decode engines -----------------------------------------------------------------
 

@@ -1,11 +1,13 @@
-"""What an engine process does with its KV peers, chosen once at start by role: nothing
-(colocated), connect to the decode engines its frontend names (prefill), take the transfers
-prefill engines send (decode). ``EngineServer`` (``process.py``) asks the one it was given and
-never reads the role itself."""
+"""What an engine process does with its KV peers: nothing (colocated), connect to the decode
+engines its frontend names (prefill), take the transfers prefill engines send (decode). Chosen
+once at start by role (``role_parts``); ``EngineServer`` (``process.py``) asks the one it was
+given and never reads the role itself."""
 
 from __future__ import annotations
 
 import logging
+
+from duoserve.config import Role
 
 logger = logging.getLogger(__name__)
 
@@ -13,7 +15,7 @@ logger = logging.getLogger(__name__)
 class NoPeers:
     """A colocated engine: no KV crosses processes."""
 
-    role = "colocated"
+    role = Role.COLOCATED
     fingerprint_values: dict = {}   # what the engine's ready message states (its peers check it)
 
     def receive(self, identity: bytes, message, frames) -> bool:
@@ -39,7 +41,7 @@ class _Peers(NoPeers):
 class PrefillPeers(_Peers):
     """Sends each prefilled request's KV to the decode engine it names."""
 
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, core, key) -> None:
         from duoserve.kv.zmq_connector import PrefillConnector
@@ -55,7 +57,7 @@ class PrefillPeers(_Peers):
 class DecodePeers(_Peers):
     """Receives transfers on the engine's own socket."""
 
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, core, sock, instance_id: str, name: str | None = None) -> None:
         from duoserve.kv.zmq_connector import DecodeConnector
@@ -72,13 +74,3 @@ class DecodePeers(_Peers):
 
     def on_hello(self, hello) -> None:
         self.connector.name = hello.name
-
-
-def peer_link(core, sock, key, instance_id: str, name: str | None = None) -> NoPeers:
-    """The peer link of ``core``'s role; ``name``: the engine's, where its launcher gave one."""
-    role = core.config.role
-    if role == "prefill":
-        return PrefillPeers(core, key)
-    if role == "decode":
-        return DecodePeers(core, sock, instance_id, name)
-    return NoPeers()

@@ -233,9 +233,9 @@ class EngineServer:
         self.instance_id = uuid.uuid4().hex
         self.kv_arrived = False   # a transfer came in this turn: step, even with nothing else to do
         self.log = logging.getLogger(__name__)
-        from duoserve.engine.peer_links import peer_link
+        from duoserve.engine.role_parts import role_parts
 
-        self.peers = peer_link(core, sock, key, self.instance_id, name)   # the one place the role decides
+        self.peers = role_parts(core.config.role).peer_link(core, sock, key, self.instance_id, name)
         self.fingerprint_values = self.peers.fingerprint_values
 
     def send(self, message) -> None:

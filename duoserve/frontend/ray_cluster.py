@@ -30,14 +30,14 @@ import os
 
 import msgspec
 
-from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
+from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig, Role
 from duoserve.errors import ConfigError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, EngineStartError
 from duoserve.transport.auth import AuthKey, load_key
 
 logger = logging.getLogger(__name__)
 
-RESOURCES = {"prefill": "duoserve_prefill", "decode": "duoserve_decode", "colocated": "duoserve_decode"}
+RESOURCES = {Role.PREFILL: "duoserve_prefill", Role.DECODE: "duoserve_decode", Role.COLOCATED: "duoserve_decode"}
 ACTOR_PREFIX = "duoserve-"
 LOCATE_TIMEOUT_S = 30.0    # one ask of an actor for its address (placing it starts a worker process)
 TESTED_RAY = "2.60.0"
@@ -61,7 +61,7 @@ def connect(cluster: ClusterConfig, disagg: DisaggConfig | None = None) -> None:
     if cluster.ray_address is None:
         num_prefill = disagg.num_prefill_engines if disagg else 0
         num_decode = disagg.num_decode_engines if disagg else 1
-        resources = {RESOURCES["prefill"]: num_prefill, RESOURCES["decode"]: num_decode}
+        resources = {RESOURCES[Role.PREFILL]: num_prefill, RESOURCES[Role.DECODE]: num_decode}
         ray.init(resources={k: v for k, v in resources.items() if v}, include_dashboard=False, **kwargs)
     else:
         ray.init(address=cluster.ray_address, **kwargs)
@@ -182,13 +182,13 @@ def plan_ray_engines(config: EngineConfig, disagg: DisaggConfig | None, cluster:
     connect(cluster, disagg)
     key = load_key(cluster.auth_key_file)
     if disagg is None:
-        return [RayEngineClient("engine-0", "colocated", config, cluster, key, frontend_id)], []
+        return [RayEngineClient("engine-0", Role.COLOCATED, config, cluster, key, frontend_id)], []
     if disagg.prefill_addrs or disagg.decode_addrs:
         raise ConfigError("cluster", "ray", "engines found through Ray, not --prefill-addrs/--decode-addrs")
     prefill_config, decode_config = disagg.engine_configs(config)
-    decode = [RayEngineClient(f"decode-{i}", "decode", decode_config, cluster, key, frontend_id, disagg.kv_transport)
+    decode = [RayEngineClient(f"decode-{i}", Role.DECODE, decode_config, cluster, key, frontend_id, disagg.kv_transport)
               for i in range(disagg.num_decode_engines)]
-    prefill = [RayEngineClient(f"prefill-{i}", "prefill", prefill_config, cluster, key, frontend_id,
+    prefill = [RayEngineClient(f"prefill-{i}", Role.PREFILL, prefill_config, cluster, key, frontend_id,
                                disagg.kv_transport) for i in range(disagg.num_prefill_engines)]
     for client in prefill:
         client.decode_peers = decode
@@ -209,7 +209,7 @@ def stop_engines(cluster: ClusterConfig) -> list[str]:
 
 def node_resources(role: str, engines: int = 1) -> dict[str, int]:
     """The custom resources of a node that hosts ``engines`` engines of ``role`` (prefill, decode, both)."""
-    roles = ("prefill", "decode") if role == "both" else (role,)
+    roles = (Role.PREFILL, Role.DECODE) if role == "both" else (Role(role),)
     return {RESOURCES[r]: engines for r in roles}
 
 
