@@ -1,6 +1,6 @@
 """What a waiting engine costs the engine computing beside it on shared cores: a 1,500-token
 prompt (``LLM``, ``max_tokens`` 1, a fresh prompt each time: no prefix hits) with no other
-engine, then beside a process that waits for its turn (``CoreTurns.decode_step`` while this
+engine, then beside a process that waits for its turn (``CpuTurns.decode_step`` while this
 process holds a prefill step) the way engines wait now (asleep on the turns file's bell) and
 the way they did (``time.sleep`` polls, every 0.2 ms). Rounds alternate the three; medians in s.
 
@@ -21,8 +21,8 @@ import time
 WAITER = """
 import sys
 from duoserve.config import TurnsConfig
-from duoserve.engine.core_turns import CoreTurns
-turns = CoreTurns(TurnsConfig(sys.argv[1], 1), "decode")
+from duoserve.engine.cpu_turns import CpuTurns
+turns = CpuTurns(TurnsConfig(sys.argv[1], 1), "decode")
 if sys.argv[2] == "poll":
     turns.futex = None
 while True:
@@ -39,14 +39,14 @@ def main() -> None:
 
     from duoserve import LLM, SamplingParams
     from duoserve.config import TurnsConfig
-    from duoserve.engine.core_turns import CoreTurns, create_turns_file
+    from duoserve.engine.cpu_turns import CpuTurns, create_turns_file
 
     llm, rng = LLM(), random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0)
     folder = tempfile.TemporaryDirectory(prefix="duoserve-turns-")
     path = f"{folder.name}/turns"
     create_turns_file(path, 2)
-    turns = CoreTurns(TurnsConfig(path, 0), "prefill")
+    turns = CpuTurns(TurnsConfig(path, 0), "prefill")
 
     def prompt_seconds() -> float:
         prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]

@@ -231,7 +231,7 @@ class KVStoreConfig:
 
 @dataclass(frozen=True)
 class TurnsConfig:
-    """An engine's place in its host's core turns (``duoserve.engine.core_turns``): set by the
+    """An engine's place in its host's core turns (``duoserve.engine.cpu_turns``): set by the
     launcher where prefill and decode engines share the same cores, never by users."""
     path: str              # the shared file the launcher created
     slot: int              # this engine's slot in it

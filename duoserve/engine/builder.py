@@ -23,7 +23,7 @@ from duoserve.core.scheduler import Scheduler, SchedulerSetup
 from duoserve.core.speculation import SpeculationPolicy
 from duoserve.core.swap_space import SwapCost, SwapSpace
 from duoserve.engine.core import EngineCore
-from duoserve.engine.core_turns import PREFILL, CoreTurns
+from duoserve.engine.cpu_turns import PREFILL, CpuTurns
 from duoserve.engine.role_parts import role_parts
 from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
@@ -109,7 +109,7 @@ class EngineBuilder:
                     time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget)
         return engine
 
-    def _turns(self, runner: ModelRunner) -> CoreTurns | None:
+    def _turns(self, runner: ModelRunner) -> CpuTurns | None:
         """Its turns on cores shared with the other role's engines; a prefill engine offers the
         decode engines a turn between two layers of a prompt step (an eager step's: a compiled
         one offers it between steps only)."""

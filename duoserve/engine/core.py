@@ -20,7 +20,7 @@ from duoserve.core.rates import BATCH_SIZES, PROMPT_SIZES, lookup, record
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.scheduler import Scheduler
 from duoserve.core.swap_space import SwapCost
-from duoserve.engine.core_turns import CoreTurns
+from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.handoff import Handoff
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.messages import EngineStats
@@ -41,7 +41,7 @@ class EngineCore:
     def __init__(self, *, config: EngineConfig, loaded: LoadedModel, max_model_len: int, scheduler: Scheduler,
                  runner: ModelRunner, handoff: Handoff, store: StoreSource | None = None,
                  swap: SwapSource | None = None, draft=None, memory: dict | None = None,
-                 grammars: GrammarCache | None = None, turns: CoreTurns | None = None) -> None:
+                 grammars: GrammarCache | None = None, turns: CpuTurns | None = None) -> None:
         self.config = config
         self.loaded = loaded
         self.arch = loaded.arch

@@ -1,7 +1,7 @@
 """What an engine's role puts into it, built in this one place: its scheduling policy
 (``core.roles``), its part in handing KV to or from another engine (``engine.handoff``), the KV
 source only it asks (transfers, for a decode engine), its link to KV peers (``engine.peer_links``),
-its side of the turns on shared cores (``engine.core_turns``) and whether it decodes at all.
+its side of the turns on shared cores (``engine.cpu_turns``) and whether it decodes at all.
 
 The builder and the engine process ask ``role_parts(config.role)`` and never compare roles
 themselves; a new role is one class here and a ``Role`` member (``duoserve.config``).
@@ -13,7 +13,7 @@ from duoserve.config import EngineConfig, Role
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import KVSource, TransferSource
 from duoserve.core.roles import PrefillOnly, RolePolicy
-from duoserve.engine.core_turns import CoreTurns
+from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.handoff import Handoff, ReceiveKV, SendKV
 from duoserve.engine.peer_links import DecodePeers, NoPeers, PrefillPeers
 
@@ -38,11 +38,11 @@ class ColocatedParts:
     def peer_link(self, core, sock, key, instance_id: str, name: str | None) -> NoPeers:
         return NoPeers()
 
-    def turns(self, config: EngineConfig) -> CoreTurns | None:
+    def turns(self, config: EngineConfig) -> CpuTurns | None:
         """Its turns on the cores it shares with the other role's engines (none given: none)."""
         if config.turns is None or not self.takes_turns:
             return None
-        return CoreTurns(config.turns, self.role)
+        return CpuTurns(config.turns, self.role)
 
 
 class PrefillParts(ColocatedParts):

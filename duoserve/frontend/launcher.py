@@ -19,7 +19,7 @@ every engine is launched here, they share a fresh key that never leaves this pro
 Engines launched on one host share its cores. Unless a ``--prefill-*``/``--decode-*``
 threads or CPUs flag says otherwise, every engine of a role uses every core (several of one
 role split them) and the roles take turns on them (``--core-sharing turns``,
-``duoserve.engine.core_turns``: a shared file this launcher creates and removes), or the
+``duoserve.engine.cpu_turns``: a shared file this launcher creates and removes), or the
 cores are split between the roles (``split``, see ``split_cores``). Never two engines spinning
 OpenMP threads on the same cores at once: they would stall each other at every barrier.
 """
@@ -42,7 +42,7 @@ import msgspec
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig, TurnsConfig
 from duoserve.errors import ConfigError
-from duoserve.engine.core_turns import create_turns_file
+from duoserve.engine.cpu_turns import create_turns_file
 from duoserve.engine.process import launched_engine_main
 from duoserve.frontend.engine_client import FRONTEND_ID, EngineClient, process_running
 from duoserve.frontend.ray_cluster import plan_ray_engines

@@ -89,7 +89,7 @@ def test_engines_taking_turns_on_shared_cores_give_the_same_tokens(tiny_dir, tmp
     with a quantum of 0 the prompt steps pause at their layers for it, and nothing changes."""
     import threading
 
-    from duoserve.engine.core_turns import IDLE, create_turns_file
+    from duoserve.engine.cpu_turns import IDLE, create_turns_file
 
     path = tiny_dir(kind="llama")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Turns on shared cores (duoserve.engine.core_turns): who runs when, read from the shared words."""
+"""Turns on shared cores (duoserve.engine.cpu_turns): who runs when, read from the shared words."""
 
 import threading
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 
 from duoserve.config import TurnsConfig
-from duoserve.engine.core_turns import DECODE, IDLE, PAUSED, PREFILL, RUNNING, WANT, CoreTurns, create_turns_file
+from duoserve.engine.cpu_turns import DECODE, IDLE, PAUSED, PREFILL, RUNNING, WANT, CpuTurns, create_turns_file
 
 
 @pytest.fixture
@@ -14,19 +14,19 @@ def host(tmp_path):
     """A prefill engine's and a decode engine's turns over one file."""
     path = str(tmp_path / "turns")
     create_turns_file(path, 2)
-    prefill = CoreTurns(TurnsConfig(path, 0, quantum=0.05), "prefill")
-    decode = CoreTurns(TurnsConfig(path, 1), "decode")
+    prefill = CpuTurns(TurnsConfig(path, 0, quantum=0.05), "prefill")
+    decode = CpuTurns(TurnsConfig(path, 1), "decode")
     yield prefill, decode
     prefill.close()
     decode.close()
 
 
-def state(turns: CoreTurns, slot: int) -> tuple[int, int, int]:
+def state(turns: CpuTurns, slot: int) -> tuple[int, int, int]:
     """(role, state, steps) of ``slot`` as every engine reads them."""
     return tuple(turns.words[slot * 3: slot * 3 + 3])
 
 
-def waiting_decode_step(prefill: CoreTurns, decode: CoreTurns, inside) -> threading.Thread:
+def waiting_decode_step(prefill: CpuTurns, decode: CpuTurns, inside) -> threading.Thread:
     """A decode step on a thread of its own (``inside()`` runs in it), returned once it waits
     for the cores (its slot shows WANT)."""
     def step():
@@ -98,7 +98,7 @@ def test_slots_are_checked(tmp_path):
         create_turns_file(path, 65)
     create_turns_file(path, 1)
     with pytest.raises(ValueError, match="turn slot 1 is not among the file's 1"):
-        CoreTurns(TurnsConfig(path, 1), "decode")
+        CpuTurns(TurnsConfig(path, 1), "decode")
 
 
 def test_a_waiting_engine_sleeps_until_the_bell_rings(host, monkeypatch):
@@ -107,8 +107,8 @@ def test_a_waiting_engine_sleeps_until_the_bell_rings(host, monkeypatch):
     is what wakes it (the recheck set far past the test's bound)."""
     prefill, decode = host
     assert decode.futex is not None, "futexes on this platform"
-    monkeypatch.setattr("duoserve.engine.core_turns.RECHECK_S", 30.0)
-    monkeypatch.setattr("duoserve.engine.core_turns.MAX_WAIT", 60.0)
+    monkeypatch.setattr("duoserve.engine.cpu_turns.RECHECK_S", 30.0)
+    monkeypatch.setattr("duoserve.engine.cpu_turns.MAX_WAIT", 60.0)
     looks, entered = [], threading.Event()
     others = decode._others
     monkeypatch.setattr(decode, "_others", lambda *a: looks.append(1) or others(*a))

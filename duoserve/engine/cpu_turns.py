@@ -66,7 +66,7 @@ def create_turns_file(path: str, num_slots: int) -> None:
         f.write(bytes(8 * (FIELDS * num_slots + 1)))   # the slots, then the bell
 
 
-class CoreTurns:
+class CpuTurns:
     """One engine's side of the turns: ``decode_step()`` / ``prefill_step()`` around its steps,
     and ``checkpoint()`` between a prompt step's layers (prefill engines)."""
 
