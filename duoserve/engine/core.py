@@ -22,6 +22,7 @@ from duoserve.core.scheduler import Scheduler
 from duoserve.core.swap_space import SwapCost
 from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.handoff import Handoff
+from duoserve.kv.connector import KVReceiver, KVSender
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe
@@ -87,7 +88,7 @@ class EngineCore:
         """prefill/decode roles: the KV connector to the other side (``attach_connector``)."""
         return self.handoff.connector
 
-    def attach_connector(self, connector) -> None:
+    def attach_connector(self, connector: KVSender | KVReceiver) -> None:
         self.handoff.connector = connector
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from duoserve.core.outputs import EngineCoreOutput, SchedulerOutput
 from duoserve.core.rates import moving_average
 from duoserve.core.request import RequestStatus
 from duoserve.core.scheduler import Scheduler
-from duoserve.kv.connector import KVTransfer
+from duoserve.kv.connector import KVReceiver, KVSender, KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.messages import TransferMeta
@@ -37,7 +37,7 @@ class Handoff:
     """A colocated engine's: no other engine, nothing to hand over."""
 
     def __init__(self) -> None:
-        self.connector = None
+        self.connector: KVSender | KVReceiver | None = None   # attached once the role's peers are known
         self.num_transfer_bytes = 0   # cumulative bytes of KV sent
         self.seconds_per_token = 0.0  # prefill role: reading and sending KV, per prompt token (average)
 
@@ -117,7 +117,7 @@ class SendKV(Handoff):
                                                 f"the KV handoff failed: {exc}", with_samples=False)
                 continue
             self.num_transfer_bytes += transfer.num_bytes
-            self.recent_transfer_seconds.append(getattr(self.connector, "last_transfer", (0, 0.0))[1])
+            self.recent_transfer_seconds.append(self.connector.last_transfer[1])
         num_tokens = sum(request.num_prompt_tokens for request, _ in leased)
         self.seconds_per_token = moving_average(self.seconds_per_token, (time.perf_counter() - start) / num_tokens)
 
