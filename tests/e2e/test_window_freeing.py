@@ -137,7 +137,7 @@ def test_the_store_holds_the_blocks_a_windowed_engine_freed(tiny_dir, redis_serv
     second = engine()
     (again,) = second.generate([prompt], params, use_tqdm=False)
     assert_same_greedy(again.outputs[0].token_ids, want, scores, "from the store")
-    assert second.engine.kv_store.stats()["kv_store_hits"] == 17 and second.engine.num_prompt_tokens == 2
+    assert second.engine.kv_store.stats()["kv_store_hits"] == 17 and second.engine.measures.num_prompt_tokens == 2
     for llm in (first, second):
         llm.engine.close()
         assert_pool_whole(llm)

@@ -80,7 +80,7 @@ def test_stats_report_the_cached_blocks_once_they_change(engine):
     engine.add_request(Request("cached", prompt, GREEDY, (), 512))
     run_out(engine)
     engine.release("cached")
-    engine._reported_blocks = (-1, 0.0)   # as if the last report were a second old
+    engine.measures.reported_blocks = (-1, 0.0)   # as if the last report were a second old
     reported = engine.stats().cached_blocks
     assert set(PrefixMap(16).hashes(prompt)) <= set(reported), "the frontend hashes blocks as the engine does"
     assert engine.stats().cached_blocks is None, "unchanged, and within the second: not sent again"

@@ -59,7 +59,7 @@ def test_a_second_engine_computes_only_what_the_store_lacks(tiny_dir, redis_serv
     stats = second.engine.kv_store.stats()
     assert stats["kv_store_hits"] == 9 and stats["kv_store_misses"] == 0
     assert again.num_cached_tokens == 9 * BLOCK
-    assert second.engine.num_prompt_tokens == 150 - 9 * BLOCK  # only the uncached tokens were computed
+    assert second.engine.measures.num_prompt_tokens == 150 - 9 * BLOCK  # only the uncached tokens were computed
     assert_pool_whole(second)
 
 
