@@ -49,3 +49,11 @@ def test_the_model_imports_no_kernel_and_the_kernels_no_model():
         for path in (PACKAGE / package).rglob("*.py"):
             bad = [m for m in imported_modules(ast.parse(path.read_text())) if m.startswith(forbidden)]
             assert bad == [], f"{path} imports {bad}"
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    """A function past a screen is several steps under one name: split it where they part."""
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert long == []

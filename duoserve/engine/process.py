@@ -45,6 +45,8 @@ IDLE_POLL_MS = 100
 TAG_SEP = "|"                # between a frontend's tag and its request id, inside the engine
 FAILED_START_WAIT_S = 30.0   # how long an engine that cannot start waits to tell a frontend why
 
+logger = logging.getLogger(__name__)
+
 
 def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = logging.INFO,
                 parent_pid: int | None = None, auth_secret: bytes | None = None,
@@ -65,8 +67,7 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
     import zmq
 
     from duoserve import messages as msg
-    from duoserve.transport.auth import AuthKey, Gatekeeper, restrict_ipc
-    from duoserve.transport.heartbeat import keep_alive
+    from duoserve.transport.auth import AuthKey
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
     log = logging.getLogger(__name__)
@@ -74,26 +75,14 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
     addresses = [address] if isinstance(address, str) else list(address)
     ctx = zmq.Context.instance()
     key = None if auth_secret is None else AuthKey.from_secret(auth_secret, "auth_key")
-    gate = Gatekeeper(ctx, key)
-    sock = gate.guard(keep_alive(ctx.socket(zmq.ROUTER)))
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting frontend or peer takes over its identity
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished frontend fails: it is dropped, not waited for
-    sock.setsockopt(zmq.SNDHWM, 0)            # a ROUTER drops what exceeds its limit: never drop outputs
-    for each in addresses:
-        sock.bind(each)
-        restrict_ipc(each)
+    gate, sock = _engine_socket(ctx, key, addresses)
     try:
         try:
             _fault_start_sleep()
             core = _start_core(config_bytes)
         except Exception as exc:  # a bad config or model: say why (to the launcher), then stop
-            from duoserve.errors import ConfigError, ModelLoadError
-
-            config_error = isinstance(exc, (ConfigError, ModelLoadError))
             told = parent_pid is not None or on_start_failure is not None
-            # a frontend that launched it prints the reason as its own one-line error
-            log.log(logging.DEBUG if told and config_error else logging.ERROR, "engine failed to start: %s", exc)
-            reason = str(exc) if config_error else f"{type(exc).__name__}: {exc}"
+            reason, config_error = _start_failure(exc, told)
             if on_start_failure is not None:
                 on_start_failure(reason, config_error)
             if told:
@@ -105,23 +94,58 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
         if signals is not None:
             signals.start_serving(core.config.shutdown_timeout)
         log.info("%s engine listening on %s", core.config.role, ", ".join(addresses))
-        try:
-            server.run()
-        except KeyboardInterrupt:  # a standalone engine: SIGINT or SIGTERM (see duoserve.cli)
-            log.info("%s engine on %s stopping: aborted its %d requests", core.config.role, addresses[0],
-                     core.reset())
-        except Exception:
-            server.send(msg.EngineFailed(traceback.format_exc(limit=5)))
-            raise
-        finally:
-            if core.connector is not None:
-                core.connector.close()
-            core.close()
+        _serve(server, addresses[0])
         return 0
     finally:
         sock.close(linger=1000)
         gate.close()
         ctx.term()
+
+
+def _engine_socket(ctx, key, addresses: list[str]):
+    """The engine's one ROUTER socket, bound to every address, behind the deployment key's gate."""
+    import zmq
+
+    from duoserve.transport.auth import Gatekeeper, restrict_ipc
+    from duoserve.transport.heartbeat import keep_alive
+
+    gate = Gatekeeper(ctx, key)
+    sock = gate.guard(keep_alive(ctx.socket(zmq.ROUTER)))
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a reconnecting frontend or peer takes over its identity
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished frontend fails: it is dropped, not waited for
+    sock.setsockopt(zmq.SNDHWM, 0)            # a ROUTER drops what exceeds its limit: never drop outputs
+    for each in addresses:
+        sock.bind(each)
+        restrict_ipc(each)
+    return gate, sock
+
+
+def _start_failure(exc: Exception, told: bool) -> tuple[str, bool]:
+    """Why the engine could not start, for its launcher, and whether it is a config error (a bad
+    config or model: the launcher prints it as its own one-line error, so it is logged quietly)."""
+    from duoserve.errors import ConfigError, ModelLoadError
+
+    config_error = isinstance(exc, (ConfigError, ModelLoadError))
+    logger.log(logging.DEBUG if told and config_error else logging.ERROR, "engine failed to start: %s", exc)
+    return (str(exc) if config_error else f"{type(exc).__name__}: {exc}"), config_error
+
+
+def _serve(server: EngineServer, address: str) -> None:
+    """Run the engine's loop until it stops; its connector and core closed however it ends."""
+    from duoserve import messages as msg
+
+    core = server.core
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a standalone engine: SIGINT or SIGTERM (see duoserve.cli)
+        logger.info("%s engine on %s stopping: aborted its %d requests", core.config.role, address, core.reset())
+    except Exception:
+        server.send(msg.EngineFailed(traceback.format_exc(limit=5)))
+        raise
+    finally:
+        if core.connector is not None:
+            core.connector.close()
+        core.close()
 
 
 def launched_engine_main(name: str, environ: dict[str, str], config_bytes: bytes, address: str | list[str],

@@ -161,14 +161,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
     """Read a Hugging Face ``config.json`` (already merged with ``hf_overrides``)."""
-    names = config.get("architectures") or []
-    if not names:
-        raise ConfigError("architectures", names,
-                          f"one of {', '.join(SUPPORTED_ARCHITECTURES)} in config.json")
-    architecture = names[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError("architecture", architecture,
-                          f"supported architectures are {', '.join(SUPPORTED_ARCHITECTURES)}")
+    architecture, activation = _checked_architecture(config)
     default_bias, qk_norm = SUPPORTED_ARCHITECTURES[architecture]
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
@@ -177,23 +170,8 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         sliding = None
     gemma = architecture.startswith("Gemma")
     gemma3 = architecture.startswith("Gemma3")
-    if not gemma:
-        for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if config.get(field) is not None:
-                raise ConfigError(field, config[field], f"null: {architecture} has no logit soft-capping")
-    if config.get("use_bidirectional_attention"):
-        raise ConfigError("use_bidirectional_attention", True, "false: duoserve serves causal decoders")
-    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
-    if activation not in _ACTIVATIONS:
-        raise ConfigError("hidden_act", activation, f"one of {', '.join(sorted(_ACTIVATIONS))}")
     num_layers = int(config["num_hidden_layers"])
-    layer_windows: tuple[int | None, ...] = ()
-    if sliding and (config.get("layer_types") or gemma):
-        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
-                      or (6 if gemma3 else 2))  # Gemma 3: five local layers to one global; Gemma 2: alternate
-        types = config.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-        layer_windows = tuple(int(sliding) if t == "sliding_attention" else None for t in types)
+    layer_windows = _layer_windows(config, sliding, num_layers, gemma, gemma3)
     scalar = config.get("query_pre_attn_scalar")
     return ModelArch(**_experts_from_hf(config, architecture, num_layers),
         architecture=architecture,
@@ -220,6 +198,41 @@ def arch_from_hf_config(config: dict[str, Any]) -> ModelArch:
         attn_logit_softcap=_cap(config.get("attn_logit_softcapping")) if gemma else None,
         final_logit_softcap=_cap(config.get("final_logit_softcapping")) if gemma else None,
     )
+
+
+def _checked_architecture(config: dict[str, Any]) -> tuple[str, str]:
+    """The config's architecture and activation, refused by name where duoserve serves neither (or
+    a field it would ignore is set)."""
+    names = config.get("architectures") or []
+    if not names:
+        raise ConfigError("architectures", names,
+                          f"one of {', '.join(SUPPORTED_ARCHITECTURES)} in config.json")
+    architecture = names[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError("architecture", architecture,
+                          f"supported architectures are {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not architecture.startswith("Gemma"):
+        for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if config.get(field) is not None:
+                raise ConfigError(field, config[field], f"null: {architecture} has no logit soft-capping")
+    if config.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention", True, "false: duoserve serves causal decoders")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if activation not in _ACTIVATIONS:
+        raise ConfigError("hidden_act", activation, f"one of {', '.join(sorted(_ACTIVATIONS))}")
+    return architecture, activation
+
+
+def _layer_windows(config: dict[str, Any], sliding, num_layers: int, gemma: bool, gemma3: bool
+                   ) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global) where layers differ; () where they all share one."""
+    if not (sliding and (config.get("layer_types") or gemma)):
+        return ()
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+                  or (6 if gemma3 else 2))  # Gemma 3: five local layers to one global; Gemma 2: alternate
+    types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    return tuple(int(sliding) if t == "sliding_attention" else None for t in types)
 
 
 def _experts_from_hf(config: dict[str, Any], architecture: str, num_layers: int) -> dict[str, Any]:

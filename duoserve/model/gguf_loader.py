@@ -141,42 +141,49 @@ def _hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
-    experts = int(meta.get(p + "expert_count") or 0)
-    if experts:
-        # Mixtral is llama with experts (each expert the dense MLP's size); Qwen MoE states the
-        # experts' and shared expert's sizes, and llama.cpp renormalizes Qwen3-MoE's top-k, not Qwen2-MoE's
-        if gguf_arch == "llama":
-            config["architectures"] = ["MixtralForCausalLM"]
-        config.update(num_experts=experts, num_local_experts=experts,
-                      num_experts_per_tok=int(meta[p + "expert_used_count"]),
-                      moe_intermediate_size=int(meta.get(p + "expert_feed_forward_length")
-                                                or config["intermediate_size"]),
-                      shared_expert_intermediate_size=int(meta.get(p + "expert_shared_feed_forward_length") or 0),
-                      norm_topk_prob=bool(meta.get(p + "expert_weights_norm", gguf_arch != "qwen2moe")))
+    config.update(_experts(meta, p, gguf_arch, config["intermediate_size"]))
     scaling = _rope_scaling(meta, p, tensor_names)
     if scaling:
         config["rope_scaling"] = scaling
     if gguf_arch == "phi3" and meta.get(p + "attention.sliding_window"):
         config["sliding_window"] = int(meta[p + "attention.sliding_window"])
     if gguf_arch in ("gemma2", "gemma3"):
-        # what llama.cpp fixes for Gemma rather than stores: the tanh GELU, the attention scale from
-        # the head size (hidden / heads for the 27B models: 46 layers in Gemma 2, 62 in Gemma 3) unless
-        # the file states a scale; Gemma 2 alternates local and global layers and caps its scores and
-        # logits, Gemma 3 has five local layers to one global with a local rope base of 10000
-        big = {"gemma2": 46, "gemma3": 62}[gguf_arch]
-        scalar = hidden // heads if config["num_hidden_layers"] == big else config["head_dim"]
-        if meta.get(p + "attention.scale"):
-            scalar = float(meta[p + "attention.scale"]) ** -2
-        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
-                      sliding_window=int(meta[p + "attention.sliding_window"]))
-        if gguf_arch == "gemma2":
-            config.update(sliding_window_pattern=2,
-                          attn_logit_softcapping=meta.get(p + "attn_logit_softcapping"),
-                          final_logit_softcapping=meta.get(p + "final_logit_softcapping"))
-        else:
-            config.update(rope_local_base_freq=10000.0,
-                          sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)))
+        config.update(_gemma(meta, p, gguf_arch, config, hidden // heads))
     return config
+
+
+def _experts(meta: dict[str, Any], p: str, gguf_arch: str, intermediate: int) -> dict[str, Any]:
+    """A mixture of experts' config keys (none for a dense model). Mixtral is llama with experts
+    (each expert the dense MLP's size); Qwen MoE states the experts' and shared expert's sizes,
+    and llama.cpp renormalizes Qwen3-MoE's top-k, not Qwen2-MoE's."""
+    experts = int(meta.get(p + "expert_count") or 0)
+    if not experts:
+        return {}
+    return dict(num_experts=experts, num_local_experts=experts,
+                num_experts_per_tok=int(meta[p + "expert_used_count"]),
+                moe_intermediate_size=int(meta.get(p + "expert_feed_forward_length") or intermediate),
+                shared_expert_intermediate_size=int(meta.get(p + "expert_shared_feed_forward_length") or 0),
+                norm_topk_prob=bool(meta.get(p + "expert_weights_norm", gguf_arch != "qwen2moe")),
+                **({"architectures": ["MixtralForCausalLM"]} if gguf_arch == "llama" else {}))
+
+
+def _gemma(meta: dict[str, Any], p: str, gguf_arch: str, config: dict[str, Any], hidden_per_head: int
+           ) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma rather than stores: the tanh GELU, the attention scale from
+    the head size (hidden / heads for the 27B models: 46 layers in Gemma 2, 62 in Gemma 3) unless
+    the file states a scale; Gemma 2 alternates local and global layers and caps its scores and
+    logits, Gemma 3 has five local layers to one global with a local rope base of 10000."""
+    big = {"gemma2": 46, "gemma3": 62}[gguf_arch]
+    scalar = hidden_per_head if config["num_hidden_layers"] == big else config["head_dim"]
+    if meta.get(p + "attention.scale"):
+        scalar = float(meta[p + "attention.scale"]) ** -2
+    keys = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                sliding_window=int(meta[p + "attention.sliding_window"]))
+    if gguf_arch == "gemma2":
+        return dict(keys, sliding_window_pattern=2, attn_logit_softcapping=meta.get(p + "attn_logit_softcapping"),
+                    final_logit_softcapping=meta.get(p + "final_logit_softcapping"))
+    return dict(keys, rope_local_base_freq=10000.0,
+                sliding_window_pattern=int(meta.get(p + "attention.sliding_window_pattern", 6)))
 
 
 def _rope_scaling(meta: dict[str, Any], p: str, tensor_names: set[str]) -> dict[str, Any] | None:
