@@ -18,7 +18,7 @@ from duoserve.model import dequant
 from tests.kernels.test_gguf import random_blocks
 
 # what gguf_linear.c's fast mode needs of each type, as the kernels were written before the table
-SIGNED = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32, "Q3_K": 4}
+SIGNED = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32, "Q3_K": 4, "IQ4_NL": 128}
 
 
 def test_the_header_as_python_reads_it_is_the_table_the_compiler_built():
@@ -34,24 +34,25 @@ def test_the_header_as_python_reads_it_is_the_table_the_compiler_built():
 
 
 def test_the_table_agrees_with_the_gguf_package_and_the_kernels_read_it():
-    assert len(block_types()) == 10
+    assert len(block_types()) == 11
     for name, t in block_types().items():
         assert GGML_QUANT_SIZES[GGMLQuantizationType[name]] == (t.values, t.bytes), name
         assert t.bias == SIGNED.get(name, 0), name
         assert t.half_scales == (name in ("Q2_K", "Q3_K", "Q6_K")) and t.offsets == (2 if name == "Q2_K" else 1)
     assert BLOCK_TYPES is block_types()
     assert dequant.SUPPORTED_TYPES == ("F32", "F16", "BF16", *sorted(block_types()))
-    assert set(dequant._DEQUANTIZERS) == set(block_types())   # each has its torch dequantizer today
+    # each has its torch dequantizer but IQ4_NL, added as one row of the header (the gguf package's)
+    assert set(block_types()) - set(dequant._DEQUANTIZERS) == {"IQ4_NL"}
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     quantization = next(a for a in parser._actions if a.dest == "quantization")
     assert all(name in quantization.help for name in block_types())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q8_0", "Q3_K", "Q6_K", "IQ4_NL"])
 def test_a_type_without_a_torch_dequantizer_loads_through_the_gguf_package(type_name, monkeypatch):
     """A new row of the table needs no Python: its weights dequantize with the gguf package's code."""
     raw, reference = random_blocks(type_name, 4, 512)
-    monkeypatch.delitem(dequant._DEQUANTIZERS, type_name)
+    monkeypatch.delitem(dequant._DEQUANTIZERS, type_name, raising=False)
     got = dequant.dequantize(raw.reshape(-1), type_name, (4, 512))
     torch.testing.assert_close(got, reference, rtol=0, atol=0)

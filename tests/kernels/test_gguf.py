@@ -247,8 +247,8 @@ def test_unsupported_block_type_names_the_tensor(tiny_dir, tmp_path):
         with pytest.raises(ModelLoadError) as err:
             load_model(ModelConfig(model=str(out), dtype="float32", quantization=quantization))
         assert str(err.value).startswith("GGUF tensor token_embd.weight has type MXFP4, which is not supported; "
-                                         "supported types are F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, "
-                                         "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0")
+                                         "supported types are F32, F16, BF16, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, "
+                                         "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0")
 
 
 # ---- the default model (SmolLM2-135M, Q4_1 layers, Q8_0 embedding), float32 ----

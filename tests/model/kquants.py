@@ -1,5 +1,5 @@
-"""Q2_K and Q3_K quantizers for test files (the gguf package dequantizes these types but cannot
-quantize them): plain round-to-nearest per group of 16, packed in ggml's block layouts. They only
+"""Q2_K, Q3_K and IQ4_NL quantizers for test files (the gguf package dequantizes these types but
+cannot quantize them): plain round-to-nearest per group of 16, packed in ggml's block layouts. They only
 need to give blocks whose dequantization is close to the input; the files' readers are checked
 against gguf's dequantization of whatever blocks they hold."""
 
@@ -71,4 +71,20 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(*x.shape[:-1], -1)
 
 
-QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k}
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """[..., k] float32 -> IQ4_NL blocks [..., k / 32 * 18]: per 32 values an fp16 scale d that puts
+    the largest magnitude on -127, each value the nearest of the sixteen d * IQ4_NL_VALUES, the
+    indices in Q4_0's nibble order (values j and j + 16 in byte j)."""
+    blocks = x.reshape(-1, 32).astype(np.float32)
+    at = np.abs(blocks).argmax(axis=1)[:, None]
+    d_bytes, d = _f16(-np.take_along_axis(blocks, at, axis=1)[:, 0] / 127.0)
+    scaled = blocks / np.where(d != 0, d, 1.0)
+    index = np.abs(scaled[:, :, None] - IQ4_NL_VALUES).argmin(axis=2).astype(np.uint8)
+    out = np.concatenate([d_bytes, index[:, :16] | (index[:, 16:] << 4)], axis=1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "IQ4_NL": quantize_iq4_nl}

@@ -21,7 +21,7 @@ PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 238, 46, 26, 43, 38, 32, 79, 50, 28, 8
 
 # byte offsets of the float16 scale fields in each block, kept finite in random blocks
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-              "Q2_K": [80, 82], "Q3_K": [108]}
+              "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0]}
 
 
 @pytest.mark.parametrize("type_name", list(F16_FIELDS))

@@ -28,7 +28,8 @@
     X(Q5_0, 6, 32, 22, 16, 0, 1, __VA_ARGS__) \
     X(Q5_1, 7, 32, 24, 0, 0, 1, __VA_ARGS__) \
     X(Q2_K, 8, 256, 84, 0, 1, 2, __VA_ARGS__) \
-    X(Q3_K, 9, 256, 110, 4, 1, 1, __VA_ARGS__)
+    X(Q3_K, 9, 256, 110, 4, 1, 1, __VA_ARGS__) \
+    X(IQ4_NL, 10, 32, 18, 128, 0, 1, __VA_ARGS__)
 
 #define TYPE_ID(name, id, values, bytes, bias, half, offsets, ...) name = id,
 #define TYPE_ONE(name, id, values, bytes, bias, half, offsets, ...) + 1
@@ -97,14 +98,19 @@ static inline int q3k_scale(const uint8_t *p, int j) {
     return low | (((p[8 + (j & 3)] >> (2 * (j >> 2))) & 3) << 4);
 }
 
+/* IQ4_NL's sixteen values (ggml's kvalues_iq4nl) + 128: a nibble's unsigned integer */
+static const uint8_t IQ4_NL_VALUES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 /* the scale and offset of each half of 16 values of sub-block `sub` (32 values) of a block */
 static inline __attribute__((always_inline)) void sub_scales(int type, const uint8_t *b, int sub, float scale[2], float offset[2]) {
     switch (type) {
     case Q4_0:
-    case Q8_0: {
+    case Q8_0:
+    case IQ4_NL: {
         float d = f16_to_f32(b);
         scale[0] = scale[1] = d;
-        offset[0] = offset[1] = (type == Q4_0 ? -8.0f : -128.0f) * d;  /* Q8_0: int8 read as uint8 - 128 */
+        /* Q8_0: int8 read as uint8 - 128; IQ4_NL: its table's value + 128 */
+        offset[0] = offset[1] = (type == Q4_0 ? -8.0f : -128.0f) * d;
         break;
     }
     case Q5_0: {
@@ -186,6 +192,9 @@ static inline __attribute__((always_inline)) void sub_values(int type, const uin
     case Q8_0:
         for (int j = 0; j < 32; j++) q[j] = (uint8_t)(b[2 + j] ^ 0x80);
         break;
+    case IQ4_NL:   /* Q4_0's nibbles at byte 2, each an index into the table of sixteen values */
+        for (int j = 0; j < 16; j++) { q[j] = IQ4_NL_VALUES[b[2 + j] & 0x0f]; q[j + 16] = IQ4_NL_VALUES[b[2 + j] >> 4]; }
+        break;
     case Q4_K:
     case Q5_K: {
         int shift = (sub & 1) * 4;
@@ -253,6 +262,13 @@ static inline __attribute__((always_inline)) __m256i sub_values_vec(int type, co
     }
     case Q8_0:
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+    case IQ4_NL: {   /* the nibbles as Q4_0's, then each looked up in the table (one shuffle) */
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+        __m256i index = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_NL_VALUES));
+        return _mm256_shuffle_epi8(table, index);
+    }
     case Q4_K:
     case Q5_K: {
         __m256i v = _mm256_loadu_si256((const __m256i *)(b + (type == Q4_K ? 16 : 48) + (sub / 2) * 32));
