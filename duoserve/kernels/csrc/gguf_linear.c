@@ -1,8 +1,8 @@
 /* Linear layers computed straight from GGUF quantized blocks, and their dequantization.
  *
- * Weights stay in the file's own block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32 values a block)
- * and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k a multiple of the
- * block. Every block type is read the same way (gguf_blocks.h, the table of types), 32
+ * Weights stay in the file's own block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32 values
+ * a block) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256 values a super-block), row-major [n, k] with k
+ * a multiple of the block. Every block type is read the same way (gguf_blocks.h, the table of types), 32
  * consecutive values at a time: unsigned integers q[32] with a scale and an offset for each half
  * of 16, so that
  *     w[j] = scale[j / 16] * q[j] + offset[j / 16]
