@@ -64,7 +64,11 @@ def as_loaded(lib: ctypes.CDLL, w: torch.Tensor, type_id: int, n: int, k: int) -
     if interleave is None:
         return w, type_id
     interleave.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
-    out = torch.empty_like(w)
+    lib.gguf_row_bytes.restype, lib.gguf_row_bytes.argtypes = ctypes.c_int64, (ctypes.c_int, ctypes.c_int)
+    row_bytes = lib.gguf_row_bytes(type_id | 16, k)   # interleaved (csrc/gguf_interleaved.h): Q4_K's 148 a block
+    if row_bytes < 0:
+        return w, type_id
+    out = torch.empty(n, row_bytes, dtype=torch.uint8)
     repacked = interleave(w.data_ptr(), type_id, n, k, out.data_ptr(), 2)
     return (out, repacked) if repacked >= 0 else (w, type_id)
 
@@ -82,7 +86,7 @@ def main() -> None:
 
     def random_blocks(type_name: str, n: int, k: int) -> np.ndarray:
         rng = np.random.default_rng(1)
-        _, values, size = BLOCK_TYPES[type_name]
+        values, size = BLOCK_TYPES[type_name].values, BLOCK_TYPES[type_name].bytes
         raw = rng.integers(0, 256, size=(n * k // values, size), dtype=np.uint8)
         for offset in F16_FIELDS[type_name]:
             raw[:, offset:offset + 2] = (rng.standard_normal(raw.shape[0]) * 0.05).astype(np.float16).view(
@@ -98,7 +102,7 @@ def main() -> None:
         for shape, type_name in ((shape, t) for shape in args.shapes.split(",") for t in types):
             n, k = map(int, shape.split("x"))
             w = torch.from_numpy(random_blocks(type_name, n, k))
-            loaded = {name: as_loaded(lib, w, BLOCK_TYPES[type_name][0], n, k)
+            loaded = {name: as_loaded(lib, w, BLOCK_TYPES[type_name].id, n, k)
                       for name, lib in (("before", before), ("after", after))}
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).to(torch.bfloat16)
