@@ -83,12 +83,12 @@ def engine_main(config_bytes: bytes, address: str | list[str], log_level: int = 
         except Exception as exc:  # a bad config or model: say why (to the launcher), then stop
             told = parent_pid is not None or on_start_failure is not None
             reason, config_error = _start_failure(exc, told)
+            if signals is not None:   # before anyone is told: the stop they then send says nothing more
+                signals.failed = True
             if on_start_failure is not None:
                 on_start_failure(reason, config_error)
             if told:
                 _refuse(sock, msg.EngineFailed(reason, config_error))
-            if signals is not None:
-                signals.failed = True
             return 1
         server = EngineServer(core, sock, parent_pid, key, signals, name)
         if signals is not None:
