@@ -18,6 +18,7 @@ from duoserve.errors import ConfigError
 from duoserve.flags import flag
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 GGUF_MODES = ("fast", "exact")
 
@@ -116,8 +117,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None = 512 with chunked prefill, else max_model_len
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_chunked_prefill: bool = True
+    # fcfs: arrival order; priority: a request's priority (lower first) orders the queues and preempts
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError("scheduling_policy", self.policy, f"one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens, "a positive number of tokens")
         if self.max_num_seqs < 1:

@@ -19,7 +19,8 @@ from typing import Any
 
 from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
-                             DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SPEC_METHODS,
+                             DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
+                             SPEC_METHODS,
                              CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from duoserve.errors import ConfigError
@@ -86,6 +87,10 @@ class EngineArgs:
         SchedulerConfig.max_num_batched_tokens, "token budget of one step", parse=int,
         default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, else max_model_len")
     max_num_seqs: int = flag(SchedulerConfig.max_num_seqs, "most sequences in one step", parse=int)
+    scheduling_policy: str = flag(
+        SchedulerConfig.policy, "fcfs: requests in arrival order; priority: by each request's priority (lower "
+        "first, then arrival), a waiting request preempting running ones of a worse priority when the batch "
+        "or the KV pool is full", choices=SCHEDULING_POLICIES)
     num_threads: int | None = flag(EngineConfig.num_threads, "torch threads", parse=int, default_help="all cores")
     seed: int = flag(ModelConfig.seed, "seed for unseeded sampling", parse=int)
     compile: bool = flag(
@@ -160,6 +165,7 @@ class EngineArgs:
                               kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
                               swap_space=self.swap_space),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      policy=self.scheduling_policy,
                                       max_num_seqs=self.max_num_seqs,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             num_threads=self.num_threads, compile=self._compile(), speculative=self._speculative(),

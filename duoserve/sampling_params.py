@@ -106,6 +106,8 @@ class SamplingParams:
     # an embedding: the prompt's final hidden states pooled ("last" token, or "mean" of all), with no
     # token generated (max_tokens 0); "mean" takes no prefix-cache hit, so every position is computed
     pooling: str | None = None
+    # scheduling, not sampling: lower goes first under --scheduling-policy priority (vLLM's field)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -158,6 +160,8 @@ class SamplingParams:
              self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"an integer in [0, {MAX_LOGPROBS}]"),
             ("seed", self.seed, self.seed is None or -INT64 <= self.seed < INT64, "a 64-bit signed integer, or None"),
+            ("priority", self.priority, isinstance(self.priority, int) and -INT64 <= self.priority < INT64,
+             "a 64-bit signed integer (lower goes first)"),
             ("top_k", self.top_k, self.top_k < INT64, "a 64-bit integer"),
             ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens < INT64, "a 64-bit integer"),
             ("min_tokens", self.min_tokens, self.min_tokens < INT64, "a 64-bit integer"),

@@ -31,6 +31,13 @@ so) is passed over at admission, the requests behind it still admitted; its matc
 the model runner, which reports the tokens after which a grammar is complete (the request
 stops there) and a grammar that broke (the request fails).
 
+Priorities (``SchedulerSetup.policy == "priority"``, ``--scheduling-policy priority``): every queue
+and the running set are ordered by each request's ``params.priority`` (lower first; a stable sort,
+so arrival or the role's order holds within a priority). When the best waiting request has a
+strictly better priority than the worst running one and cannot be admitted (the batch full, or too
+few free blocks for its first chunk), running requests of the worst priority are preempted, newest
+first, as they are for want of blocks; a step admits from the best priority waiting alone.
+
 No torch here: this module plans, the model runner computes.
 """
 
@@ -51,6 +58,10 @@ from duoserve.core.speculation import SpeculationPolicy
 S = RequestStatus
 
 
+def _priority(request: Request) -> int:
+    return request.params.priority
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerSetup:
     """What a scheduler is built from, chosen at start (``duoserve.engine.builder``)."""
@@ -63,6 +74,7 @@ class SchedulerSetup:
     role: RolePolicy = field(default_factory=RolePolicy)
     speculation: SpeculationPolicy | None = None
     ready: Callable[[Request], bool] | None = None   # structured outputs: is its grammar compiled
+    policy: str = "fcfs"                           # or "priority": see Scheduler's docstring
 
     def __post_init__(self) -> None:
         if self.swap is not None and not any(source is self.swap for source in self.sources):
@@ -80,6 +92,7 @@ class Scheduler:
         self.role = setup.role
         self.speculation = setup.speculation
         self.ready = setup.ready
+        self.by_priority = setup.policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -165,6 +178,7 @@ class Scheduler:
         scheduled = plan.scheduled
         preempted = plan.preempted_ids
         reserved = self.role.order(self.waiting, self.running, self.token_budget)
+        made_room = self._make_room_by_priority(plan) if self.by_priority else 0
         reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
@@ -194,14 +208,54 @@ class Scheduler:
                 budget -= num_new + num_spec
                 i += 1
         budget += reserved
-        if not preempted:
+        if len(preempted) == made_room:   # none preempted for want of blocks: admit
+            bar = self._best_waiting_priority() if self.by_priority else None
             for queue, status in self.queues:
-                budget = self._admit(queue, status, budget, plan)
+                budget = self._admit(queue, status, budget, plan, bar)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         plan.num_batched_tokens = self.token_budget - budget
         plan.block_copies, self.pending_copies = self.pending_copies, []
         plan.swap_out, self.pending_swap_out = self.pending_swap_out, []
         return plan
+
+    # ---- priorities (--scheduling-policy priority) ------------------------------------------
+
+    def _order_by_priority(self) -> None:
+        """Every queue and the running set by priority, lower first; a stable sort, so that the
+        role's order (arrival, or a prefill engine's shortest first) holds within a priority."""
+        for queue, _ in self.queues:
+            if len(queue) > 1:
+                ordered = sorted(queue, key=_priority)
+                queue.clear()
+                queue.extend(ordered)
+        self.running.sort(key=_priority)
+
+    def _make_room_by_priority(self, plan: SchedulerOutput) -> int:
+        """Preempt the running requests of the worst priority, newest first, while the best waiting
+        request has a strictly better one and could not be admitted: the batch full, or too few
+        free blocks for its first chunk. Each goes back to wait (swapped or to be recomputed) and
+        resumes with the tokens it would have produced. Returns how many were preempted."""
+        self._order_by_priority()
+        made = 0
+        while self.waiting and self.running and _priority(self.waiting[0]) < _priority(self.running[-1]):
+            best = self.waiting[0]
+            first_chunk = min(best.num_tokens - best.num_computed_tokens, self.token_budget)
+            if (len(self.running) < self.max_num_seqs
+                    and self.kv.pool.num_free_blocks >= self.kv.num_blocks_for(first_chunk)):
+                break
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted_ids.append(victim.request_id)
+            made += 1
+            self._order_by_priority()   # the victim waits at the head of its own priority
+        return made
+
+    def _best_waiting_priority(self) -> int | None:
+        """The best priority among the queues' heads: this step admits that priority alone (the
+        next step the next one), so a resumed or arrived request of a worse priority never takes
+        the place of a better one."""
+        heads = [_priority(queue[0]) for queue, _ in self.queues if queue]
+        return min(heads) if heads else None
 
     def _held_for_arrived_kv(self, reserved: int) -> int:
         """A token of the budget for each request whose KV has arrived (``WAITING_FOR_KV``), taken
@@ -223,13 +277,17 @@ class Scheduler:
                 num_found += hit.num_tokens
         return hits, num_found
 
-    def _admit(self, queue: deque[Request], status: RequestStatus, budget: int, plan: SchedulerOutput) -> int:
+    def _admit(self, queue: deque[Request], status: RequestStatus, budget: int, plan: SchedulerOutput,
+               bar: int | None = None) -> int:
         """Move requests from ``queue`` into the running set (as ``status``) while the budget,
         ``max_num_seqs`` and free blocks allow: their KV from the sources, the rest computed.
-        A request whose grammar is not compiled yet keeps its place; the ones behind it go on."""
+        A request whose grammar is not compiled yet keeps its place; the ones behind it go on.
+        ``bar``: a priority past which none is admitted (None: any)."""
         passed_over: list[Request] = []
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             request = queue[0]
+            if bar is not None and _priority(request) > bar:
+                break
             if self.ready is not None and not self.ready(request):
                 passed_over.append(queue.popleft())
                 continue

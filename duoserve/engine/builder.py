@@ -93,7 +93,8 @@ class EngineBuilder:
             kv=kv, max_num_batched_tokens=self.budget, max_num_seqs=config.scheduler.max_num_seqs,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             sources=_sources(config, kv, store, swap), swap=swap, role=parts.policy(config, kv),
-            speculation=SpeculationPolicy(spec) if spec else None, ready=grammars.ready if grammars else None))
+            speculation=SpeculationPolicy(spec) if spec else None, ready=grammars.ready if grammars else None,
+            policy=config.scheduler.policy))
         runner = self._runner(num_blocks, draft)
         if grammars is not None:
             runner.grammar_masks = GrammarMasks(grammars, loaded.arch.vocab_size)

@@ -105,6 +105,7 @@ class MessagesRequest(_Strict):
     output_config: OutputConfig | None = None
     thinking: Thinking | None = None
     ignore_eos: bool = False                   # vLLM's extra (benchmark clients send it)
+    priority: int = 0                          # duoserve's extra: lower first (--scheduling-policy priority)
 
     def to_chat(self, reasoning_parser: str | None, for_counting: bool = False) -> ChatCompletionRequest:
         """The same request as a chat completion (``for_counting``: count_tokens', no sampling)."""
@@ -116,7 +117,8 @@ class MessagesRequest(_Strict):
                                 "max_tokens": None if for_counting else self.max_tokens,
                                 "temperature": 1.0 if self.temperature is None else self.temperature,
                                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences,
-                                "include_stop_str_in_output": False, "ignore_eos": self.ignore_eos}
+                                "include_stop_str_in_output": False, "ignore_eos": self.ignore_eos,
+                                "priority": self.priority}
         if tools:
             body["tools"] = tools
             body.update(self._tool_choice())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from duoserve import envs
 from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.engine_args import EngineArgs
+from duoserve.errors import ConfigError
 from duoserve.frontend.frontend import Frontend
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
@@ -71,8 +73,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt (strings or token-id lists); outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt (strings or token-id lists); outputs come back in input order.
+        ``priority``: one per prompt, lower first (vLLM's; needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -80,6 +83,13 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: "
                              "give one, or one per prompt")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
+            params_list = [dataclasses.replace(sp, priority=p) for sp, p in zip(params_list, priority)]
+        if any(sp.priority for sp in params_list) and self.engine.config.scheduler.policy != "priority":
+            raise ConfigError("priority", next(sp.priority for sp in params_list if sp.priority),
+                              "0 unless the engine runs scheduling_policy='priority' (it serves in arrival order)")
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params_list):

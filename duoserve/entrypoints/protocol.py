@@ -119,6 +119,7 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None   # a tenant's prefix-cache and KV-store blocks are never another's
+    priority: int = 0               # vLLM's: lower first under --scheduling-policy priority
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     logit_bias: dict[str, float] | None = None
@@ -170,7 +171,7 @@ class SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
             structured_outputs=self.structured(), logit_bias=self.logit_bias,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            bad_words=tuple(self.bad_words or ()),
+            bad_words=tuple(self.bad_words or ()), priority=self.priority,
         )
 
 

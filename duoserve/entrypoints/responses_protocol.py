@@ -63,6 +63,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None      # vLLM's extras
     seed: int | None = None
     ignore_eos: bool = False
+    priority: int = 0             # lower first under --scheduling-policy priority
     stream: bool = False
 
     def check(self) -> None:
@@ -102,6 +103,7 @@ class ResponsesRequest(BaseModel):
                                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                                 "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+                                "priority": self.priority,
                                 "top_logprobs": self.top_logprobs if logprobs else None}
         if self.tools:
             body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]

@@ -337,3 +337,13 @@ def test_chat_message_has_refusal_field(server):
     out = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     message = out.json()["choices"][0]["message"]
     assert message["refusal"] is None and message["role"] == "assistant"
+
+
+def test_a_priority_is_refused_by_name_where_the_server_serves_in_arrival_order(client):
+    """vLLM's rule: a priority other than 0 needs --scheduling-policy priority (this server: fcfs)."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"priority": 3})
+    assert err.value.body["param"] == "priority" and "--scheduling-policy priority" in err.value.body["message"]
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 0})
+    assert ok.usage.completion_tokens == 2
