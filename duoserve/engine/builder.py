@@ -106,8 +106,9 @@ class EngineBuilder:
         # out of the garbage collector's sight, a collection during a step scans only new ones.
         gc.collect()
         gc.freeze()
-        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step",
-                    time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget)
+        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step, scheduling %s",
+                    time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget,
+                    config.scheduler.policy)
         return engine
 
     def _turns(self, runner: ModelRunner) -> CpuTurns | None:
