@@ -23,7 +23,7 @@ from duoserve.core.scheduler import Scheduler, SchedulerSetup
 from duoserve.core.speculation import SpeculationPolicy
 from duoserve.core.swap_space import SwapCost, SwapSpace
 from duoserve.engine.core import EngineCore
-from duoserve.engine.cpu_turns import PREFILL, CpuTurns
+from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.role_parts import role_parts
 from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
@@ -112,17 +112,8 @@ class EngineBuilder:
         return engine
 
     def _turns(self, runner: ModelRunner) -> CpuTurns | None:
-        """Its turns on cores shared with the other role's engines; a prefill engine offers the
-        decode engines a turn between two layers of a prompt step (an eager step's: a compiled
-        one offers it between steps only)."""
-        config = self.config
-        turns = role_parts(config.role).turns(config)
-        if turns is None:
-            return None
-        if turns.role == PREFILL and not runner.compiled:
-            for layer in self.loaded.model.layers:
-                layer.register_forward_pre_hook(lambda module, args: turns.checkpoint())
-        return turns
+        """Its turns on cores shared with the other role's engines (its role's: role_parts)."""
+        return role_parts(self.config.role).turns(self.config, self.loaded.model.layers, runner.compiled)
 
     def _grammars(self) -> GrammarCache | None:
         """Structured outputs' grammars over this model's vocabulary (none without a tokenizer:

@@ -38,8 +38,9 @@ class ColocatedParts:
     def peer_link(self, core, sock, key, instance_id: str, name: str | None) -> NoPeers:
         return NoPeers()
 
-    def turns(self, config: EngineConfig) -> CpuTurns | None:
-        """Its turns on the cores it shares with the other role's engines (none given: none)."""
+    def turns(self, config: EngineConfig, layers=(), compiled: bool = True) -> CpuTurns | None:
+        """Its turns on the cores it shares with the other role's engines (none given: none);
+        ``layers``: the model's, where an eager step may offer a turn between two of them."""
         if config.turns is None or not self.takes_turns:
             return None
         return CpuTurns(config.turns, self.role)
@@ -54,6 +55,15 @@ class PrefillParts(ColocatedParts):
 
     def policy(self, config: EngineConfig, kv: KVCacheManager) -> RolePolicy:
         return PrefillOnly(kv, config.kv_lease_timeout)
+
+    def turns(self, config: EngineConfig, layers=(), compiled: bool = True) -> CpuTurns | None:
+        """A prefill engine's turns also offer the decode engines a turn between two layers of an
+        eager prompt step (a compiled one offers it between steps only)."""
+        turns = super().turns(config, layers, compiled)
+        if turns is not None and not compiled:
+            for layer in layers:
+                layer.register_forward_pre_hook(lambda module, args: turns.checkpoint())
+        return turns
 
     def handoff(self, config: EngineConfig, scheduler, runner) -> Handoff:
         return SendKV(scheduler, runner, config.kv_lease_timeout)
