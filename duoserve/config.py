@@ -128,6 +128,12 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "a positive number of sequences")
 
+    def check_priority(self, priority: int) -> None:
+        """A request's priority other than 0 needs the priority policy (vLLM's rule)."""
+        if priority and self.policy != "priority":
+            raise ConfigError("priority", priority, "0 unless the engine runs --scheduling-policy priority "
+                              "(it serves in arrival order)")
+
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget, checked against the context length."""
         budget = self.max_num_batched_tokens

@@ -13,7 +13,6 @@ from duoserve import envs
 from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.engine_args import EngineArgs
-from duoserve.errors import ConfigError
 from duoserve.frontend.frontend import Frontend
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
@@ -87,9 +86,8 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
             params_list = [dataclasses.replace(sp, priority=p) for sp, p in zip(params_list, priority)]
-        if any(sp.priority for sp in params_list) and self.engine.config.scheduler.policy != "priority":
-            raise ConfigError("priority", next(sp.priority for sp in params_list if sp.priority),
-                              "0 unless the engine runs scheduling_policy='priority' (it serves in arrival order)")
+        for sp in params_list:
+            self.engine.config.scheduler.check_priority(sp.priority)
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params_list):

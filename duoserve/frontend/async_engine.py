@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.core.outputs import EngineCoreOutput
-from duoserve.errors import DuoserveError, InvalidInputError
+from duoserve.errors import ConfigError, DuoserveError, InvalidInputError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id, process_running
 from duoserve.frontend.frontend import tell_engines
 from duoserve.frontend.input_processor import InputProcessor
@@ -249,9 +249,10 @@ class AsyncEngine:
         """Stream snapshots of one request until it finishes; aborts it if the caller stops listening."""
         if not self.accepting:
             raise EngineUnavailableError(self.not_ready_reason())
-        if params.priority and self.config.scheduler.policy != "priority":   # vLLM refuses it likewise
-            raise InvalidInputError("priority", f"priority {params.priority} needs a server started with "
-                                                "--scheduling-policy priority (this one serves in arrival order)")
+        try:
+            self.config.scheduler.check_priority(params.priority)
+        except ConfigError as exc:
+            raise InvalidInputError(exc.field, str(exc)) from None
         if self.max_queue_len is not None and len(self.outputs) >= self.max_queue_len:
             raise QueueFullError(f"the server is full ({len(self.outputs)} requests in flight, "
                                  f"--max-queue-len {self.max_queue_len}); retry shortly")
