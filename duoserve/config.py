@@ -18,7 +18,7 @@ from duoserve.errors import ConfigError
 from duoserve.flags import flag
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 GGUF_MODES = ("fast", "exact")
 
@@ -117,8 +117,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None = 512 with chunked prefill, else max_model_len
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_chunked_prefill: bool = True
-    # fcfs: arrival order; priority: a request's priority (lower first) orders the queues and preempts
+    # fcfs: arrival order; priority: a request's priority (lower first) orders the queues and preempts;
+    # fair: priority first, then each tenant's tokens served over its weight (core/fair_share.py)
     policy: str = "fcfs"
+    tenant_weights: tuple[tuple[str, float], ...] = ()   # (tenant, weight) under fair; others weigh 1
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -127,12 +129,20 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens, "a positive number of tokens")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs", self.max_num_seqs, "a positive number of sequences")
+        if isinstance(self.tenant_weights, dict):   # LLM(tenant_weights={"alice": 2})
+            object.__setattr__(self, "tenant_weights", tuple(self.tenant_weights.items()))
+        for tenant, weight in self.tenant_weights:
+            if not (isinstance(weight, (int, float)) and 0 < weight < 1e9) or not tenant:
+                raise ConfigError("tenant_weights", f"{tenant}={weight}", "tenant=weight pairs, each weight > 0")
+        if self.tenant_weights and self.policy != "fair":
+            raise ConfigError("tenant_weights", parse_back(self.tenant_weights),
+                              "unset unless --scheduling-policy fair (only fair share weighs tenants)")
 
     def check_priority(self, priority: int) -> None:
-        """A request's priority other than 0 needs the priority policy (vLLM's rule)."""
-        if priority and self.policy != "priority":
-            raise ConfigError("priority", priority, "0 unless the engine runs --scheduling-policy priority "
-                              "(it serves in arrival order)")
+        """A request's priority other than 0 needs a policy that orders by it (vLLM's rule)."""
+        if priority and self.policy == "fcfs":
+            raise ConfigError("priority", priority, "0 unless the engine runs --scheduling-policy priority or "
+                              "fair (fcfs serves in arrival order)")
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget, checked against the context length."""
@@ -302,6 +312,26 @@ def check_engine_address(address: str, field_name: str) -> str:
     if not sep or scheme not in ("tcp", "ipc") or not rest or (scheme == "tcp" and not (host and port.isdigit())):
         raise ConfigError(field_name, address, "an engine address like tcp://HOST:PORT (or ipc://PATH on one host)")
     return address
+
+
+def parse_tenant_weights(value: str | None, field_name: str) -> tuple[tuple[str, float], ...]:
+    """``"alice=2,bob=0.5"`` -> (("alice", 2.0), ("bob", 0.5))."""
+    pairs = []
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        tenant, sep, weight = item.strip().rpartition("=")
+        try:
+            pairs.append((tenant, float(weight)))
+        except ValueError:
+            raise ConfigError(field_name, value, "tenant=weight pairs, comma-separated (alice=2,bob=1)") from None
+        if not sep or not tenant:
+            raise ConfigError(field_name, value, "tenant=weight pairs, comma-separated (alice=2,bob=1)")
+    return tuple(pairs)
+
+
+def parse_back(weights: tuple[tuple[str, float], ...]) -> str:
+    return ",".join(f"{tenant}={weight:g}" for tenant, weight in weights)
 
 
 def parse_address_list(value: str | None, field_name: str) -> tuple[str, ...]:

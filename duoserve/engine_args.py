@@ -20,7 +20,7 @@ from typing import Any
 from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                             SPEC_METHODS,
+                             SPEC_METHODS, parse_tenant_weights,
                              CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from duoserve.errors import ConfigError
@@ -90,7 +90,12 @@ class EngineArgs:
     scheduling_policy: str = flag(
         SchedulerConfig.policy, "fcfs: requests in arrival order; priority: by each request's priority (lower "
         "first, then arrival), a waiting request preempting running ones of a worse priority when the batch "
-        "or the KV pool is full", choices=SCHEDULING_POLICIES)
+        "or the KV pool is full; fair: by priority, then by the tokens each tenant (API key or user field) has "
+        "been served over its weight, preempting likewise", choices=SCHEDULING_POLICIES)
+    tenant_weights: tuple[tuple[str, float], ...] = flag(
+        SchedulerConfig.tenant_weights, "tenants' shares under --scheduling-policy fair, as tenant=weight pairs "
+        "(alice=2,bob=1: alice is served twice bob's tokens when both wait)", convert=parse_tenant_weights,
+        cli_default=None, default_help="every tenant weighs 1")
     num_threads: int | None = flag(EngineConfig.num_threads, "torch threads", parse=int, default_help="all cores")
     seed: int = flag(ModelConfig.seed, "seed for unseeded sampling", parse=int)
     compile: bool = flag(
@@ -165,7 +170,7 @@ class EngineArgs:
                               kv_cache_dtype=self.kv_cache_dtype, enable_prefix_caching=self.enable_prefix_caching,
                               swap_space=self.swap_space),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
-                                      policy=self.scheduling_policy,
+                                      policy=self.scheduling_policy, tenant_weights=self.tenant_weights,
                                       max_num_seqs=self.max_num_seqs,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             num_threads=self.num_threads, compile=self._compile(), speculative=self._speculative(),

@@ -16,6 +16,7 @@ INT64 = 2 ** 63    # integers cross process boundaries as msgpack's 64-bit ones
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_LOGIT_BIAS = 300   # entries of logit_bias (OpenAI's limit) and, likewise bounded, of allowed_token_ids
 MAX_ALLOWED_TOKENS = 65536
+MAX_TENANT_CHARS = 256   # a tenant names a metrics label: an OpenAI user field is at most this
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -106,8 +107,14 @@ class SamplingParams:
     # an embedding: the prompt's final hidden states pooled ("last" token, or "mean" of all), with no
     # token generated (max_tokens 0); "mean" takes no prefix-cache hit, so every position is computed
     pooling: str | None = None
-    # scheduling, not sampling: lower goes first under --scheduling-policy priority (vLLM's field)
+    # scheduling, not sampling: lower goes first under --scheduling-policy priority or fair (vLLM's field)
     priority: int = 0
+    # who asked, for --scheduling-policy fair's shares and the per-tenant caps and metrics (the
+    # server fills it in: the API key's tenant, or the body's user field)
+    tenant: str = ""
+    # seconds the request may wait for its first step; past them it is dropped before any prompt
+    # step (an error the server answers 503 with Retry-After). None: it waits as long as it takes
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -162,6 +169,11 @@ class SamplingParams:
             ("seed", self.seed, self.seed is None or -INT64 <= self.seed < INT64, "a 64-bit signed integer, or None"),
             ("priority", self.priority, isinstance(self.priority, int) and -INT64 <= self.priority < INT64,
              "a 64-bit signed integer (lower goes first)"),
+            ("tenant", self.tenant, isinstance(self.tenant, str) and len(self.tenant) <= MAX_TENANT_CHARS,
+             f"a string of at most {MAX_TENANT_CHARS} characters"),
+            ("timeout", self.timeout, self.timeout is None or (isinstance(self.timeout, (int, float))
+                                                               and 0 < self.timeout < 1e9),
+             "a number of seconds > 0, or None to wait as long as it takes"),
             ("top_k", self.top_k, self.top_k < INT64, "a 64-bit integer"),
             ("max_tokens", self.max_tokens, self.max_tokens is None or self.max_tokens < INT64, "a 64-bit integer"),
             ("min_tokens", self.min_tokens, self.min_tokens < INT64, "a 64-bit integer"),

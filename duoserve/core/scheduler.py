@@ -38,16 +38,30 @@ strictly better priority than the worst running one and cannot be admitted (the 
 few free blocks for its first chunk), running requests of the worst priority are preempted, newest
 first, as they are for want of blocks; a step admits from the best priority waiting alone.
 
+Fair share (``policy == "fair"``): as priorities, and within a priority by tenant
+(``duoserve.core.fair_share``): the queues in the order the virtual token counters pick, the
+running set by its tenants' counters, so that a waiting request of a tenant served less preempts
+the newest request of the tenant served most when it cannot be admitted. Each step's computed
+prompt tokens and sampled tokens are charged to their tenants (a prompt recomputed after a
+preemption is not charged again).
+
+Deadlines: a request with ``params.timeout`` that is still waiting for its first step when the
+timeout passes is dropped (``expire_deadlines``) with an error starting ``QUEUE_TIMEOUT``, before it
+costs a prompt step.
+
 No torch here: this module plans, the model runner computes.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from duoserve.core.fair_share import FairShare
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import KVHit, KVSource, SwapSource
 from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -56,6 +70,7 @@ from duoserve.core.roles import RolePolicy
 from duoserve.core.speculation import SpeculationPolicy
 
 S = RequestStatus
+QUEUE_TIMEOUT = "timed out waiting"   # how a dropped request's error starts (the server answers 503)
 
 
 def _priority(request: Request) -> int:
@@ -74,7 +89,8 @@ class SchedulerSetup:
     role: RolePolicy = field(default_factory=RolePolicy)
     speculation: SpeculationPolicy | None = None
     ready: Callable[[Request], bool] | None = None   # structured outputs: is its grammar compiled
-    policy: str = "fcfs"                           # or "priority": see Scheduler's docstring
+    policy: str = "fcfs"                           # or "priority", "fair": see Scheduler's docstring
+    tenant_weights: Sequence[tuple[str, float]] = ()   # fair: tenants' weights (others 1)
 
     def __post_init__(self) -> None:
         if self.swap is not None and not any(source is self.swap for source in self.sources):
@@ -92,7 +108,10 @@ class Scheduler:
         self.role = setup.role
         self.speculation = setup.speculation
         self.ready = setup.ready
-        self.by_priority = setup.policy == "priority"
+        self.by_priority = setup.policy in ("priority", "fair")
+        self.fair = FairShare(setup.tenant_weights) if setup.policy == "fair" else None
+        self.deadlines: list[tuple[float, int, Request]] = []   # a heap: (deadline, order, request)
+        self._arrivals = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -113,6 +132,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.fair is not None:
+            self.fair.arrive(request)
+        if request.params.timeout is not None:
+            heapq.heappush(self.deadlines, (request.arrival_time + request.params.timeout, next(self._arrivals), request))
 
     def add_transferred(self, request: Request, payload: object) -> None:
         """Decode role: a request prefilled elsewhere, its first token already in its outputs."""
@@ -122,6 +145,8 @@ class Scheduler:
         request.transferred_kv = payload
         self.requests[request.request_id] = request
         self.waiting_for_kv.append(request)
+        if self.fair is not None:
+            self.fair.arrive(request)
 
     def abort(self, request_id: str, status: RequestStatus = S.FINISHED_ABORTED,
               error: str | None = None, with_samples: bool = True) -> list[EngineCoreOutput]:
@@ -136,6 +161,18 @@ class Scheduler:
             self._finish(request, status)
             outputs.append(EngineCoreOutput(rid, [], finish_reason=status.finish_reason, error=error,
                                             position=request.num_output_tokens))
+        return outputs
+
+    def expire_deadlines(self, now: float) -> list[EngineCoreOutput]:
+        """Drop the requests whose timeout passed before their first step; their final outputs."""
+        outputs = []
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self.deadlines)
+            if request.status is S.WAITING and request.first_scheduled_time is None:
+                waited = now - request.arrival_time
+                outputs += self.abort(request.request_id, S.FINISHED_ERROR,
+                                      f"{QUEUE_TIMEOUT} {waited:.2f}s, past its timeout of "
+                                      f"{request.params.timeout:g}s: dropped before its prompt was computed")
         return outputs
 
     @property
@@ -220,24 +257,41 @@ class Scheduler:
 
     # ---- priorities (--scheduling-policy priority) ------------------------------------------
 
+    def _rank(self, request: Request) -> tuple[int, float]:
+        """Lower goes first: the priority, then (fair) the tenant's counter."""
+        return _priority(request), self.fair.counter(request.params.tenant) if self.fair is not None else 0.0
+
     def _order_by_priority(self) -> None:
         """Every queue and the running set by priority, lower first; a stable sort, so that the
-        role's order (arrival, or a prefill engine's shortest first) holds within a priority."""
+        role's order (arrival, or a prefill engine's shortest first) holds within a priority.
+        Fair: within a priority, the queues in the order fair share picks, the running set by
+        its tenants' counters (the most served last: preempted first)."""
         for queue, _ in self.queues:
             if len(queue) > 1:
                 ordered = sorted(queue, key=_priority)
+                if self.fair is not None:
+                    ordered = self._fair_order(ordered)
                 queue.clear()
                 queue.extend(ordered)
-        self.running.sort(key=_priority)
+        self.running.sort(key=self._rank)
+
+    def _fair_order(self, ordered: list[Request]) -> list[Request]:
+        """Each run of one priority in ``ordered`` reordered by fair share."""
+        out, start = [], 0
+        for end in range(1, len(ordered) + 1):
+            if end == len(ordered) or _priority(ordered[end]) != _priority(ordered[start]):
+                out += self.fair.order(ordered[start:end])
+                start = end
+        return out
 
     def _make_room_by_priority(self, plan: SchedulerOutput) -> int:
-        """Preempt the running requests of the worst priority, newest first, while the best waiting
-        request has a strictly better one and could not be admitted: the batch full, or too few
+        """Preempt the running requests of the worst rank (priority, then fair share), newest first,
+        while the best waiting request has a strictly better one and could not be admitted: the batch full, or too few
         free blocks for its first chunk. Each goes back to wait (swapped or to be recomputed) and
         resumes with the tokens it would have produced. Returns how many were preempted."""
         self._order_by_priority()
         made = 0
-        while self.waiting and self.running and _priority(self.waiting[0]) < _priority(self.running[-1]):
+        while self.waiting and self.running and self._rank(self.waiting[0]) < self._rank(self.running[-1]):
             best = self.waiting[0]
             first_chunk = min(best.num_tokens - best.num_computed_tokens, self.token_budget)
             if (len(self.running) < self.max_num_seqs
@@ -377,6 +431,8 @@ class Scheduler:
             if item.num_spec_tokens:  # the guesses the target confirmed; the rest are recomputed
                 num_accepted = len(result.sampled[request.request_id]) - 1
                 self.speculation.record(item.num_spec_tokens, num_accepted)
+            if self.fair is not None:
+                self._charge_prompt(item)
             request.num_computed_tokens += item.num_known_tokens + num_accepted
             request.num_draft_computed = min(request.num_draft_computed, request.num_computed_tokens)
             if item.prompt_logprobs:  # gathered over the chunks, delivered whole with the first token
@@ -411,6 +467,15 @@ class Scheduler:
                     self.waiting.append(sibling)
         return outputs
 
+    def _charge_prompt(self, item: ScheduledRequest) -> None:
+        """Fair share: the prompt tokens this step computed for the first time, to their tenant."""
+        request = item.request
+        end = min(item.start + item.num_known_tokens, request.num_prompt_tokens)
+        new = end - max(item.start, request.num_charged_prompt_tokens)
+        if new > 0:
+            self.fair.charge(request, new, 0)
+            request.num_charged_prompt_tokens = end
+
     def _fork(self, parent: Request, sample_index: int) -> tuple[Request, bool]:
         """Sample ``sample_index`` of ``parent`` after its prompt: sharing the prompt's blocks
         (True), or without a block for the prompt's tail (False: it waits, unless its first
@@ -421,6 +486,8 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child.request_id] = child
         self.children.setdefault(parent.request_id, []).append(child.request_id)
+        if self.fair is not None:
+            self.fair.arrive(child)
         copies = self.kv.fork(parent, child)
         child.move_to(S.PREFILLING)
         if copies is None:
@@ -443,6 +510,8 @@ class Scheduler:
             if status is not None:
                 break
         taken = request.num_output_tokens - position
+        if self.fair is not None:
+            self.fair.charge(request, 0, taken)
         if status is None:
             if request.status is S.PREFILLING and self.role.after_prefill(request):
                 self.running.remove(request)   # leased: its KV waits for the decode engine
@@ -487,6 +556,8 @@ class Scheduler:
             self.running.remove(request)
         request.move_to(status)
         self.kv.free(request)
+        if self.fair is not None:
+            self.fair.leave(request)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's record (the frontend has taken its last output)."""

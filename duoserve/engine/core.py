@@ -152,7 +152,7 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[EngineCoreOutput]:
-        early = self.handoff.before_step()
+        early = self.handoff.before_step() + self.scheduler.expire_deadlines(time.monotonic())
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.grammars is not None and self.grammars.compiling:   # only grammars to wait for
