@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -26,10 +28,13 @@ STAGES = ("queue", "prefill", "transfer", "admit")
 
 
 class ServerMetrics:
-    def __init__(self, log_interval: float = 5.0) -> None:
+    def __init__(self, log_interval: float = 5.0, request_class: Callable[[str], Any] | None = None) -> None:
         self.registry = CollectorRegistry()
         r, b = self.registry, _LATENCY_BUCKETS
         self._latencies(r, b)
+        self._classes(r, b)
+        # request id -> its class (.label: the tenant's label, .priority), while it is in flight
+        self.request_class = request_class or (lambda request_id: None)
         self._engine_state(r)
         self._kv_store(r)
         self._structured_outputs(r)
@@ -54,6 +59,36 @@ class ServerMetrics:
                                registry=r, buckets=b)
         self.kv_transfer = Histogram("duoserve:kv_transfer_seconds", "KV handoff time per request", registry=r,
                                      buckets=b)
+
+    def _classes(self, r: CollectorRegistry, b: tuple) -> None:
+        """Requests by class (tenant and priority, as the frontend sees them), and those refused."""
+        labels = ["tenant", "priority"]
+        self.class_waiting = Gauge("duoserve:class_requests_waiting", "Requests waiting for their first token, "
+                                   "by tenant and priority", labels, registry=r)
+        self.class_running = Gauge("duoserve:class_requests_running", "Requests past their first token, by tenant "
+                                   "and priority", labels, registry=r)
+        self.class_ttft = Histogram("duoserve:class_time_to_first_token_seconds", "Time to first token by tenant "
+                                    "and priority", labels, registry=r, buckets=b)
+        self.class_tokens = Counter("duoserve:class_tokens", "Tokens served by tenant and priority (kind: prompt "
+                                    "or generation)", labels + ["kind"], registry=r)
+        self.refused = Counter("duoserve:requests_refused", "Requests refused (429: tenant_waiting, "
+                               "server_waiting, queue_full) or dropped past their timeout (503: timeout)",
+                               ["reason"], registry=r)
+        self._refused_seen: dict[str, int] = {}
+        self._class_keys: set[tuple[str, str]] = set()
+
+    def observe_classes(self, counts: dict[tuple[str, str], tuple[int, int]], refused: dict[str, int]) -> None:
+        """The frontend's requests by class and its refusals so far (called at each scrape)."""
+        for key in self._class_keys - counts.keys():
+            self.class_waiting.labels(*key).set(0)
+            self.class_running.labels(*key).set(0)
+        for key, (waiting, running) in counts.items():
+            self.class_waiting.labels(*key).set(waiting)
+            self.class_running.labels(*key).set(running)
+        self._class_keys |= counts.keys()
+        for reason, total in refused.items():
+            self.refused.labels(reason).inc(total - self._refused_seen.get(reason, 0))
+            self._refused_seen[reason] = total
 
     def _engine_state(self, r: CollectorRegistry) -> None:
         """What the engines report: requests by state, KV and swap usage, tokens, memory."""
@@ -142,9 +177,15 @@ class ServerMetrics:
         num_tokens = sum(len(o.token_ids) for o in out.outputs)
         last_time, seen, staged = self._seen.get(out.request_id, (arrival, 0, frozenset()))
         new = num_tokens - seen
+        cls = self.request_class(out.request_id)
+        if cls is not None and new > 0:
+            self.class_tokens.labels(cls.label, cls.priority, "generation").inc(new)
         if seen == 0 and new > 0:
             self.ttft.observe(now - arrival)
             self.prompt_tokens.inc(len(out.prompt_token_ids))
+            if cls is not None:
+                self.class_ttft.labels(cls.label, cls.priority).observe(now - arrival)
+                self.class_tokens.labels(cls.label, cls.priority, "prompt").inc(len(out.prompt_token_ids))
         elif new > 0:
             self.itl.observe(now - last_time)
         fresh = {s for s in STAGES if f"{s}_seconds" in out.metrics} - staged  # stages arrive from two engines

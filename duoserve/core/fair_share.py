@@ -9,9 +9,13 @@ charged, then the lowest again; within a tenant, in the queue's own order. A ten
 times the others' requests so gets its share of the tokens while the others wait, and all of
 what they leave.
 
-A tenant arriving with nothing in the engine starts at the lowest counter among the tenants that
-have (with none, at the highest of all): idling earns no credit, or a tenant back from a pause
-would take the whole server until its counter caught up.
+A tenant arriving with nothing in the engine starts ``MARGIN`` below the lowest counter among the
+tenants that have (with none, at the highest of all): idling earns no more credit than that, or a
+tenant back from a pause would take the whole server until its counter caught up.
+
+Preemption for fair share (the batch full, or blocks short) needs a waiting tenant's counter
+``MARGIN`` below the running one's: two tenants sharing a full batch take turns every ``MARGIN``
+tokens or so instead of preempting each other at every step as their counters pass.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from duoserve.core.request import Request
 
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
+MARGIN = 512.0            # a step's token budget: the credit of an arrival, the hysteresis of a preemption
 KEEP_IDLE_TENANTS = 1024   # counters of idle tenants kept (above the floor) before the oldest go
 
 
@@ -48,7 +53,7 @@ class FairShare:
         tenant = tenant_of(request)
         if not self.active[tenant]:
             others = [self.counters.get(t, 0.0) for t, n in self.active.items() if n]
-            floor = min(others) if others else max(self.counters.values(), default=0.0)
+            floor = min(others) - MARGIN if others else max(self.counters.values(), default=0.0)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
             if len(self.counters) > KEEP_IDLE_TENANTS + len(others):
                 self._forget_idle(floor)
@@ -64,6 +69,10 @@ class FairShare:
         """Idle tenants at or below ``floor`` would be lifted to it on arrival: their counters go."""
         for tenant in [t for t, c in self.counters.items() if c <= floor and not self.active[t]]:
             del self.counters[tenant]
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        """Whether ``waiting``'s tenant is served enough less than ``running``'s to preempt it."""
+        return self.counter(tenant_of(waiting)) < self.counter(tenant_of(running)) - MARGIN
 
     def charge(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
         tenant = tenant_of(request)

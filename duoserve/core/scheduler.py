@@ -261,6 +261,13 @@ class Scheduler:
         """Lower goes first: the priority, then (fair) the tenant's counter."""
         return _priority(request), self.fair.counter(request.params.tenant) if self.fair is not None else 0.0
 
+    def _outranks(self, waiting: Request, running: Request) -> bool:
+        """Whether ``waiting`` may preempt ``running``: a better priority, or (fair) the same one and
+        a tenant served enough less (``FairShare.outranks``)."""
+        if _priority(waiting) != _priority(running):
+            return _priority(waiting) < _priority(running)
+        return self.fair is not None and self.fair.outranks(waiting, running)
+
     def _order_by_priority(self) -> None:
         """Every queue and the running set by priority, lower first; a stable sort, so that the
         role's order (arrival, or a prefill engine's shortest first) holds within a priority.
@@ -291,7 +298,7 @@ class Scheduler:
         resumes with the tokens it would have produced. Returns how many were preempted."""
         self._order_by_priority()
         made = 0
-        while self.waiting and self.running and self._rank(self.waiting[0]) < self._rank(self.running[-1]):
+        while self.waiting and self.running and self._outranks(self.waiting[0], self.running[-1]):
             best = self.waiting[0]
             first_chunk = min(best.num_tokens - best.num_computed_tokens, self.token_budget)
             if (len(self.running) < self.max_num_seqs

@@ -106,6 +106,13 @@ class MessagesRequest(_Strict):
     thinking: Thinking | None = None
     ignore_eos: bool = False                   # vLLM's extra (benchmark clients send it)
     priority: int = 0                          # duoserve's extra: lower first (--scheduling-policy priority)
+    timeout: float | None = Field(default=None, gt=0)   # duoserve's extra: seconds to wait for its first step
+
+    def _user_id(self) -> str | None:
+        """``metadata.user_id``: who asked (the tenant, where API keys are shared)."""
+        metadata = (self.model_extra or {}).get("metadata")
+        user = metadata.get("user_id") if isinstance(metadata, dict) else None
+        return user if isinstance(user, str) else None
 
     def to_chat(self, reasoning_parser: str | None, for_counting: bool = False) -> ChatCompletionRequest:
         """The same request as a chat completion (``for_counting``: count_tokens', no sampling)."""
@@ -118,7 +125,7 @@ class MessagesRequest(_Strict):
                                 "temperature": 1.0 if self.temperature is None else self.temperature,
                                 "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences,
                                 "include_stop_str_in_output": False, "ignore_eos": self.ignore_eos,
-                                "priority": self.priority}
+                                "priority": self.priority, "timeout": self.timeout, "user": self._user_id()}
         if tools:
             body["tools"] = tools
             body.update(self._tool_choice())

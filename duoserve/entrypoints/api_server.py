@@ -35,8 +35,10 @@ from duoserve.entrypoints.serving_anthropic import AnthropicServing
 from duoserve.entrypoints.responses_store import RedisResponseStore
 from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.server_config import ServerConfig
+from duoserve.entrypoints.tenants import key_tenant, split_keys
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.serving_embeddings import EmbeddingServing
+from duoserve.frontend.admission import Admission
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.metrics import ServerMetrics
 
@@ -79,25 +81,41 @@ class BodyLimit:
 
 
 class APIKeyGuard:
-    """ASGI middleware: every route but /health needs the key, as ``Authorization: Bearer <key>``
-    (OpenAI's SDK) or ``x-api-key: <key>`` (Anthropic's), compared in constant time."""
+    """ASGI middleware: every route but /health needs a key, as ``Authorization: Bearer <key>``
+    (OpenAI's SDK) or ``x-api-key: <key>`` (Anthropic's), compared in constant time. With several
+    keys, the request's key names its tenant (``duoserve.entrypoints.tenants``)."""
 
     def __init__(self, app, api_key: str | None) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.keys = [key.encode() for key in split_keys(api_key)]
+        self.tenants = [key_tenant(key) for key in split_keys(api_key)] if len(self.keys) > 1 else None
+
+    def _match(self, headers: dict) -> int | None:
+        """The index of the key the request carries (every key compared, in constant time)."""
+        found = None
+        for i, key in enumerate(self.keys):
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + key)
+            if bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), key):
+                found = i
+        return found
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or self.key is None or scope["path"] == "/health":
+        if scope["type"] not in ("http", "websocket") or not self.keys or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key)
-        if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+        index = self._match(dict(scope.get("headers") or []))
+        if index is None:
             if scope["type"] == "websocket":   # refused before it opens: the client sees HTTP 403
                 return await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
             response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'", code="invalid_api_key", path=scope["path"])
             return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if self.tenants is None:
+            return await self.app(scope, receive, send)
+        token = KEY_TENANT.set(self.tenants[index])
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            KEY_TENANT.reset(token)
 
 
 def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
@@ -139,8 +157,9 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
                cluster: ClusterConfig | None = None) -> FastAPI:
     """The app: the engine group and its metrics in ``app.state``, the guards, the error shapes
     and the routes of this module's ``router``."""
-    engine = AsyncEngine(engine_config, server.max_queue_len, disagg, cluster)
-    metrics = ServerMetrics()
+    engine = AsyncEngine(engine_config, server.max_queue_len, disagg, cluster,
+                         Admission(server.max_waiting_per_tenant, server.max_waiting))
+    metrics = ServerMetrics(request_class=engine.admission.classes.get)
     for hooks, hook in ((engine.on_output, metrics.observe_output), (engine.on_stats, metrics.observe_stats),
                         (engine.on_place, metrics.observe_placement), (engine.on_migrate, metrics.observe_migration),
                         (engine.on_resume, metrics.migration_resume.observe),
@@ -151,6 +170,10 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         start = time.monotonic()
+        keys = split_keys(server.api_key)
+        if len(keys) > 1:
+            logger.info("API keys name tenants: %s", ", ".join(f"key {i + 1}: {key_tenant(k)}"
+                                                                for i, k in enumerate(keys)))
         await engine.start(wait=False)   # already done by `duoserve serve`; remote engines come later
         logger.info("serving %s: %s in %.1fs", server.served_model_name,
                     "ready" if engine.ready else engine.not_ready_reason(), time.monotonic() - start)
@@ -343,6 +366,7 @@ async def prometheus(raw: Request):
         if report:
             metrics.observe_memory(name, report)
     metrics.observe_structured_requests(*engine.structured_request_counts())
+    metrics.observe_classes(engine.admission.counts(), engine.admission.refused)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

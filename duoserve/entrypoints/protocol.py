@@ -119,7 +119,9 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None   # a tenant's prefix-cache and KV-store blocks are never another's
-    priority: int = 0               # vLLM's: lower first under --scheduling-policy priority
+    priority: int = 0               # vLLM's: lower first under --scheduling-policy priority or fair
+    # seconds it may wait for its first step (dropped after them: 503), none: as long as it takes
+    timeout: float | None = Field(default=None, gt=0)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     logit_bias: dict[str, float] | None = None
@@ -171,7 +173,8 @@ class SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
             structured_outputs=self.structured(), logit_bias=self.logit_bias,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            bad_words=tuple(self.bad_words or ()), priority=self.priority,
+            bad_words=tuple(self.bad_words or ()), priority=self.priority, tenant=self.user or "",
+            timeout=self.timeout,
         )
 
 

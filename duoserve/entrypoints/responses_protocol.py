@@ -63,8 +63,16 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None      # vLLM's extras
     seed: int | None = None
     ignore_eos: bool = False
-    priority: int = 0             # lower first under --scheduling-policy priority
+    priority: int = 0             # lower first under --scheduling-policy priority or fair
+    timeout: float | None = Field(default=None, gt=0)   # seconds it may wait for its first step
     stream: bool = False
+
+    def user(self) -> str | None:
+        """Who asked (the tenant, where API keys are shared): ``user``, or its successor
+        ``safety_identifier``."""
+        extra = self.model_extra or {}
+        user = extra.get("user") or extra.get("safety_identifier")
+        return user if isinstance(user, str) else None
 
     def check(self) -> None:
         """Refuse by name what this server does not implement."""
@@ -103,7 +111,7 @@ class ResponsesRequest(BaseModel):
                                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                                 "seed": self.seed, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-                                "priority": self.priority,
+                                "priority": self.priority, "timeout": self.timeout, "user": self.user(),
                                 "top_logprobs": self.top_logprobs if logprobs else None}
         if self.tools:
             body["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]

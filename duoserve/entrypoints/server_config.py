@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from duoserve import envs
+from duoserve.errors import ConfigError
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tool_formats import TOOL_CALL_PARSERS
 from duoserve.flags import flag
@@ -23,12 +24,18 @@ class ServerConfig:
     port: int = flag(8000, "port to listen on", parse=int)
     served_model_name: str | None = flag(None, "the model name clients use",
                                          default_help="the --model value, or smollm2-135m")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health",
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health; several "
+                               "keys, comma-separated, are each a tenant (--scheduling-policy fair)",
                                cli_default=lambda: envs.DUOSERVE_API_KEY, default_help="$DUOSERVE_API_KEY, or none")
     mode: str = flag("colocated", "one engine doing prefill and decode, or separate engines", choices=MODES)
     # admission, request size, shutdown and the HTTP server's logs
     max_queue_len: int | None = flag(None, "requests in flight beyond which new ones get 429", parse=int,
                                      default_help="no limit")
+    max_waiting_per_tenant: int | None = flag(
+        None, "requests of one tenant waiting for their first token beyond which its new ones get 429 with "
+        "Retry-After", parse=int, default_help="no limit")
+    max_waiting: int | None = flag(None, "requests waiting for their first token beyond which new ones get 429 "
+                                   "with Retry-After", parse=int, default_help="no limit")
     max_request_bytes: int = flag(1 << 20, "largest request body accepted, larger gets 413", parse=int)
     tool_call_parser: str | None = flag(
         None, "how the model writes tool calls, for tool_choice 'auto' (vLLM's names; hermes: <tool_call> JSON, "
@@ -45,3 +52,9 @@ class ServerConfig:
     shutdown_timeout: float = flag(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", parse=float)
     uvicorn_log_level: str = flag("info", "log level of the HTTP server's own messages", choices=UVICORN_LOG_LEVELS)
     access_log: bool = flag(True, "log every HTTP request", parse=bool)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_len", "max_waiting_per_tenant", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(name, value, "a positive number of requests, or unset for no limit")

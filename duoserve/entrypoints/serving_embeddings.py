@@ -47,7 +47,8 @@ class EmbeddingServing:
         inputs = body.inputs()
         if not inputs:
             raise APIError(400, "input must not be empty", param="input")
-        params = checked_params(lambda: SamplingParams(max_tokens=0, pooling=self.chosen_pooling))
+        params = checked_params(lambda: SamplingParams(max_tokens=0, pooling=self.chosen_pooling,
+                                                       tenant=body.user or ""))
         streams = Streams(self.base.engine, inputs, params, f"embd-{uuid.uuid4().hex}", prompt_param="input")
         await streams.start()
         finals = await run_until_disconnect(raw, streams.collect())

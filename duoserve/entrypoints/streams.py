@@ -1,7 +1,8 @@
 """The plumbing every API surface shares: a request's engine streams (one per prompt) started,
 merged and collected (``Streams``), cancelled when the client leaves (``run_until_disconnect``),
 and the pieces of OpenAI's wire format the surfaces reuse (``sse``, ``usage``). Engine errors
-become HTTP errors here: a refused input 400, a full queue 429, an engine away 503.
+become HTTP errors here: a refused input 400, a full queue 429, an engine away or a request
+that waited past its timeout 503.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from duoserve.entrypoints.errors import APIError
+from duoserve.entrypoints.tenants import with_tenant
 from duoserve.errors import ConfigError, InvalidInputError, ModelLoadError
-from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from duoserve.frontend.admission import QueueFullError, QueueTimeoutError
+from duoserve.frontend.async_engine import AsyncEngine, EngineUnavailableError
 from duoserve.frontend.engine_client import EngineDeadError
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
@@ -37,7 +40,10 @@ async def first_output(stream: AsyncIterator[RequestOutput], prompt_param: str =
     except InvalidInputError as exc:
         raise APIError(400, str(exc), param=prompt_param if exc.param == "prompt" else exc.param) from exc
     except QueueFullError as exc:
-        raise APIError(429, str(exc), headers={"Retry-After": "1"}) from exc
+        raise APIError(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
+    except QueueTimeoutError as exc:
+        raise APIError(503, str(exc), param="timeout", code="queue_timeout",
+                       headers={"Retry-After": str(exc.retry_after)}) from exc
     except (EngineUnavailableError, EngineDeadError, ModelLoadError) as exc:
         raise APIError(503, f"the engine is unavailable: {exc}") from exc
 
@@ -48,6 +54,7 @@ class Streams:
     def __init__(self, engine: AsyncEngine, prompts: list, params: SamplingParams, base_id: str,
                  prompt_param: str = "prompt") -> None:
         self.engine, self.base_id = engine, base_id
+        params = with_tenant(params)
         self.streams = [engine.generate(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
         self.firsts: list[RequestOutput] = []
         self.prompt_param = prompt_param

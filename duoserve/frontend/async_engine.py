@@ -35,7 +35,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.core.outputs import EngineCoreOutput
+from duoserve.core.scheduler import QUEUE_TIMEOUT
 from duoserve.errors import ConfigError, DuoserveError, InvalidInputError
+from duoserve.frontend.admission import Admission, QueueFullError, QueueTimeoutError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id, process_running
 from duoserve.frontend.frontend import tell_engines
 from duoserve.frontend.input_processor import InputProcessor
@@ -99,17 +101,15 @@ class ServerShuttingDownError(EngineUnavailableError):
 STALL_TURNS = 2
 
 
-class QueueFullError(DuoserveError):
-    """``max_queue_len`` requests are already in flight."""
-
-
 class AsyncEngine:
     """The engines of one deployment (``duoserve.frontend.launcher``) behind one request API."""
 
     def __init__(self, config: EngineConfig, max_queue_len: int | None = None,
-                 disagg: DisaggConfig | None = None, cluster: ClusterConfig | None = None) -> None:
+                 disagg: DisaggConfig | None = None, cluster: ClusterConfig | None = None,
+                 admission: Admission | None = None) -> None:
         self.config = config
         self.max_queue_len = max_queue_len
+        self.admission = admission or Admission()   # caps on waiting requests, classes for the metrics
         self.disagg = disagg
         self.frontend_id = new_frontend_id()   # engines keep this frontend's requests apart from others'
         decode, prefill = plan_deployment(config, disagg, cluster, self.frontend_id)
@@ -253,11 +253,16 @@ class AsyncEngine:
             self.config.scheduler.check_priority(params.priority)
         except ConfigError as exc:
             raise InvalidInputError(exc.field, str(exc)) from None
+        admission = self.admission
         if self.max_queue_len is not None and len(self.outputs) >= self.max_queue_len:
+            admission.refused["queue_full"] += 1
             raise QueueFullError(f"the server is full ({len(self.outputs)} requests in flight, "
-                                 f"--max-queue-len {self.max_queue_len}); retry shortly")
+                                 f"--max-queue-len {self.max_queue_len}); retry shortly",
+                                 admission.retry_after(sum(admission.waiting.values())))
+        admission.check(params.tenant)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
+        admission.enter(request_id, params.tenant, params.priority)
         finished = False
         try:
             self._add_request(prompt, params, request_id, strict_length)
@@ -266,13 +271,26 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                if finished and self._timed_out(item):
+                    raise QueueTimeoutError(item.outputs[0].error, admission.retry_after(
+                        sum(admission.waiting.values())))
+                admission.started(request_id)
                 yield item
                 if finished:
                     return
         finally:
             self.queues.pop(request_id, None)
+            admission.leave(request_id)
             if not finished:
                 self._abort(request_id)
+
+    def _timed_out(self, item: RequestOutput) -> bool:
+        """Dropped by its engine for waiting past its timeout (``params.timeout``), nothing computed."""
+        timed_out = [o.error is not None and o.error.startswith(QUEUE_TIMEOUT) for o in item.outputs]
+        if not any(timed_out):
+            return False
+        self.admission.refused["timeout"] += 1
+        return True
 
     def _add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      strict_length: bool) -> None:

@@ -5,7 +5,7 @@ step (no torch, no model)."""
 
 from __future__ import annotations
 
-from duoserve.core.fair_share import FairShare
+from duoserve.core.fair_share import MARGIN, FairShare
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import PrefixCacheSource
 from duoserve.core.request import Request, RequestStatus
@@ -36,14 +36,14 @@ def test_a_light_tenant_goes_before_a_heavy_tenants_backlog():
     s = fair_scheduler(budget=4)
     for i in range(6):
         add(s, f"heavy{i}", 4, max_tokens=1, tenant="heavy")
-    step(s)   # heavy0 served: heavy's counter is 4 + 2
-    add(s, "light0", 4, max_tokens=1, tenant="light")   # arrives at the lowest active counter: heavy's
+    s.fair.charge(s.requests["heavy1"], 1000, 0)   # heavy has been served 1000 tokens more
+    step(s)   # heavy0 served
+    add(s, "light0", 4, max_tokens=1, tenant="light")   # arrives MARGIN below heavy's counter
     add(s, "light1", 4, max_tokens=1, tenant="light")
-    # one prompt a step: light ties with heavy at 6 and heavy's request is ahead in the queue; then
-    # light at 6 against heavy's 12, and at 12 again (a tie its queued request now leads)
+    # one prompt a step: light's two go first, their 12 tokens still leaving light below heavy
     order = admitted_order(s, 7)
-    assert order[:4] == ["heavy1", "light0", "light1", "heavy2"]
-    assert order[4:] == ["heavy3", "heavy4", "heavy5"]
+    assert order == ["light0", "light1", "heavy1", "heavy2", "heavy3", "heavy4", "heavy5"]
+    assert s.fair.counter("light") == 1006 - MARGIN + 2 * (4 + 2)
     run_to_end(s)
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks and not s.fair.active
 
@@ -74,8 +74,9 @@ def test_a_tenant_served_less_preempts_the_newest_of_the_one_served_most():
     heavy = [add(s, f"heavy{i}", 3, max_tokens=20, tenant="heavy") for i in range(2)]
     step(s)
     step(s)
-    light = add(s, "light", 3, max_tokens=2, tenant="light")   # lifted to heavy's counter...
-    s.fair.charge(heavy[0], 10, 0)                               # ...which then grows past it
+    light = add(s, "light", 3, max_tokens=2, tenant="light")   # at 0: MARGIN below heavy's lifts nothing
+    s.fair.charge(heavy[0], MARGIN - s.fair.counter("heavy"), 0)   # heavy exactly MARGIN above: no preemption
+    assert step(s).preempted_ids == [] and light.status is S.WAITING   # (two more tokens charged to heavy)
     plan = step(s)
     assert plan.preempted_ids == ["heavy1"] and light.status is S.RUNNING
     assert heavy[1].status is S.WAITING and heavy[1].num_computed_tokens == 0
@@ -99,10 +100,10 @@ def test_tokens_are_charged_once_prompt_and_outputs_weighted():
     assert s.fair.counter("t") == 6 * 1 + 3 * 2
     share = FairShare()
     r = Request("x", [1, 2, 3], SamplingParams(tenant="late"))
-    share.counters["busy"] = 50.0
+    share.counters["busy"] = 5000.0
     share.active["busy"] = 1
     share.arrive(r)
-    assert share.counter("late") == 50.0   # idling earned no credit
+    assert share.counter("late") == 5000.0 - MARGIN   # idling earned no more credit than MARGIN
 
 
 def test_a_recomputed_prompt_is_not_charged_again():

@@ -42,3 +42,28 @@ def test_arrival_order_refuses_a_priority(tiny_dir):
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, priority=[0, 3])
     assert err.value.field == "priority"
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, priority=[0, 0])]
+
+
+def test_fair_share_serves_a_light_tenant_before_a_heavy_backlog(tiny_dir):
+    """One sequence at a time: a light tenant's request arriving behind a heavy tenant's backlog is
+    served next, and every text is the one it gets alone."""
+    llm = LLM(str(tiny_dir(kind="llama")), dtype="float32", scheduling_policy="fair", max_num_seqs=1,
+              kv_cache_memory=0.01)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    frontend = llm.frontend
+    heavy = [frontend.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, tenant="heavy"))
+             for p in PROMPTS[:3]]
+    done: list[str] = []
+    finished = {}
+    for _ in range(2):
+        frontend.step()
+    light = frontend.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                            tenant="light"))
+    while frontend.has_unfinished():
+        for o in frontend.step():
+            if o.finished:
+                done.append(o.request_id)
+                finished[o.request_id] = o
+    assert done == [heavy[0], light, heavy[1], heavy[2]]
+    assert [finished[r].outputs[0].token_ids for r in [*heavy, light]] == alone
+    assert llm.engine.scheduler.kv.pool.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks

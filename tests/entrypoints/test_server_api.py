@@ -294,7 +294,8 @@ def test_full_queue_gets_429_with_retry_after(server):
     responses = asyncio.run(main())
     refused = [r for r in responses if r.status_code == 429]
     assert refused, [r.status_code for r in responses]
-    assert all(r.headers["retry-after"] == "1" for r in refused)
+    # the seconds the waiting requests take to start at the recent rate (1 with none started lately)
+    assert all(1 <= int(r.headers["retry-after"]) <= 60 for r in refused)
     _assert_error(refused[0], 429)
     assert all(r.status_code in (200, 429) for r in responses)
     _wait_idle(server)
