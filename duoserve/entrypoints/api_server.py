@@ -35,7 +35,7 @@ from duoserve.entrypoints.serving_anthropic import AnthropicServing
 from duoserve.entrypoints.responses_store import RedisResponseStore
 from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.server_config import ServerConfig
-from duoserve.entrypoints.tenants import key_tenant, split_keys
+from duoserve.entrypoints.tenants import KEY_TENANT, key_tenant, split_keys
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.serving_embeddings import EmbeddingServing
 from duoserve.frontend.admission import Admission
