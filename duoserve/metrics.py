@@ -74,7 +74,10 @@ class ServerMetrics:
         self.refused = Counter("duoserve:requests_refused", "Requests refused (429: tenant_waiting, "
                                "server_waiting, queue_full) or dropped past their timeout (503: timeout)",
                                ["reason"], registry=r)
+        self.engine_tenant = Gauge("duoserve:engine_tenant_requests", "Requests placed on each engine by "
+                                   "tenant (the router's count)", ["engine", "tenant"], registry=r)
         self._refused_seen: dict[str, int] = {}
+        self._engine_tenant_keys: set[tuple[str, str]] = set()
         self._class_keys: set[tuple[str, str]] = set()
 
     def observe_classes(self, counts: dict[tuple[str, str], tuple[int, int]], refused: dict[str, int]) -> None:
@@ -89,6 +92,14 @@ class ServerMetrics:
         for reason, total in refused.items():
             self.refused.labels(reason).inc(total - self._refused_seen.get(reason, 0))
             self._refused_seen[reason] = total
+
+    def observe_tenant_load(self, counts: dict[tuple[str, str], int]) -> None:
+        """The router's (engine, tenant label) -> requests placed (called at each scrape)."""
+        for key in self._engine_tenant_keys - counts.keys():
+            self.engine_tenant.labels(*key).set(0)
+        for key, n in counts.items():
+            self.engine_tenant.labels(*key).set(n)
+        self._engine_tenant_keys |= counts.keys()
 
     def _engine_state(self, r: CollectorRegistry) -> None:
         """What the engines report: requests by state, KV and swap usage, tokens, memory."""

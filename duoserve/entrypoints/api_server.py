@@ -367,6 +367,7 @@ async def prometheus(raw: Request):
             metrics.observe_memory(name, report)
     metrics.observe_structured_requests(*engine.structured_request_counts())
     metrics.observe_classes(engine.admission.counts(), engine.admission.refused)
+    metrics.observe_tenant_load(engine.tenant_load())
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

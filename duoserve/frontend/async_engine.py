@@ -284,6 +284,14 @@ class AsyncEngine:
             if not finished:
                 self._abort(request_id)
 
+    def tenant_load(self) -> dict[tuple[str, str], int]:
+        """(engine, tenant's metrics label) -> requests the router placed there."""
+        counts: dict[tuple[str, str], int] = {}
+        for (engine, tenant), n in (self.group.tenant_load() if self.group is not None else {}).items():
+            key = (engine, self.admission.label(tenant))
+            counts[key] = counts.get(key, 0) + n
+        return counts
+
     def _timed_out(self, item: RequestOutput) -> bool:
         """Dropped by its engine for waiting past its timeout (``params.timeout``), nothing computed."""
         timed_out = [o.error is not None and o.error.startswith(QUEUE_TIMEOUT) for o in item.outputs]

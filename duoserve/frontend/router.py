@@ -16,7 +16,9 @@ queue costs more than computing the prompt elsewhere. An engine with ``IMBALANCE
 requests beyond the least loaded one (queue depth, counted here exactly: a decode engine's
 unfinished requests, a prefill engine's requests not yet prefilled) is passed over, since a
 decode engine's backlog does not count its decodes; between equals the less loaded, then the
-first in its list (``decode-0`` before ``decode-1``). With ``--routing least-loaded`` the least
+one holding fewer of the request's tenant's requests (a heavy tenant spread over the engines,
+each engine's fair share sees its part), then the first in its list (``decode-0`` before
+``decode-1``). With ``--routing least-loaded`` the least
 loaded takes it. An engine that is down, or draining (its stats say so: it got SIGTERM and
 finishes what it holds before it stops), is passed over. The decode engine is chosen first,
 then the prefill engine, then where the prompt is prefilled (``auto``: each side's backlog and
@@ -179,6 +181,19 @@ class EngineGroup:
                 load[p.prefill] += 1
         return load
 
+    def tenant_load(self, tenant: str | None = None) -> dict[tuple[str, str], int]:
+        """(engine, tenant) -> requests placed there (decoding, or prefilling on a prefill engine),
+        of every tenant or of ``tenant`` alone."""
+        counts: dict[tuple[str, str], int] = {}
+        for p in self.placements.values():
+            t = p.request.params.tenant
+            if tenant is not None and t != tenant:
+                continue
+            for name in (p.decode, p.prefill if p.prefill is not None and not p.prefilled else None):
+                if name is not None:
+                    counts[name, t] = counts.get((name, t), 0) + 1
+        return counts
+
     @staticmethod
     def _takers(clients: list[EngineClient]) -> list[EngineClient]:
         """The engines that take new work: up and not draining (all that are up, if every one drains)."""
@@ -192,15 +207,18 @@ class EngineGroup:
         load = self.load
         return min(up, key=lambda c: load[c.name])
 
-    def _best(self, clients: list[EngineClient], hashes: list[int], num_tokens: int) -> Option | None:
-        """The engine the request goes to among ``clients`` (the module docstring's rule)."""
+    def _best(self, clients: list[EngineClient], hashes: list[int], num_tokens: int,
+              tenant: str = "") -> Option | None:
+        """The engine the request goes to among ``clients`` (the module docstring's rule; between
+        engines equal by it, the one holding fewest of the request's tenant's requests)."""
         up = self._takers(clients)
         if not up:
             return None
         load = self.load
+        mine = {name: n for (name, _), n in self.tenant_load(tenant).items()}
         shortest_first = clients is self.prefill   # a prefill engine's order (core.roles.PrefillOnly)
         if self.router.routing != "prefix":
-            least = min(up, key=lambda c: load[c.name])
+            least = min(up, key=lambda c: (load[c.name], mine.get(c.name, 0)))
             backlog = self.backlog(least.name, num_tokens if shortest_first else None)
             return Option(least, backlog, load=load[least.name])
         fewest = min(load[c.name] for c in up)
@@ -212,7 +230,7 @@ class EngineGroup:
                                  num_tokens - 1), 0)
                 ahead = num_tokens - cached if shortest_first else None
                 options.append(Option(client, self.backlog(client.name, ahead), cached, load[client.name]))
-        return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, o.load))
+        return min(options, key=lambda o: (o.backlog + num_tokens - o.cached, o.load, mine.get(o.client.name, 0)))
 
     def backlog(self, name: str, ahead_of: int | None = None) -> int:
         """Prompt tokens placed on engine ``name`` still to be computed there: the placements'
@@ -234,10 +252,10 @@ class EngineGroup:
         hashes = (self.prefixes.hashes(request.prompt_token_ids, request.params.cache_salt)
                   if self.router.routing == "prefix" else [])
         n = request.num_prompt_tokens
-        decode = self._best(self.decode, hashes, n)
+        decode = self._best(self.decode, hashes, n, request.params.tenant)
         if decode is None:
             raise EngineDeadError("no decode engine is up")
-        prefill = self._best(self.prefill, hashes, n) if self.prefill else None
+        prefill = self._best(self.prefill, hashes, n, request.params.tenant) if self.prefill else None
         if self.prefill and prefill is None and not self._warned_fallback:
             logger.warning("no prefill engine is up: prefilling on the decode engines")
         self._warned_fallback = bool(self.prefill) and prefill is None

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from duoserve import SamplingParams
-from duoserve.config import CacheConfig, EngineConfig, ModelConfig, TurnsConfig
+from duoserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TurnsConfig
 from duoserve.core.rates import BATCH_SIZES
 from duoserve.core.request import Request, RequestStatus
 from duoserve.engine.builder import build_engine
@@ -20,20 +20,22 @@ from duoserve.entrypoints.llm import LLM
 from tests.disagg_helpers import joined_in_process
 
 
-def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0, turns_file=None):
+def engines(path, prefill_block=16, decode_block=32, lease_timeout=30.0, turns_file=None, policy="fcfs"):
     def make(role, block, slot):
         turns = TurnsConfig(turns_file, slot, quantum=0.0) if turns_file else None
         return build_engine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
                                          cache=CacheConfig(block_size=block, kv_cache_memory=0.01),
+                                         scheduler=SchedulerConfig(policy=policy),
                                          role=role, kv_lease_timeout=lease_timeout, turns=turns))
     return joined_in_process(make("prefill", prefill_block, 0), make("decode", decode_block, 1))
 
 
 def run(prefill, decode, prompts, params, limit=2000):
+    """``params``: one for all prompts, or a list of one each."""
     tokens = {f"r{i}": [] for i in range(len(prompts))}
     finished = {}
     for i, prompt in enumerate(prompts):
-        prefill.add_request(Request(f"r{i}", prompt, params, (), 512))
+        prefill.add_request(Request(f"r{i}", prompt, params[i] if isinstance(params, list) else params, (), 512))
     for _ in range(limit):
         for out in prefill.step() + decode.step():
             # both engines report the first token (position 0); keep one copy, as the frontend does
@@ -229,4 +231,22 @@ def test_a_prompt_cached_on_the_prefill_engine_reports_its_cached_tokens(tiny_di
             prefill.step(), decode.step()
     assert cached == [0, 80]
     assert prefill.kv.num_hits == 80   # tokens
+    assert pool_whole(prefill) and pool_whole(decode)
+
+
+def test_tenants_and_priorities_cross_the_handoff(tiny_dir):
+    """Under fair share both engines charge each tenant: the prefill engine its prompts and first
+    tokens, the decode engine the rest; the decode engine's requests keep their priority."""
+    path = tiny_dir(kind="llama")
+    prefill, decode = engines(path, policy="fair")
+    cases = [("heavy", 3), ("heavy", 3), ("light", 0)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, tenant=t, priority=p) for t, p in cases]
+    batch = prompts()[:3]
+    tokens, finished = run(prefill, decode, batch, params)
+    alone, _ = run(*engines(path), batch, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert tokens == alone and set(finished.values()) == {"length"}
+    assert prefill.scheduler.fair.counters == {"heavy": len(batch[0]) + len(batch[1]) + 2 * 2,
+                                               "light": len(batch[2]) + 2}
+    assert decode.scheduler.fair.counters == {"heavy": 2 * 2 * 5, "light": 2 * 5}
+    assert [decode.scheduler.requests[f"r{i}"].params.priority for i in range(3)] == [3, 3, 0]
     assert pool_whole(prefill) and pool_whole(decode)

@@ -355,3 +355,15 @@ def test_a_drained_prefill_engine_strands_only_what_it_had_not_prefilled():
     assert group.stranded_by(p0) == ["a", "c"], "died: both moved (neither was handed over yet)"
     p0.draining = True
     assert group.stranded_by(p0) == ["c"]
+
+
+def test_between_equal_engines_a_tenants_requests_are_spread():
+    group, _, _ = engines(2)
+    for request_id, tenant in (("h1", "heavy"), ("l1", "light"), ("h2", "heavy"), ("l2", "light")):
+        group.add_request(Request(request_id, [1, 2, 3], SamplingParams(max_tokens=4, tenant=tenant), (0,), 64))
+    # h2 finds both engines equal (one request each) and goes where heavy has none
+    assert [group.placements[r].decode for r in ("h1", "l1", "h2", "l2")] == \
+        ["decode-0", "decode-1", "decode-1", "decode-0"]
+    assert group.tenant_load() == {("decode-0", "heavy"): 1, ("decode-1", "light"): 1,
+                                   ("decode-1", "heavy"): 1, ("decode-0", "light"): 1}
+    assert group.tenant_load("heavy") == {("decode-0", "heavy"): 1, ("decode-1", "heavy"): 1}
