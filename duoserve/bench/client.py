@@ -94,8 +94,9 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, record: Request
 async def run(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], request_rate: float,
               burstiness: float = 1.0, max_concurrency: int | None = None, duration: float | None = None,
               ignore_eos: bool = False, api_key: str | None = None, seed: int = 0, timeout: float = 600.0,
-              progress=None) -> tuple[list[RequestRecord], float]:
-    """Records of every request sent, and the seconds from the first send to the last answer."""
+              progress=None, extra_body: dict | None = None) -> tuple[list[RequestRecord], float]:
+    """Records of every request sent, and the seconds from the first send to the last answer
+    (``extra_body``: fields added to every request's body, e.g. a priority)."""
     rng = random.Random(seed)
     headers = auth_headers(api_key)
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
@@ -105,7 +106,8 @@ async def run(base_url: str, endpoint: str, model: str, requests: list[BenchRequ
     async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=connections) as client:
         async def one(request: BenchRequest, record: RequestRecord) -> None:
             async with limit:
-                await _send(client, url, _body(request, endpoint, model, ignore_eos), record)
+                await _send(client, url, {**_body(request, endpoint, model, ignore_eos), **(extra_body or {})},
+                            record)
             if progress is not None:
                 progress.update(1)
 

@@ -9,13 +9,15 @@ charged, then the lowest again; within a tenant, in the queue's own order. A ten
 times the others' requests so gets its share of the tokens while the others wait, and all of
 what they leave.
 
-A tenant arriving with nothing in the engine starts ``MARGIN`` below the lowest counter among the
-tenants that have (with none, at the highest of all): idling earns no more credit than that, or a
-tenant back from a pause would take the whole server until its counter caught up.
+A tenant arriving with nothing in the engine starts ``ARRIVAL_CREDIT`` below the lowest counter
+among the tenants that have (with none, at the highest of all): idling earns no more credit than
+that, or a tenant back from a pause would take the whole server until its counter caught up.
 
 Preemption for fair share (the batch full, or blocks short) needs a waiting tenant's counter
 ``MARGIN`` below the running one's: two tenants sharing a full batch take turns every ``MARGIN``
-tokens or so instead of preempting each other at every step as their counters pass.
+tokens or so instead of preempting each other at every step as their counters pass. The arrival
+credit is larger, so that a tenant arriving at a server full of another's requests gets a seat
+at the next step, not once the other has been served ``MARGIN`` more.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from duoserve.core.request import Request
 
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
-MARGIN = 512.0            # a step's token budget: the credit of an arrival, the hysteresis of a preemption
+MARGIN = 512.0            # a step's token budget: the hysteresis of a preemption
+ARRIVAL_CREDIT = 2 * MARGIN
 KEEP_IDLE_TENANTS = 1024   # counters of idle tenants kept (above the floor) before the oldest go
 
 
@@ -53,7 +56,7 @@ class FairShare:
         tenant = tenant_of(request)
         if not self.active[tenant]:
             others = [self.counters.get(t, 0.0) for t, n in self.active.items() if n]
-            floor = min(others) - MARGIN if others else max(self.counters.values(), default=0.0)
+            floor = min(others) - ARRIVAL_CREDIT if others else max(self.counters.values(), default=0.0)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
             if len(self.counters) > KEEP_IDLE_TENANTS + len(others):
                 self._forget_idle(floor)

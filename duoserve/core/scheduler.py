@@ -61,7 +61,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from duoserve.core.fair_share import FairShare
+from duoserve.core.fair_share import MARGIN, FairShare
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import KVHit, KVSource, SwapSource
 from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -246,7 +246,7 @@ class Scheduler:
                 i += 1
         budget += reserved
         if len(preempted) == made_room:   # none preempted for want of blocks: admit
-            bar = self._best_waiting_priority() if self.by_priority else None
+            bar = self._best_waiting_rank() if self.by_priority else None
             for queue, status in self.queues:
                 budget = self._admit(queue, status, budget, plan, bar)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
@@ -311,12 +311,20 @@ class Scheduler:
             self._order_by_priority()   # the victim waits at the head of its own priority
         return made
 
-    def _best_waiting_priority(self) -> int | None:
-        """The best priority among the queues' heads: this step admits that priority alone (the
-        next step the next one), so a resumed or arrived request of a worse priority never takes
-        the place of a better one."""
-        heads = [_priority(queue[0]) for queue, _ in self.queues if queue]
+    def _best_waiting_rank(self) -> tuple[int, float] | None:
+        """The best rank among the queues' heads: this step admits that priority alone (the next
+        step the next one), so a resumed or arrived request of a worse priority never takes the
+        place of a better one; under fair share, within it, none of a tenant served ``MARGIN``
+        more than the best waiting one's, so that the step computing that tenant's prompt is no
+        longer for the others' (its first token comes sooner)."""
+        heads = [self._rank(queue[0]) for queue, _ in self.queues if queue]
         return min(heads) if heads else None
+
+    def _behind(self, request: Request, bar: tuple[int, float]) -> bool:
+        priority, counter = self._rank(request)
+        if priority != bar[0]:
+            return priority > bar[0]
+        return self.fair is not None and counter > bar[1] + MARGIN
 
     def _held_for_arrived_kv(self, reserved: int) -> int:
         """A token of the budget for each request whose KV has arrived (``WAITING_FOR_KV``), taken
@@ -339,15 +347,15 @@ class Scheduler:
         return hits, num_found
 
     def _admit(self, queue: deque[Request], status: RequestStatus, budget: int, plan: SchedulerOutput,
-               bar: int | None = None) -> int:
+               bar: tuple[int, float] | None = None) -> int:
         """Move requests from ``queue`` into the running set (as ``status``) while the budget,
         ``max_num_seqs`` and free blocks allow: their KV from the sources, the rest computed.
         A request whose grammar is not compiled yet keeps its place; the ones behind it go on.
-        ``bar``: a priority past which none is admitted (None: any)."""
+        ``bar``: the best waiting rank, behind which none is admitted (None: any)."""
         passed_over: list[Request] = []
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             request = queue[0]
-            if bar is not None and _priority(request) > bar:
+            if bar is not None and self._behind(request, bar):
                 break
             if self.ready is not None and not self.ready(request):
                 passed_over.append(queue.popleft())

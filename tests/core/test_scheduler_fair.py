@@ -5,7 +5,7 @@ step (no torch, no model)."""
 
 from __future__ import annotations
 
-from duoserve.core.fair_share import MARGIN, FairShare
+from duoserve.core.fair_share import ARRIVAL_CREDIT, MARGIN, FairShare
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import PrefixCacheSource
 from duoserve.core.request import Request, RequestStatus
@@ -36,14 +36,14 @@ def test_a_light_tenant_goes_before_a_heavy_tenants_backlog():
     s = fair_scheduler(budget=4)
     for i in range(6):
         add(s, f"heavy{i}", 4, max_tokens=1, tenant="heavy")
-    s.fair.charge(s.requests["heavy1"], 1000, 0)   # heavy has been served 1000 tokens more
+    s.fair.charge(s.requests["heavy1"], 2000, 0)   # heavy has been served 2000 tokens more
     step(s)   # heavy0 served
-    add(s, "light0", 4, max_tokens=1, tenant="light")   # arrives MARGIN below heavy's counter
+    add(s, "light0", 4, max_tokens=1, tenant="light")   # arrives ARRIVAL_CREDIT below heavy's counter
     add(s, "light1", 4, max_tokens=1, tenant="light")
     # one prompt a step: light's two go first, their 12 tokens still leaving light below heavy
     order = admitted_order(s, 7)
     assert order == ["light0", "light1", "heavy1", "heavy2", "heavy3", "heavy4", "heavy5"]
-    assert s.fair.counter("light") == 1006 - MARGIN + 2 * (4 + 2)
+    assert s.fair.counter("light") == 2006 - ARRIVAL_CREDIT + 2 * (4 + 2)
     run_to_end(s)
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks and not s.fair.active
 
@@ -74,7 +74,7 @@ def test_a_tenant_served_less_preempts_the_newest_of_the_one_served_most():
     heavy = [add(s, f"heavy{i}", 3, max_tokens=20, tenant="heavy") for i in range(2)]
     step(s)
     step(s)
-    light = add(s, "light", 3, max_tokens=2, tenant="light")   # at 0: MARGIN below heavy's lifts nothing
+    light = add(s, "light", 3, max_tokens=2, tenant="light")   # at 0: ARRIVAL_CREDIT below heavy's lifts nothing
     s.fair.charge(heavy[0], MARGIN - s.fair.counter("heavy"), 0)   # heavy exactly MARGIN above: no preemption
     assert step(s).preempted_ids == [] and light.status is S.WAITING   # (two more tokens charged to heavy)
     plan = step(s)
@@ -103,7 +103,7 @@ def test_tokens_are_charged_once_prompt_and_outputs_weighted():
     share.counters["busy"] = 5000.0
     share.active["busy"] = 1
     share.arrive(r)
-    assert share.counter("late") == 5000.0 - MARGIN   # idling earned no more credit than MARGIN
+    assert share.counter("late") == 5000.0 - ARRIVAL_CREDIT   # idling earned no more credit than that
 
 
 def test_a_recomputed_prompt_is_not_charged_again():
@@ -131,3 +131,16 @@ def test_a_request_past_its_timeout_is_dropped_before_its_prompt_step():
     assert busy.num_output_tokens == 5 and patient.num_output_tokens == 2
     assert s.expire_deadlines(patient.arrival_time + 100) == []   # started in time: never dropped
     assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+
+
+def test_the_step_that_computes_a_tenants_prompt_takes_none_of_a_tenant_served_far_more():
+    s = fair_scheduler(budget=16)
+    add(s, "heavy0", 4, max_tokens=3, tenant="heavy")
+    s.fair.charge(s.requests["heavy0"], 2000, 0)
+    heavy1 = add(s, "heavy1", 4, max_tokens=1, tenant="heavy")
+    light = add(s, "light", 4, max_tokens=1, tenant="light")   # ARRIVAL_CREDIT below heavy
+    # the budget holds all three prompts: light's goes alone (heavy's wait a step)
+    assert [i.request.request_id for i in step(s).scheduled] == ["light"]
+    assert heavy1.status is S.WAITING and light.is_finished
+    assert [i.request.request_id for i in step(s).scheduled] == ["heavy0", "heavy1"]
+    run_to_end(s)
