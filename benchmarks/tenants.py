@@ -63,10 +63,11 @@ def summary(records: list[client.RequestRecord]) -> dict:
     for r in records:
         if r.error is not None:
             errors[r.error] = errors.get(r.error, 0) + 1
-    return {"requests": len(records), "finished": sum(r.ok for r in records), "errors": errors,
+    # finished: no error (a stream of special tokens only has no text chunk, so no TTFT, yet it ended)
+    return {"requests": len(records), "finished": sum(r.error is None for r in records), "errors": errors,
             "ttft_median_s": round(statistics.median(times), 3) if times else None,
             "ttft_p99_s": round(p99(times), 3) if times else None,
-            "output_tokens": sum(r.output_tokens for r in records if r.ok)}
+            "output_tokens": sum(r.output_tokens for r in records if r.error is None)}
 
 
 def start(flags: list[str]) -> DuoserveServer:

@@ -36,7 +36,9 @@ and the running set are ordered by each request's ``params.priority`` (lower fir
 so arrival or the role's order holds within a priority). When the best waiting request has a
 strictly better priority than the worst running one and cannot be admitted (the batch full, or too
 few free blocks for its first chunk), running requests of the worst priority are preempted, newest
-first, as they are for want of blocks; a step admits from the best priority waiting alone.
+first, as they are for want of blocks; a step admits from the best priority waiting alone. The
+step that computes such a request's prompt leaves out the running requests it outranks (they wait
+a step, keeping their KV): its first token comes after its own prompt, not after theirs too.
 
 Fair share (``policy == "fair"``): as priorities, and within a priority by tenant
 (``duoserve.core.fair_share``): the queues in the order the virtual token counters pick, the
@@ -216,6 +218,7 @@ class Scheduler:
         preempted = plan.preempted_ids
         reserved = self.role.order(self.waiting, self.running, self.token_budget)
         made_room = self._make_room_by_priority(plan) if self.by_priority else 0
+        first = self._prompt_first() if self.by_priority else None
         reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
@@ -223,7 +226,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (first is not None and self._outranks(first, request)):
                 i += 1
                 continue
             guesses, num_spec = [], 0
@@ -310,6 +313,23 @@ class Scheduler:
             made += 1
             self._order_by_priority()   # the victim waits at the head of its own priority
         return made
+
+    def _prompt_first(self) -> Request | None:
+        """The best waiting prompt, when it outranks running requests and can be admitted now:
+        the requests it outranks wait this step, which computes its prompt (beside its own class's
+        requests) so that its first token comes a step's worth of the others' tokens sooner."""
+        if not self.waiting or not self.running:
+            return None
+        best = self.waiting[0]
+        if best.num_output_tokens or not self._outranks(best, self.running[-1]):
+            return None
+        if self.ready is not None and not self.ready(best):
+            return None
+        first_chunk = min(best.num_tokens - best.num_computed_tokens, self.token_budget)
+        if (len(self.running) >= self.max_num_seqs
+                or self.kv.pool.num_free_blocks < self.kv.num_blocks_for(first_chunk)):
+            return None
+        return best
 
     def _best_waiting_rank(self) -> tuple[int, float] | None:
         """The best rank among the queues' heads: this step admits that priority alone (the next
