@@ -86,6 +86,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 # prompt placed there goes in chunks its decodes ride in, as colocated, each a turn's length or less;
 # chunks of 192-512 prefill alike on a CPU (BENCHMARKS.md, session 26)
 AUTO_DECODE_STEP_TOKENS = 192
+# The step budget under --scheduling-policy priority or fair: a request that outranks the running
+# ones waits for the step in progress, so these policies keep steps short; a server past its
+# capacity served as many tokens a second at 256 as at 512 (BENCHMARKS.md, session 33)
+LATENCY_STEP_TOKENS = 256
 DEFAULT_MAX_NUM_SEQS = 128
 
 
@@ -114,7 +118,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int | None = None  # None = 512 with chunked prefill, else max_model_len
+    max_num_batched_tokens: int | None = None  # None: 512 with chunked prefill (256 unless fcfs), else max_model_len
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_chunked_prefill: bool = True
     # fcfs: arrival order; priority: a request's priority (lower first) orders the queues and preempts;
@@ -148,7 +152,9 @@ class SchedulerConfig:
         """The per-step token budget, checked against the context length."""
         budget = self.max_num_batched_tokens
         if budget is None:
-            return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_model_len
+            if not self.enable_chunked_prefill:
+                return max_model_len
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS if self.policy == "fcfs" else LATENCY_STEP_TOKENS
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ConfigError(
                 "max_num_batched_tokens", budget,

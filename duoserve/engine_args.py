@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                             LATENCY_STEP_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              SPEC_METHODS, parse_tenant_weights,
@@ -85,7 +86,9 @@ class EngineArgs:
                                         "split long prompts across steps under the token budget", parse=bool)
     max_num_batched_tokens: int | None = flag(
         SchedulerConfig.max_num_batched_tokens, "token budget of one step", parse=int,
-        default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, else max_model_len")
+        default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill ({LATENCY_STEP_TOKENS} under "
+        "--scheduling-policy priority or fair: a step's length is what a request that outranks the running "
+        "ones waits), else max_model_len")
     max_num_seqs: int = flag(SchedulerConfig.max_num_seqs, "most sequences in one step", parse=int)
     scheduling_policy: str = flag(
         SchedulerConfig.policy, "fcfs: requests in arrival order; priority: by each request's priority (lower "

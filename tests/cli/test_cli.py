@@ -32,7 +32,8 @@ def test_help_documents_defaults():
     result = duoserve("generate", "--help")
     help_text = " ".join(result.stdout.split())
     for text in ["split long prompts across steps under the token budget (default: on)",
-                 "token budget of one step (default: 512 with chunked prefill, else max_model_len)",
+                 "token budget of one step (default: 512 with chunked prefill (256 under --scheduling-policy "
+                 "priority or fair",
                  "reuse the KV of shared prompt prefixes (default: on)",
                  "tokens per KV block, a power of two (default: 16)"]:
         assert text in help_text
