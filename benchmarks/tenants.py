@@ -2,16 +2,18 @@
 request arriving at a full batch. Each scenario starts its own `duoserve serve` on the default
 model (the flags named below, nothing else) and prints JSON.
 
-    python benchmarks/tenants.py tenants --policies fcfs,fair --duration 60
+    python benchmarks/tenants.py tenants --policies fcfs,fair --duration 60 --cap 32
     python benchmarks/tenants.py priority --streams 128
 
 tenants: the light tenant alone first (its key, Poisson arrivals at ``--light-rate``), then the
 light and the heavy tenant together, the heavy one at ``--heavy-factor`` times the light one's
 rate, for each policy. Every request: ``--input-len`` random tokens in, ``--output-len`` out
 (ignore_eos), greedy; the light tenant's streamed, the heavy tenant's not (a batch job: its
-hundreds of streams would cost this client, on the same cores, more than the server). Reported: the light tenant's TTFT (median, p99; alone and
-mixed), the heavy tenant's share of the output tokens and its tokens a second over the run,
-and every request that did not finish (429s counted apart, with their Retry-After).
+hundreds of streams would cost this client, on the same cores, more than the server). Reported:
+the light tenant's TTFT (median, p99, the worst five; alone and mixed), the heavy tenant's share
+of the output tokens and its tokens a second over the run, and every request that did not finish.
+``--cap N`` adds a run under fair with ``--max-waiting-per-tenant N``: the heavy tenant's excess
+refused, each 429 checked for its Retry-After.
 
 priority: ``--streams`` priority-10 streams fill the batch (the server's --max-num-seqs),
 then ``--urgent`` priority-0 requests are sent one after another; their TTFT against the same
@@ -70,6 +72,10 @@ def summary(records: list[client.RequestRecord]) -> dict:
             "ttft_median_s": round(statistics.median(times), 3) if times else None,
             "ttft_p99_s": round(p99(times), 3) if times else None,
             "ttft_worst_s": [round(t, 3) for t in sorted(times)[-5:]],
+            # in send order: a queue that grows shows as TTFTs that grow third by third
+            "ttft_median_by_third_s": [round(statistics.median(part), 3) if part else None
+                                       for part in (times[:len(times) // 3], times[len(times) // 3:2 * len(times) // 3],
+                                                    times[2 * len(times) // 3:])],
             "output_tokens": sum(r.output_tokens for r in records if r.error is None)}
 
 
@@ -97,7 +103,9 @@ async def send_unstreamed(server: DuoserveServer, key: str, requests, rate: floa
             try:
                 reply = await http.post(ENDPOINT, json={"prompt": request.prompt, "max_tokens": request.output_len,
                                                         "temperature": 0, "ignore_eos": True})
-                if reply.status_code != 200:
+                if reply.status_code == 429:   # said no in time: it must say when to come back
+                    record.error = "http_429" if reply.headers.get("retry-after", "").isdigit() else "429_no_retry"
+                elif reply.status_code != 200:
                     record.error = f"http_{reply.status_code // 100}xx"
                 else:
                     record.output_tokens = reply.json()["usage"]["completion_tokens"]
@@ -120,8 +128,12 @@ def tenants(args, tokenizer) -> dict:
     light = workloads.build("random", tokenizer, n_light, args.input_len, args.output_len, seed=1)
     heavy = workloads.build("random", tokenizer, n_heavy, args.input_len, args.output_len, seed=2)
     results = {"config": vars(args) | {"light_requests": n_light, "heavy_requests": n_heavy}}
-    for policy in args.policies.split(","):
-        server = start(["--scheduling-policy", policy, *args.flags])
+    runs = [(policy, ["--scheduling-policy", policy]) for policy in args.policies.split(",")]
+    if args.cap is not None:
+        runs.append((f"fair, --max-waiting-per-tenant {args.cap}",
+                     ["--scheduling-policy", "fair", "--max-waiting-per-tenant", str(args.cap)]))
+    for policy, policy_flags in runs:
+        server = start([*policy_flags, *args.flags])
         try:
             alone, _ = asyncio.run(send(server, LIGHT, light, args.light_rate, seed=3))
 
@@ -191,6 +203,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--cap", type=int, default=None, help="also run fair with this --max-waiting-per-tenant")
     parser.add_argument("--streams", type=int, default=128, help="priority-10 streams (fill the batch)")
     parser.add_argument("--urgent", type=int, default=10, help="priority-0 requests, one after another")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between urgent requests")

@@ -137,7 +137,8 @@ class Scheduler:
         if self.fair is not None:
             self.fair.arrive(request)
         if request.params.timeout is not None:
-            heapq.heappush(self.deadlines, (request.arrival_time + request.params.timeout, next(self._arrivals), request))
+            deadline = request.arrival_time + request.params.timeout
+            heapq.heappush(self.deadlines, (deadline, next(self._arrivals), request))
 
     def add_transferred(self, request: Request, payload: object) -> None:
         """Decode role: a request prefilled elsewhere, its first token already in its outputs."""
@@ -296,8 +297,8 @@ class Scheduler:
 
     def _make_room_by_priority(self, plan: SchedulerOutput) -> int:
         """Preempt the running requests of the worst rank (priority, then fair share), newest first,
-        while the best waiting request has a strictly better one and could not be admitted: the batch full, or too few
-        free blocks for its first chunk. Each goes back to wait (swapped or to be recomputed) and
+        while the best waiting request outranks them and could not be admitted: the batch full, or
+        too few free blocks for its first chunk. Each goes back to wait (swapped or to be recomputed) and
         resumes with the tokens it would have produced. Returns how many were preempted."""
         self._order_by_priority()
         made = 0
