@@ -85,3 +85,24 @@ def test_a_new_field_is_its_flag():
     assert Layout(**values_from_args(Layout, parser.parse_args([]))) == Layout()
     assert [f.name for f in flagged_fields(Layout)] == ["drain_seconds", "pinned", "zones"]
     assert dataclasses.fields(Layout)[-1].name == "internal"
+
+
+def test_tenant_flags_land_in_their_fields_and_a_wrong_value_is_named():
+    from duoserve.cli.configs import engine_config_from_args
+
+    args = serve_args("--scheduling-policy", "fair", "--tenant-weights", "alice=2,bob=0.5",
+                      "--max-waiting-per-tenant", "8", "--max-waiting", "100")
+    scheduler = engine_config_from_args(args).scheduler
+    assert (scheduler.policy, scheduler.tenant_weights) == ("fair", (("alice", 2.0), ("bob", 0.5)))
+    assert scheduler.token_budget(2048) == 256   # a latency policy's shorter steps
+    server = server_config_from_args(args)
+    assert (server.max_waiting_per_tenant, server.max_waiting) == (8, 100)
+    for flags, field in ((("--scheduling-policy", "fair", "--tenant-weights", "alice=two"), "tenant_weights"),
+                         (("--tenant-weights", "alice=2"), "tenant_weights"),   # weights need fair
+                         (("--scheduling-policy", "fair", "--tenant-weights", "alice=-1"), "tenant_weights")):
+        with pytest.raises(ConfigError) as err:
+            engine_config_from_args(serve_args(*flags))
+        assert err.value.field == field
+    with pytest.raises(ConfigError) as err:
+        server_config_from_args(serve_args("--max-waiting-per-tenant", "0"))
+    assert err.value.field == "max_waiting_per_tenant"
