@@ -125,7 +125,9 @@ async def send_unstreamed(server: DuoserveServer, key: str, requests, rate: floa
 def tenants(args, tokenizer) -> dict:
     n_light = max(1, int(args.light_rate * args.duration))
     n_heavy = int(n_light * args.heavy_factor)
-    light = workloads.build("random", tokenizer, n_light, args.input_len, args.output_len, seed=1)
+    # prompts of their own for each run: a prompt sent alone first must not be a prefix-cache hit mixed
+    light_alone = workloads.build("random", tokenizer, n_light, args.input_len, args.output_len, seed=1)
+    light = workloads.build("random", tokenizer, n_light, args.input_len, args.output_len, seed=11)
     heavy = workloads.build("random", tokenizer, n_heavy, args.input_len, args.output_len, seed=2)
     results = {"config": vars(args) | {"light_requests": n_light, "heavy_requests": n_heavy}}
     runs = [(policy, ["--scheduling-policy", policy]) for policy in args.policies.split(",")]
@@ -135,7 +137,7 @@ def tenants(args, tokenizer) -> dict:
     for policy, policy_flags in runs:
         server = start([*policy_flags, *args.flags])
         try:
-            alone, _ = asyncio.run(send(server, LIGHT, light, args.light_rate, seed=3))
+            alone, _ = asyncio.run(send(server, LIGHT, light_alone, args.light_rate, seed=3))
 
             async def mixed():
                 return await asyncio.gather(
@@ -168,10 +170,12 @@ async def _urgent(server, requests, gap: float) -> list[client.RequestRecord]:
 
 def priority(args, tokenizer) -> dict:
     streams = workloads.build("random", tokenizer, args.streams, args.input_len, args.output_len, seed=7)
-    urgent = workloads.build("random", tokenizer, args.urgent, args.input_len, 16, seed=8)
+    # the idle run's prompts are not the loaded run's: no prefix-cache hit makes the loaded one look fast
+    urgent_idle = workloads.build("random", tokenizer, args.urgent, args.input_len, 16, seed=8)
+    urgent = workloads.build("random", tokenizer, args.urgent, args.input_len, 16, seed=10)
     server = start(["--scheduling-policy", "priority", *args.flags])
     try:
-        idle = asyncio.run(_urgent(server, urgent, 0.2))
+        idle = asyncio.run(_urgent(server, urgent_idle, 0.2))
         reference, _ = asyncio.run(send(server, HEAVY, streams, float("inf"), seed=9, extra={"priority": 10}))
 
         async def loaded():
