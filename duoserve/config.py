@@ -257,6 +257,32 @@ class KVStoreConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Where an engine publishes its prefix cache's KV events (``duoserve.kv.events``)."""
+    endpoint: str                        # a ZeroMQ PUB endpoint to bind: tcp://*:5557
+    replay_endpoint: str | None = None   # a ROUTER endpoint answering replay requests
+
+    def __post_init__(self) -> None:
+        for name, value in (("kv_events_endpoint", self.endpoint), ("kv_events_replay_endpoint",
+                                                                    self.replay_endpoint)):
+            tcp_port = value is not None and value.startswith("tcp://") and value.rpartition(":")[2].isdigit()
+            if value is not None and not (tcp_port or value.startswith("ipc://")):
+                raise ConfigError(name, value, "a ZeroMQ endpoint to bind: tcp://*:PORT or ipc://PATH")
+
+    def for_engine(self, index: int) -> "KVEventsConfig":
+        """Engine ``index`` of a deployment binds the ports plus its index (an ipc path: the path
+        with ``-index`` after it, from the second engine on)."""
+        def offset(endpoint: str | None) -> str | None:
+            if endpoint is None or index == 0:
+                return endpoint
+            if endpoint.startswith("ipc://"):
+                return f"{endpoint}-{index}"
+            head, _, port = endpoint.rpartition(":")
+            return f"{head}:{int(port) + index}"
+        return KVEventsConfig(offset(self.endpoint), offset(self.replay_endpoint))
+
+
+@dataclass(frozen=True)
 class TurnsConfig:
     """An engine's place in its host's core turns (``duoserve.engine.cpu_turns``): set by the
     launcher where prefill and decode engines share the same cores, never by users."""
@@ -277,6 +303,7 @@ class EngineConfig:
     compile: bool = False            # compile the model step with torch.compile (CPU); else eager + C++ decode step
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_store: KVStoreConfig | None = None         # None: no shared KV tier
+    kv_events: KVEventsConfig | None = None       # None: no KV events published
     shutdown_timeout: float = 30.0   # a launched engine's SIGTERM gives its requests this long (serve's flag)
     turns: TurnsConfig | None = None # cores shared with engines of the other role (launcher.py)
 

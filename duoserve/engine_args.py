@@ -22,7 +22,7 @@ from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              SPEC_METHODS, parse_tenant_weights,
-                             CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
+                             CacheConfig, EngineConfig, KVEventsConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from duoserve.errors import ConfigError
 from duoserve.flags import add_flags, flag, values_from_args
@@ -31,6 +31,7 @@ from duoserve.gguf_types import block_type_names
 MODEL_GROUP = "model and engine"
 SPECULATIVE_GROUP = "speculative decoding (off unless --speculative-method is given)"
 KV_STORE_GROUP = "shared KV store (off unless --kv-store is given)"
+KV_EVENTS_GROUP = "KV events for cluster routers (off unless --kv-events-endpoint is given)"
 
 
 def _spec_defaults(table: dict[str, int]) -> str:
@@ -147,6 +148,15 @@ class EngineArgs:
         KVStoreConfig.required, "refuse to start when the store does not answer", parse=bool, group=KV_STORE_GROUP,
         default_help="off: warn, naming it, and serve without it until it does")
 
+    # KV events for cluster routers
+    kv_events_endpoint: str | None = flag(
+        None, "publish the prefix cache's KV events (vLLM's BlockStored/BlockRemoved/AllBlocksCleared, msgpack) "
+        "on this ZeroMQ PUB endpoint; each engine binds the port plus its index", group=KV_EVENTS_GROUP,
+        default_help="none")
+    kv_events_replay_endpoint: str | None = flag(
+        None, "a ZeroMQ ROUTER endpoint answering replay requests for missed event batches (port plus the "
+        "engine's index, as above)", group=KV_EVENTS_GROUP, default_help="none")
+
     FLAG_GROUP = (MODEL_GROUP, None)   # the fields' group where they name none
 
     @classmethod
@@ -178,7 +188,16 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             num_threads=self.num_threads, compile=self._compile(), speculative=self._speculative(),
             kv_store=KVStoreConfig(self.kv_store, self.kv_store_ttl, self.kv_store_timeout,
-                                   required=self.kv_store_required) if self.kv_store else None)
+                                   required=self.kv_store_required) if self.kv_store else None,
+            kv_events=self._kv_events())
+
+    def _kv_events(self) -> KVEventsConfig | None:
+        if self.kv_events_endpoint is None:
+            if self.kv_events_replay_endpoint is not None:
+                raise ConfigError("kv_events_replay_endpoint", self.kv_events_replay_endpoint,
+                                  "unset unless --kv-events-endpoint is given (it replays that stream)")
+            return None
+        return KVEventsConfig(self.kv_events_endpoint, self.kv_events_replay_endpoint)
 
     def _compile(self) -> bool:
         if self.compile and self.enforce_eager:

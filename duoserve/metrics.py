@@ -2,7 +2,10 @@
 
 Latencies are measured in the frontend from each request's snapshots (arrival, first
 token, every later token); engine-side figures (running, waiting, KV usage, prefix
-cache) come from the engine's stats messages. Counters that the engine keeps
+cache) come from the engine's stats messages. The queue, running and KV-usage gauges are also
+given per engine under vLLM's names (``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine``), which the routers of
+the Gateway API Inference Extension (llm-d, KServe) read by default. Counters that the engine keeps
 cumulatively are advanced by the difference since the last stats message of the same
 engine process: a relaunched or reconnected engine (a new instance id under the same name)
 starts counting from zero again. A gauge of an engine that went down is cleared.
@@ -28,11 +31,14 @@ STAGES = ("queue", "prefill", "transfer", "admit")
 
 
 class ServerMetrics:
-    def __init__(self, log_interval: float = 5.0, request_class: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, log_interval: float = 5.0, request_class: Callable[[str], Any] | None = None,
+                 model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r, b = self.registry, _LATENCY_BUCKETS
+        self.model_name = model_name
         self._latencies(r, b)
         self._classes(r, b)
+        self._router_gauges(r)
         # request id -> its class (.label: the tenant's label, .priority), while it is in flight
         self.request_class = request_class or (lambda request_id: None)
         self._engine_state(r)
@@ -100,6 +106,23 @@ class ServerMetrics:
         for key, n in counts.items():
             self.engine_tenant.labels(*key).set(n)
         self._engine_tenant_keys |= counts.keys()
+
+    def _router_gauges(self, r: CollectorRegistry) -> None:
+        """Per engine, under the names cluster routers read (vLLM's): the same figures as
+        duoserve's own gauges, which sum the engines."""
+        labels = ["model_name", "engine"]
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests being computed (duoserve:"
+                                  "num_requests_running, per engine)", labels, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (duoserve:"
+                                  "num_requests_waiting, per engine)", labels, registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 1 = full "
+                                   "(duoserve:kv_cache_usage_ratio)", labels, registry=r)
+
+    def _set_router_gauges(self, engine: str, stats: EngineStats | None) -> None:
+        labels = (self.model_name, engine)
+        self.vllm_running.labels(*labels).set(stats.num_running if stats else 0)
+        self.vllm_waiting.labels(*labels).set(stats.num_waiting if stats else 0)
+        self.vllm_kv_usage.labels(*labels).set(stats.kv_cache_usage if stats else 0.0)
 
     def _engine_state(self, r: CollectorRegistry) -> None:
         """What the engines report: requests by state, KV and swap usage, tokens, memory."""
@@ -230,6 +253,7 @@ class ServerMetrics:
         self._engines[engine] = stats
         self._set_gauges()
         self.kv_usage.labels(engine).set(stats.kv_cache_usage)
+        self._set_router_gauges(engine, stats)
         key = (engine, instance_id)
         last = self._previous.get(key)
         if last is None:  # a new process under this name: forget its predecessor's totals
@@ -293,6 +317,7 @@ class ServerMetrics:
         self._engines.pop(engine, None)
         self._set_gauges()
         self.kv_usage.labels(engine).set(0.0)
+        self._set_router_gauges(engine, None)
         self._log_marks.pop(engine, None)
 
     def _set_gauges(self) -> None:

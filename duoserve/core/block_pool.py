@@ -92,6 +92,8 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
         self.version = 0   # changes whenever a hash joins or leaves ``cached`` (engines report the set)
+        # KV events (kv/events.py): ("removed", [hash]) appended at each eviction, when a list is given
+        self.events: list[tuple] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,6 +113,8 @@ class BlockPool:
             block = self.free_queue.pop_head()
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(("removed", [block.block_hash]))
                 block.block_hash = None
                 self.num_evictions += 1
                 self.version += 1

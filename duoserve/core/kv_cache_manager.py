@@ -68,6 +68,28 @@ class KVCacheManager:
         # with a KV store: blocks published since the last drain, to be written there once computed
         self.record_published = False
         self.published: list[tuple[int, bytes, list[int]]] = []  # (block id, hash, token ids)
+        # with KV events (kv/events.py): ("stored", hashes, parent hash, token ids) and ("removed",
+        # hashes) in the order they happened, since the last drain
+        self.events: list[tuple] | None = None
+
+    def record_events(self) -> None:
+        """From now on, keep the prefix cache's stores and evictions for ``drain_events``."""
+        self.events = []
+        self.pool.events = self.events
+
+    def drain_events(self) -> list[tuple]:
+        """What the prefix cache stored and evicted since the last drain, in order, evictions in a
+        row merged into one."""
+        if not self.events:
+            return []
+        drained: list[tuple] = []
+        for event in self.events:
+            if event[0] == "removed" and drained and drained[-1][0] == "removed":
+                drained[-1][1].extend(event[1])
+            else:
+                drained.append(event)
+        self.events.clear()   # in place: the pool appends to this same list
+        return drained
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's table for the runner; a slot the window freed reads as its first live block."""
@@ -155,10 +177,29 @@ class KVCacheManager:
             return
         self._extend_hashes(request, num_tokens)
         blocks = self.req_blocks[request.request_id]
+        stored: list[int] = []   # indexes of the blocks this call cached
         for i, (block, block_hash) in enumerate(zip(blocks[: num_tokens // self.block_size], request.block_hashes)):
-            if block is not None and self.pool.cache(block, block_hash) and self.record_published:
-                self.published.append((block.block_id, block_hash, request.token_ids(i * self.block_size,
-                                                                                    (i + 1) * self.block_size)))
+            if block is not None and self.pool.cache(block, block_hash):
+                stored.append(i)
+                if self.record_published:
+                    self.published.append((block.block_id, block_hash, request.token_ids(
+                        i * self.block_size, (i + 1) * self.block_size)))
+        if stored and self.events is not None:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, stored: list[int]) -> None:
+        """One ("stored", ...) event per run of consecutive blocks cached."""
+        size, hashes = self.block_size, request.block_hashes
+        run = [stored[0]]
+        for i in stored[1:] + [None]:
+            if i is not None and i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, last = run[0], run[-1]
+            self.events.append(("stored", [hashes[j] for j in run], hashes[first - 1] if first else None,
+                                request.token_ids(first * size, (last + 1) * size)))
+            if i is not None:
+                run = [i]
 
     def drain_published(self) -> list[tuple[int, bytes, list[int]]]:
         published, self.published = self.published, []

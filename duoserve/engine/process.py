@@ -145,6 +145,8 @@ def _serve(server: EngineServer, address: str) -> None:
     finally:
         if core.connector is not None:
             core.connector.close()
+        if server.kv_events is not None:
+            server.kv_events.close()
         core.close()
 
 
@@ -261,6 +263,36 @@ class EngineServer:
 
         self.peers = role_parts(core.config.role).peer_link(core, sock, key, self.instance_id, name)
         self.fingerprint_values = self.peers.fingerprint_values
+        self.kv_events = self._kv_events(core)
+
+    def _kv_events(self, core):
+        """The publisher of this engine's KV events (``--kv-events-endpoint``), or None."""
+        events = core.config.kv_events
+        if events is None:
+            return None
+        import zmq
+
+        from duoserve.kv.events import KVEventPublisher
+
+        core.kv.record_events()
+        publisher = KVEventPublisher(zmq.Context.instance(), events.endpoint, events.replay_endpoint, self.name)
+        self.log.info("KV events on %s%s", events.endpoint,
+                      f" (replay on {events.replay_endpoint})" if events.replay_endpoint else "")
+        return publisher
+
+    def _publish_kv_events(self) -> None:
+        from duoserve.kv.events import BlockRemoved, BlockStored
+
+        medium = "GPU" if self.core.runner.device.type == "cuda" else "CPU"   # where vLLM's say its KV is
+        events = []
+        for event in self.core.kv.drain_events():
+            if event[0] == "stored":
+                _, hashes, parent, tokens = event
+                events.append(BlockStored(hashes, parent, tokens, self.core.kv.block_size, None, medium))
+            else:
+                events.append(BlockRemoved(event[1], medium))
+        self.kv_events.publish(events)
+        self.kv_events.serve_replay()
 
     def send(self, message) -> None:
         """To every frontend (a failure of the whole engine)."""
@@ -333,6 +365,8 @@ class EngineServer:
                     time.sleep(fault_sleep)
                     fault_sleep = 0.0
                 outputs += self.core.step()
+            if self.kv_events is not None:
+                self._publish_kv_events()
             now = time.monotonic()
             stats = None
             draining = self.signals is not None and self.signals.draining
@@ -367,6 +401,8 @@ class EngineServer:
 
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self.kv_events is not None and self.kv_events.replay is not None:   # answered while idle too
+            poller.register(self.kv_events.replay, zmq.POLLIN)
         for sock in self.core.connector.sockets() if self.core.connector is not None else []:
             poller.register(sock, zmq.POLLIN)
         return poller

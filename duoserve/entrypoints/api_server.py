@@ -159,7 +159,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     and the routes of this module's ``router``."""
     engine = AsyncEngine(engine_config, server.max_queue_len, disagg, cluster,
                          Admission(server.max_waiting_per_tenant, server.max_waiting))
-    metrics = ServerMetrics(request_class=engine.admission.classes.get)
+    metrics = ServerMetrics(request_class=engine.admission.classes.get, model_name=server.served_model_name)
     for hooks, hook in ((engine.on_output, metrics.observe_output), (engine.on_stats, metrics.observe_stats),
                         (engine.on_place, metrics.observe_placement), (engine.on_migrate, metrics.observe_migration),
                         (engine.on_resume, metrics.migration_resume.observe),

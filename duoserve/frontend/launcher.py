@@ -140,6 +140,13 @@ def deployment_key(disagg: DisaggConfig | None) -> AuthKey | None:
     return key
 
 
+def _events_of(config: EngineConfig, index: int) -> EngineConfig:
+    """Engine ``index`` of the deployment publishes its KV events on ports of its own."""
+    if config.kv_events is None:
+        return config
+    return dataclasses.replace(config, kv_events=config.kv_events.for_engine(index))
+
+
 def plan_engines(config: EngineConfig, disagg: DisaggConfig | None, frontend_id: str = FRONTEND_ID,
                  num_engines: int = 1) -> tuple[list[EngineClient], list[EngineClient]]:
     """(decode engines, prefill engines) as clients, not yet started."""
@@ -152,6 +159,7 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None, frontend_id:
             oversubscribed = len(cpus) < num_engines
             shares = share_cores(cpus, num_engines)
             configs = [_pinned(config, () if oversubscribed else c, oversubscribed) for c in shares]
+        configs = [_events_of(c, i) for i, c in enumerate(configs)]
         return [EngineClient(f"engine-{i}", _ipc_address(f"engine-{i}"), c, key=key, frontend_id=frontend_id)
                 for i, c in enumerate(configs)], []
     prefill_config, decode_config = disagg.engine_configs(config)
@@ -168,6 +176,8 @@ def plan_engines(config: EngineConfig, disagg: DisaggConfig | None, frontend_id:
         prefill_cpus, decode_cpus = split_cores(cpus, num_prefill, num_decode)
         prefill_configs = [_pinned(prefill_config, c, oversubscribed) for c in prefill_cpus]
         decode_configs = [_pinned(decode_config, c, oversubscribed) for c in decode_cpus]
+    decode_configs = [_events_of(c, i) for i, c in enumerate(decode_configs)]
+    prefill_configs = [_events_of(c, len(decode_configs) + i) for i, c in enumerate(prefill_configs)]
 
     def address(name: str) -> str:
         if not tcp:

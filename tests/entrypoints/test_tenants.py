@@ -107,3 +107,40 @@ def test_the_user_field_names_no_tenant_where_keys_do(server):
     assert prompt_tokens(KEYS[1]) - beta_before == response.json()["usage"]["prompt_tokens"]
     text = httpx.get(f"{server.url}/metrics", headers=auth(KEYS[0])).text
     assert "alpha-key" not in text and "beta-key" not in text
+
+
+def _families(text: str) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_the_gauges_routers_read_agree_with_duoserves_own(server):
+    """vLLM's gauge names (what llm-d's and KServe's routers read), per engine and model, equal
+    duoserve's own in the same scrape, busy and idle."""
+    import threading
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            await asyncio.gather(*(_post(http, KEYS[0], LONG) for _ in range(3)))
+
+    sender = threading.Thread(target=lambda: asyncio.run(burst()))
+    sender.start()
+    pairs = (("vllm:num_requests_running", "duoserve:num_requests_running"),
+             ("vllm:num_requests_waiting", "duoserve:num_requests_waiting"),
+             ("vllm:kv_cache_usage_perc", "duoserve:kv_cache_usage_ratio"))
+    seen_busy = False
+    while sender.is_alive() or not seen_busy:
+        families = _families(httpx.get(f"{server.url}/metrics", headers=auth(KEYS[0])).text)
+        for theirs, ours in pairs:
+            samples = families[theirs]
+            assert {s.labels["model_name"] for s in samples} == {"smollm2-135m"}
+            assert {s.labels["engine"] for s in samples} == {"engine-0"}
+            assert sum(s.value for s in samples) == sum(s.value for s in families[ours])
+        seen_busy |= sum(s.value for s in families["vllm:num_requests_waiting"]) > 0
+        if not sender.is_alive() and not seen_busy:
+            raise AssertionError("the burst ended before a scrape saw a request waiting")
+        time.sleep(0.05)
+    sender.join()
+    wait_gauges_idle(server.url, within=120, headers=auth(KEYS[0]))
+    families = _families(httpx.get(f"{server.url}/metrics", headers=auth(KEYS[0])).text)
+    assert all(s.value == 0 for theirs, _ in pairs for s in families[theirs])
