@@ -492,7 +492,7 @@ class DisaggConfig:
 
 
 CLUSTERS = ("local", "ray")
-ROUTINGS = ("prefix", "least-loaded")   # frontend/router.py
+ROUTINGS = ("prefix", "least-loaded", "kv-events")   # frontend/router.py
 
 
 @dataclass(frozen=True)
@@ -513,7 +513,8 @@ class ClusterConfig:
         "prefix", "which of several engines of a role takes a request: prefix, the one with the fewest prompt "
         "tokens to compute before its first token (its queue, plus the part of this prompt its prefix cache "
         "probably lacks), none 4 requests busier than the least loaded; least-loaded, the one with the fewest "
-        "queued", choices=ROUTINGS)
+        "queued; kv-events, as prefix but knowing what each engine caches from its KV events (needs "
+        "--kv-events-endpoint)", choices=ROUTINGS)
     kind: str = flag("local", "launch the engines on this host, or place them on a Ray cluster", choices=CLUSTERS,
                      name="cluster")
     ray_address: str | None = flag(

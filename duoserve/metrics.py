@@ -82,6 +82,9 @@ class ServerMetrics:
                                ["reason"], registry=r)
         self.engine_tenant = Gauge("duoserve:engine_tenant_requests", "Requests placed on each engine by "
                                    "tenant (the router's count)", ["engine", "tenant"], registry=r)
+        self.kv_events = Counter("duoserve:kv_event_batches_received", "KV event batches the router applied, per "
+                                 "engine (--routing kv-events)", ["engine"], registry=r)
+        self._kv_events_seen: dict[str, int] = {}
         self._refused_seen: dict[str, int] = {}
         self._engine_tenant_keys: set[tuple[str, str]] = set()
         self._class_keys: set[tuple[str, str]] = set()
@@ -98,6 +101,12 @@ class ServerMetrics:
         for reason, total in refused.items():
             self.refused.labels(reason).inc(total - self._refused_seen.get(reason, 0))
             self._refused_seen[reason] = total
+
+    def observe_kv_events(self, received: dict[str, int]) -> None:
+        """The KV event batches this frontend applied, per engine, so far (``--routing kv-events``)."""
+        for engine, total in received.items():
+            self.kv_events.labels(engine).inc(total - self._kv_events_seen.get(engine, 0))
+            self._kv_events_seen[engine] = total
 
     def observe_tenant_load(self, counts: dict[tuple[str, str], int]) -> None:
         """The router's (engine, tenant label) -> requests placed (called at each scrape)."""

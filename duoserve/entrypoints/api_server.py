@@ -368,6 +368,8 @@ async def prometheus(raw: Request):
     metrics.observe_structured_requests(*engine.structured_request_counts())
     metrics.observe_classes(engine.admission.counts(), engine.admission.refused)
     metrics.observe_tenant_load(engine.tenant_load())
+    if engine.kv_event_feed is not None:
+        metrics.observe_kv_events(engine.kv_event_feed.received)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -130,6 +130,7 @@ class AsyncEngine:
         self.on_stats.append(self._cached_blocks)
         self.on_engine_down = self.supervisor.on_engine_down
         self._tasks: list[asyncio.Task] = []
+        self.kv_event_feed = None   # --routing kv-events: the engines' KV events, feeding the prefix map
         self._started = False
         self._draining = False
         self._shut_down = False
@@ -140,11 +141,26 @@ class AsyncEngine:
         if self._started:
             return
         self._started = True
+        self._start_kv_event_feed()
         await self.supervisor.start()
         while wait and not self.ready:
             if self.supervisor.refused:
                 raise EngineDeadError("; ".join(self.supervisor.refused.values()))
             await asyncio.sleep(0.05)
+
+    def _start_kv_event_feed(self) -> None:
+        """``--routing kv-events``: the prefix map fed by the engines' KV events."""
+        if self.routing != "kv-events":
+            return
+        endpoints = [c.config.kv_events.endpoint for c in self.clients
+                     if c.config is not None and c.config.kv_events is not None]
+        if not endpoints:
+            raise ConfigError("routing", "kv-events", "prefix routing on KV events needs engines that publish "
+                              "them: give --kv-events-endpoint")
+        from duoserve.frontend.kv_event_feed import KVEventFeed
+
+        self.kv_event_feed = KVEventFeed(endpoints, lambda: self.group.prefixes if self.group else None)
+        self.kv_event_feed.start()
 
     # ---- state --------------------------------------------------------------------------
 
@@ -463,6 +479,8 @@ class AsyncEngine:
             self._abort(request_id)
         for task in self._tasks:
             task.cancel()
+        if self.kv_event_feed is not None:
+            await self.kv_event_feed.close()
         start = time.monotonic()
         await self.supervisor.shutdown(timeout)
         logger.info("engine stopped in %.1fs", time.monotonic() - start)

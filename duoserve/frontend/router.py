@@ -18,8 +18,9 @@ unfinished requests, a prefill engine's requests not yet prefilled) is passed ov
 decode engine's backlog does not count its decodes; between equals the less loaded, then the
 one holding fewer of the request's tenant's requests (a heavy tenant spread over the engines,
 each engine's fair share sees its part), then the first in its list (``decode-0`` before
-``decode-1``). With ``--routing least-loaded`` the least
-loaded takes it. An engine that is down, or draining (its stats say so: it got SIGTERM and
+``decode-1``). ``--routing kv-events`` is prefix routing on what each engine says it caches in
+its KV events (``kv_event_feed``), exact as of its last step, instead of this frontend's
+placements and the engines' reports. With ``--routing least-loaded`` the least loaded takes it. An engine that is down, or draining (its stats say so: it got SIGTERM and
 finishes what it holds before it stops), is passed over. The decode engine is chosen first,
 then the prefill engine, then where the prompt is prefilled (``auto``: each side's backlog and
 uncached part).
@@ -155,7 +156,7 @@ class EngineGroup:
         self.on_place: list = []   # hooks(request_id, prefill engine or None, decode engine): metrics
         self.on_resume: list = []  # hooks(seconds from the migration to the stream's next token)
         self.on_first_token: list = []   # hooks(prefilled remotely, predicted TTFT, measured TTFT)
-        self.prefixes = PrefixMap(first.ready.block_size)
+        self.prefixes = PrefixMap(first.ready.block_size, from_events=self.router.routing == "kv-events")
 
     def engine_up(self, client: EngineClient) -> None:
         """An engine came up (late, or again): the context is what every engine can hold, and
@@ -217,7 +218,7 @@ class EngineGroup:
         load = self.load
         mine = {name: n for (name, _), n in self.tenant_load(tenant).items()}
         shortest_first = clients is self.prefill   # a prefill engine's order (core.roles.PrefillOnly)
-        if self.router.routing != "prefix":
+        if self.router.routing == "least-loaded":
             least = min(up, key=lambda c: (load[c.name], mine.get(c.name, 0)))
             backlog = self.backlog(least.name, num_tokens if shortest_first else None)
             return Option(least, backlog, load=load[least.name])
@@ -250,7 +251,7 @@ class EngineGroup:
         """(decode engine, prefill engine or None, the choice, the prompt tokens it computes) for a
         new request, by the module docstring's rules. Raises EngineDeadError when no decode engine is up."""
         hashes = (self.prefixes.hashes(request.prompt_token_ids, request.params.cache_salt)
-                  if self.router.routing == "prefix" else [])
+                  if self.router.routing != "least-loaded" else [])
         n = request.num_prompt_tokens
         decode = self._best(self.decode, hashes, n, request.params.tenant)
         if decode is None:

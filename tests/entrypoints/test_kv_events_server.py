@@ -74,3 +74,39 @@ def test_a_served_prompts_blocks_arrive_with_the_hashes_a_router_computes(server
     assert int.from_bytes(number, "big") == 0 and DECODER.decode(body).events == [VllmAllBlocksCleared()]
     sub.close(linger=0)
     replay.close(linger=0)
+
+
+def test_routed_on_kv_events_a_prompt_goes_to_the_engine_that_holds_its_prefix(tmp_path):
+    """Two engines, ``--routing kv-events``: a prompt placed on engine-1 (engine-0 busy) is
+    cached there; the same prefix asked again on an idle server goes to engine-1, which a tie
+    would not give it (engine-0 comes first), and finds its blocks cached."""
+    import threading
+
+    from tests.server_helpers import metric, wait_metric
+
+    port = free_port()
+    srv = Server("--num-engines", "2", "--routing", "kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{port}",
+                 "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.1",
+                 log=tmp_path / "server.log")
+    try:
+        placed = "duoserve:request_placements_total"
+        busy = threading.Thread(target=lambda: httpx.post(
+            f"{srv.url}/v1/completions", timeout=120,
+            json={"prompt": [900 + i for i in range(20)], "max_tokens": 48, "ignore_eos": True}))
+        busy.start()
+        wait_metric(srv.url, placed, lambda v: v >= 1, {"decode_engine": "engine-0"})
+        received = "duoserve:kv_event_batches_received_total"
+        heard = metric(srv.url, received, {"engine": "engine-1"})
+        prefix = [(11 * i + 5) % 4000 + 200 for i in range(3 * BLOCK)]
+        first = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prefix + [1, 2, 3], "max_tokens": 1},
+                           timeout=120)
+        assert first.status_code == 200 and metric(srv.url, placed, {"decode_engine": "engine-1"}) == 1
+        busy.join()
+        wait_metric(srv.url, received, lambda v: v > heard, {"engine": "engine-1"})   # its stores heard
+        again = httpx.post(f"{srv.url}/v1/completions", json={"prompt": prefix + [7, 8], "max_tokens": 1},
+                           timeout=120)
+        assert again.status_code == 200
+        assert metric(srv.url, placed, {"decode_engine": "engine-1"}) == 2
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+    finally:
+        srv.stop()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from duoserve import SamplingParams
+from duoserve.core.block_pool import hash_block
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.request import Request
 from duoserve.frontend.engine_client import EngineDeadError
@@ -367,3 +368,25 @@ def test_between_equal_engines_a_tenants_requests_are_spread():
     assert group.tenant_load() == {("decode-0", "heavy"): 1, ("decode-1", "light"): 1,
                                    ("decode-1", "heavy"): 1, ("decode-0", "light"): 1}
     assert group.tenant_load("heavy") == {("decode-0", "heavy"): 1, ("decode-1", "heavy"): 1}
+
+
+def test_routing_on_kv_events_places_a_prompt_where_the_events_say_its_prefix_is():
+    group, _, _ = engines(2, router=Router(routing="kv-events"))
+    prompt = list(range(1, 14))   # three full blocks of 4 and a token
+    hashes, parent = [], None
+    for start in range(0, 12, 4):
+        parent = hash_block(parent, prompt[start:start + 4])
+        hashes.append(parent)
+    group.prefixes.stored("decode-1", hashes)
+    group.add_request(Request("a", prompt, SamplingParams(max_tokens=4), (0,), 64))
+    assert group.placements["a"].decode == "decode-1"   # the first engine, decode-0, would take a tie
+    group.release("a")
+    group.prefixes.removed("decode-1", hashes[1:])        # evicted but the first block
+    group.prefixes.stored("decode-0", hashes[:2])
+    group.add_request(Request("b", prompt, SamplingParams(max_tokens=4), (0,), 64))
+    assert group.placements["b"].decode == "decode-0"
+    group.prefixes.cleared("decode-0")                     # relaunched: nothing cached there
+    group.release("b")
+    group.prefixes.report("decode-0", [])                   # reports and placements change nothing
+    assert group.prefixes.matched("decode-0", group.prefixes.hashes(prompt)) == 0
+    assert group.prefixes.matched("decode-1", group.prefixes.hashes(prompt)) == 1
