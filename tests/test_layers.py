@@ -8,7 +8,7 @@ from pathlib import Path
 
 # bottom first; a package may import only from the layers below its own
 LAYERS = [("heap", "gguf_types", "envs"), ("errors", "kernels", "flags"), ("config", "sampling_params", "transport"), ("platform", "core", "engine_args"),
-          ("model", "messages", "outputs"), ("kv", "metrics", "bench", "structured"), ("worker",), ("engine",), ("frontend",),
+          ("model", "messages", "outputs"), ("kv", "metrics", "tracing", "bench", "structured"), ("worker",), ("engine",), ("frontend",),
           ("entrypoints",), ("__init__",), ("cli",), ("__main__",)]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 PACKAGE = Path(__file__).parents[1] / "duoserve"

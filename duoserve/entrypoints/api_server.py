@@ -167,6 +167,13 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
                         (engine.on_engine_down, metrics.engine_down)):
         hooks.append(hook)
 
+    tracer = None
+    if server.otlp_traces_endpoint:   # imported only when asked for: no cost when off
+        from duoserve.tracing import RequestTracer
+
+        tracer = RequestTracer(server.otlp_traces_endpoint, server.served_model_name, engine.admission.classes.get)
+        engine.on_output.append(tracer.observe_output)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         start = time.monotonic()
@@ -181,6 +188,8 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
             yield
         finally:
             await engine.shutdown()
+            if tracer is not None:
+                tracer.shutdown()
 
     app = FastAPI(title="duoserve", lifespan=lifespan)
     openai = OpenAIServing(engine, server.served_model_name)

@@ -50,6 +50,9 @@ class ServerConfig:
         choices=POOLINGS, default_help="what the model file says (GGUF pooling_type, sentence-transformers' "
         "Pooling config), else last, as for a causal model")
     shutdown_timeout: float = flag(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", parse=float)
+    otlp_traces_endpoint: str | None = flag(
+        None, "export a span per request (OpenTelemetry's GenAI attributes; queue, prefill, KV handoff and decode "
+        "as child spans) over OTLP/HTTP to this URL, e.g. http://collector:4318/v1/traces", default_help="off")
     uvicorn_log_level: str = flag("info", "log level of the HTTP server's own messages", choices=UVICORN_LOG_LEVELS)
     access_log: bool = flag(True, "log every HTTP request", parse=bool)
 

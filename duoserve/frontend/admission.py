@@ -16,6 +16,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from duoserve.errors import DuoserveError
+from duoserve.sampling_params import SamplingParams
 
 RATE_WINDOW_S = 10.0
 MAX_RETRY_AFTER_S = 60
@@ -45,6 +46,7 @@ class RequestClass:
     tenant: str      # as the request gave it (the caps count by it)
     label: str       # the tenant's metrics label
     priority: str    # the priority's metrics label
+    params: SamplingParams | None = None   # what it asked for (traces)
     waiting: bool = True
 
 
@@ -92,8 +94,9 @@ class Admission:
             raise QueueFullError(f"the server has {total} requests waiting (--max-waiting {self.max_waiting}); "
                                  "retry later", self.retry_after(total), "server_waiting")
 
-    def enter(self, request_id: str, tenant: str, priority: int) -> None:
-        self.classes[request_id] = RequestClass(tenant, self.label(tenant), self.label(str(priority)))
+    def enter(self, request_id: str, params: SamplingParams) -> None:
+        tenant = params.tenant
+        self.classes[request_id] = RequestClass(tenant, self.label(tenant), self.label(str(params.priority)), params)
         self.waiting[tenant] += 1
 
     def started(self, request_id: str) -> None:

@@ -278,7 +278,7 @@ class AsyncEngine:
         admission.check(params.tenant)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
-        admission.enter(request_id, params.tenant, params.priority)
+        admission.enter(request_id, params)
         finished = False
         try:
             self._add_request(prompt, params, request_id, strict_length)
