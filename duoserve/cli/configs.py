@@ -18,7 +18,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(**values_from_args(ClusterConfig, args))
+    cluster = ClusterConfig(**values_from_args(ClusterConfig, args))
+    if cluster.routing == "kv-events" and getattr(args, "kv_events_endpoint", None) is None:
+        raise ConfigError("routing", "kv-events", "prefix routing on the engines' KV events needs engines that "
+                          "publish them: give --kv-events-endpoint too")
+    return cluster
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -155,3 +155,16 @@ def test_each_engine_binds_the_ports_plus_its_index_and_a_wrong_endpoint_is_name
     assert err.value.field == "kv_events_replay_endpoint"
     assert EngineArgs(kv_events_endpoint="tcp://*:5557").create_engine_config().kv_events == \
         KVEventsConfig("tcp://*:5557")
+
+
+def test_routing_on_kv_events_needs_engines_that_publish_them():
+    from duoserve.cli.args import build_parser
+    from duoserve.cli.configs import cluster_config_from_args
+    from duoserve.errors import ConfigError
+
+    parse = build_parser().parse_args
+    with pytest.raises(ConfigError) as err:
+        cluster_config_from_args(parse(["serve", "--routing", "kv-events"]))
+    assert err.value.field == "routing"
+    assert cluster_config_from_args(parse(["serve", "--routing", "kv-events", "--kv-events-endpoint",
+                                           "tcp://*:5557"])).routing == "kv-events"
