@@ -27,10 +27,9 @@ ANONYMOUS = "anonymous"  # the label of requests with no tenant
 class QueueFullError(DuoserveError):
     """A cap on waiting or in-flight requests is reached; ``retry_after`` seconds is a fair wait."""
 
-    def __init__(self, message: str, retry_after: int = 1, reason: str = "queue_full") -> None:
+    def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-        self.reason = reason
 
 
 class QueueTimeoutError(DuoserveError):
@@ -58,15 +57,16 @@ class Admission:
         self.waiting: Counter[str] = Counter()     # tenant (as given) -> its requests waiting
         self.starts: deque[float] = deque()        # when requests got their first output, recently
         self.refused: Counter[str] = Counter()     # reason -> requests refused or dropped
-        self._labels: set[str] = set()
+        self._labels: dict[str, set[str]] = {"tenant": set(), "priority": set()}
 
-    def label(self, value: str) -> str:
-        """A metrics label for a tenant or priority: the first MAX_CLASS_LABELS seen, then "other"."""
-        value = value or ANONYMOUS
-        if value in self._labels:
+    def label(self, value: str, kind: str = "tenant") -> str:
+        """A metrics label for a tenant (or priority): the first MAX_CLASS_LABELS of each kind seen,
+        then "other"."""
+        value, seen = value or ANONYMOUS, self._labels[kind]
+        if value in seen:
             return value
-        if len(self._labels) < MAX_CLASS_LABELS:
-            self._labels.add(value)
+        if len(seen) < MAX_CLASS_LABELS:
+            seen.add(value)
             return value
         return "other"
 
@@ -87,16 +87,17 @@ class Admission:
             self.refused["tenant_waiting"] += 1
             raise QueueFullError(f"tenant {tenant or ANONYMOUS!r} has {self.waiting[tenant]} requests waiting "
                                  f"(--max-waiting-per-tenant {cap}); retry later",
-                                 self.retry_after(self.waiting[tenant]), "tenant_waiting")
+                                 self.retry_after(self.waiting[tenant]))
         total = sum(self.waiting.values())
         if self.max_waiting is not None and total >= self.max_waiting:
             self.refused["server_waiting"] += 1
             raise QueueFullError(f"the server has {total} requests waiting (--max-waiting {self.max_waiting}); "
-                                 "retry later", self.retry_after(total), "server_waiting")
+                                 "retry later", self.retry_after(total))
 
     def enter(self, request_id: str, params: SamplingParams) -> None:
         tenant = params.tenant
-        self.classes[request_id] = RequestClass(tenant, self.label(tenant), self.label(str(params.priority)), params)
+        self.classes[request_id] = RequestClass(tenant, self.label(tenant), self.label(str(params.priority), "priority"),
+                                                params)
         self.waiting[tenant] += 1
 
     def started(self, request_id: str) -> None:
