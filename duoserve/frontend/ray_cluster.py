@@ -71,7 +71,7 @@ def connect(cluster: ClusterConfig, disagg: DisaggConfig | None = None) -> None:
 
 
 def _differences(ours: EngineConfig, theirs: dict) -> list[str]:
-    mine = msgspec.to_builtins(ours)
+    mine = msgspec.msgpack.decode(msgspec.msgpack.encode(ours))   # as theirs came: a tuple is a list
 
     def walk(a, b, path: str) -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
