@@ -35,6 +35,10 @@ class ServerMetrics:
                  model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r, b = self.registry, _LATENCY_BUCKETS
+        # for the series set from figures kept elsewhere (at each scrape): (counter, labels) -> the
+        # total last counted, gauge -> the label sets it was given
+        self._totals_seen: dict[tuple[Counter, tuple], int] = {}
+        self._gauge_keys: dict[Gauge, set[tuple]] = {}
         self.model_name = model_name
         self._latencies(r, b)
         self._classes(r, b)
@@ -84,37 +88,36 @@ class ServerMetrics:
                                    "tenant (the router's count)", ["engine", "tenant"], registry=r)
         self.kv_events = Counter("duoserve:kv_event_batches_received", "KV event batches the router applied, per "
                                  "engine (--routing kv-events)", ["engine"], registry=r)
-        self._kv_events_seen: dict[str, int] = {}
-        self._refused_seen: dict[str, int] = {}
-        self._engine_tenant_keys: set[tuple[str, str]] = set()
-        self._class_keys: set[tuple[str, str]] = set()
+
+    def _advance(self, counter: Counter, totals: dict[tuple, int]) -> None:
+        """A counter of totals kept elsewhere (labels -> total so far), moved by what each grew."""
+        for labels, total in totals.items():
+            key = (counter, labels)
+            counter.labels(*labels).inc(total - self._totals_seen.get(key, 0))
+            self._totals_seen[key] = total
+
+    def _set_all(self, gauge: Gauge, values: dict[tuple, float]) -> None:
+        """A gauge's every label set to ``values``; a label set given before and missing now, 0."""
+        seen = self._gauge_keys.setdefault(gauge, set())
+        for labels in seen - values.keys():
+            gauge.labels(*labels).set(0)
+        for labels, value in values.items():
+            gauge.labels(*labels).set(value)
+        seen.update(values)
 
     def observe_classes(self, counts: dict[tuple[str, str], tuple[int, int]], refused: dict[str, int]) -> None:
         """The frontend's requests by class and its refusals so far (called at each scrape)."""
-        for key in self._class_keys - counts.keys():
-            self.class_waiting.labels(*key).set(0)
-            self.class_running.labels(*key).set(0)
-        for key, (waiting, running) in counts.items():
-            self.class_waiting.labels(*key).set(waiting)
-            self.class_running.labels(*key).set(running)
-        self._class_keys |= counts.keys()
-        for reason, total in refused.items():
-            self.refused.labels(reason).inc(total - self._refused_seen.get(reason, 0))
-            self._refused_seen[reason] = total
+        self._set_all(self.class_waiting, {key: waiting for key, (waiting, _) in counts.items()})
+        self._set_all(self.class_running, {key: running for key, (_, running) in counts.items()})
+        self._advance(self.refused, {(reason,): total for reason, total in refused.items()})
 
     def observe_kv_events(self, received: dict[str, int]) -> None:
         """The KV event batches this frontend applied, per engine, so far (``--routing kv-events``)."""
-        for engine, total in received.items():
-            self.kv_events.labels(engine).inc(total - self._kv_events_seen.get(engine, 0))
-            self._kv_events_seen[engine] = total
+        self._advance(self.kv_events, {(engine,): total for engine, total in received.items()})
 
     def observe_tenant_load(self, counts: dict[tuple[str, str], int]) -> None:
         """The router's (engine, tenant label) -> requests placed (called at each scrape)."""
-        for key in self._engine_tenant_keys - counts.keys():
-            self.engine_tenant.labels(*key).set(0)
-        for key, n in counts.items():
-            self.engine_tenant.labels(*key).set(n)
-        self._engine_tenant_keys |= counts.keys()
+        self._set_all(self.engine_tenant, counts)
 
     def _router_gauges(self, r: CollectorRegistry) -> None:
         """Per engine, under the names cluster routers read (vLLM's): the same figures as
@@ -180,7 +183,6 @@ class ServerMetrics:
 
     def _structured_outputs(self, r: CollectorRegistry) -> None:
         """Grammars: requests, compiles and the masks' time."""
-        self._structured_seen: dict[str, int] = {}
         self.structured_requests = Counter("duoserve:structured_output_requests", "Requests with a grammar "
                                            "(structured outputs), accepted or refused as not enforceable",
                                            ["result"], registry=r)
@@ -313,9 +315,7 @@ class ServerMetrics:
 
     def observe_structured_requests(self, accepted: int, refused: int) -> None:
         """The frontend's totals so far (called at each scrape)."""
-        for result, total in (("accepted", accepted), ("refused", refused)):
-            self.structured_requests.labels(result).inc(total - self._structured_seen.get(result, 0))
-            self._structured_seen[result] = total
+        self._advance(self.structured_requests, {("accepted",): accepted, ("refused",): refused})
 
     def observe_memory(self, engine: str, report: dict) -> None:
         for kind, value in memory_kinds(report).items():

@@ -288,6 +288,7 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 if finished and self._timed_out(item):
+                    admission.refused["timeout"] += 1
                     raise QueueTimeoutError(item.outputs[0].error, admission.retry_after(
                         sum(admission.waiting.values())))
                 admission.started(request_id)
@@ -310,11 +311,7 @@ class AsyncEngine:
 
     def _timed_out(self, item: RequestOutput) -> bool:
         """Dropped by its engine for waiting past its timeout (``params.timeout``), nothing computed."""
-        timed_out = [o.error is not None and o.error.startswith(QUEUE_TIMEOUT) for o in item.outputs]
-        if not any(timed_out):
-            return False
-        self.admission.refused["timeout"] += 1
-        return True
+        return any(o.error is not None and o.error.startswith(QUEUE_TIMEOUT) for o in item.outputs)
 
     def _add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      strict_length: bool) -> None:
