@@ -209,14 +209,15 @@ class EngineGroup:
         return min(up, key=lambda c: load[c.name])
 
     def _best(self, clients: list[EngineClient], hashes: list[int], num_tokens: int,
-              tenant: str = "") -> Option | None:
+              mine: dict[str, int] | None = None) -> Option | None:
         """The engine the request goes to among ``clients`` (the module docstring's rule; between
-        engines equal by it, the one holding fewest of the request's tenant's requests)."""
+        engines equal by it, the one holding fewest of the request's tenant's requests: ``mine``,
+        engine -> their count)."""
         up = self._takers(clients)
         if not up:
             return None
         load = self.load
-        mine = {name: n for (name, _), n in self.tenant_load(tenant).items()}
+        mine = mine or {}
         shortest_first = clients is self.prefill   # a prefill engine's order (core.roles.PrefillOnly)
         if self.router.routing == "least-loaded":
             least = min(up, key=lambda c: (load[c.name], mine.get(c.name, 0)))
@@ -253,10 +254,11 @@ class EngineGroup:
         hashes = (self.prefixes.hashes(request.prompt_token_ids, request.params.cache_salt)
                   if self.router.routing != "least-loaded" else [])
         n = request.num_prompt_tokens
-        decode = self._best(self.decode, hashes, n, request.params.tenant)
+        mine = {name: count for (name, _), count in self.tenant_load(request.params.tenant).items()}
+        decode = self._best(self.decode, hashes, n, mine)
         if decode is None:
             raise EngineDeadError("no decode engine is up")
-        prefill = self._best(self.prefill, hashes, n, request.params.tenant) if self.prefill else None
+        prefill = self._best(self.prefill, hashes, n, mine) if self.prefill else None
         if self.prefill and prefill is None and not self._warned_fallback:
             logger.warning("no prefill engine is up: prefilling on the decode engines")
         self._warned_fallback = bool(self.prefill) and prefill is None
