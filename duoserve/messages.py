@@ -155,6 +155,7 @@ class EngineReady(msgspec.Struct, tag=True):
     pooling: str | None = None     # how the model file says to pool an embedding (model/pooling.py)
     tokenizer_file: str | None = None   # the file tokenizer_json was read from: a frontend on this
                                         # host that parsed it already keeps its parse
+    reranker: str | None = None    # "cross-encoder", "yes-no" or None (LoadedModel.reranker)
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

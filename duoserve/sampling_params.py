@@ -68,7 +68,10 @@ class StructuredOutputsParams:
         return (self.kind, getattr(self, self.kind))
 
 
-POOLINGS = ("last", "mean")   # how an embedding pools the prompt's hidden states
+# how an embedding pools the prompt's hidden states; "score": a reranker's relevance of the prompt
+# (a cross-encoder's head, or a yes/no reranker's last-token logits), one number
+EMBEDDING_POOLINGS = ("last", "mean")
+POOLINGS = (*EMBEDDING_POOLINGS, "score")
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,58 @@ def wait_for_store_writes(*engines, timeout: float = 5.0) -> None:
         while not engine.kv_store.writes.empty() and time.monotonic() < deadline:
             time.sleep(0.01)
     time.sleep(0.1)
+
+
+RERANK_WORDS = ("the a sea sky fox dog cat moon sun rise fall quick brown lazy jumps over what is where are animals "
+                "near peru llama camel panda bear china tide tides day pulled by and of to in . , ?").split()
+
+
+def make_tiny_cross_encoder(path: Path, kind: str = "bert", seed: int = 0) -> None:
+    """A random BERT (or XLM-RoBERTa) sequence classifier of one label with its tokenizer, as a
+    sentence-transformers CrossEncoder loads it: a reranker."""
+    import transformers
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    if kind == "bert":
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *RERANK_WORDS, *letters, *(f"##{c}" for c in letters)]
+        tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(words)}, model_max_length=128)
+        config = transformers.BertConfig(pad_token_id=0, type_vocab_size=2)
+        model_cls = transformers.BertForSequenceClassification
+    else:
+        pieces = ["<s>", "<pad>", "</s>", "<unk>", *(f"\u2581{w}" for w in RERANK_WORDS), *letters, "\u2581", "<mask>"]
+        tokenizer = transformers.XLMRobertaTokenizer(vocab=[(p, -float(i)) for i, p in enumerate(pieces)],
+                                                     model_max_length=126)
+        words = pieces
+        config = transformers.XLMRobertaConfig(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+        model_cls = transformers.XLMRobertaForSequenceClassification
+    config.update(dict(vocab_size=len(words), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, max_position_embeddings=128, num_labels=1))
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():   # wide enough that the scores spread
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "LayerNorm.weight" in name else p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+YES_NO_SPECIALS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+
+
+def make_tiny_yes_no_reranker(path: Path, seed: int = 0) -> None:
+    """A random tiny Qwen3 causal LM whose byte-level tokenizer has Qwen's chat markers and the
+    words "yes" and "no" as tokens: a Qwen3-Reranker-style yes/no reranker once served with
+    ``classifier_from_token``."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(YES_NO_SPECIALS))
+    backend.add_tokens(["yes", "no"])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tokenizer.save_pretrained(path)
+    make_tiny_checkpoint(path, "qwen3", seed=seed, vocab_size=backend.get_vocab_size(),
+                         eos_token_id=backend.token_to_id("<|im_end|>"), bos_token_id=None)

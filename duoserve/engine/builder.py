@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from duoserve.config import EngineConfig
+from duoserve.config import EngineConfig, Role
 from duoserve.core.kv_cache_manager import KVCacheManager, window_to_free
 from duoserve.core.kv_sources import KVSource, PrefixCacheSource, SwapSource
 from duoserve.core.scheduler import Scheduler, SchedulerSetup
@@ -27,6 +27,7 @@ from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.role_parts import role_parts
 from duoserve.errors import ConfigError
 from duoserve.kv.store import BlockStore, StoreSource
+from duoserve.model.encoder import EncoderArch
 from duoserve.model.fingerprint import describe, fingerprint
 from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
 from duoserve.model.paths import resolve_model_path
@@ -39,9 +40,12 @@ from duoserve.worker.grammar_masks import GrammarMasks
 from duoserve.worker.kv_cache import bytes_per_token, plan_kv_pool
 from duoserve.worker.memory import (estimate_prefill_scratch, measure_prefill_scratch, rss_bytes, scratch_measured,
                                     tensor_resident_bytes)
+from duoserve.worker.encoder_runner import EncoderRunner
 from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+ENCODER_STEP_TOKENS = 2048   # a cross-encoder's default step: the pairs of a rerank request computed together
 
 
 def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
@@ -67,11 +71,15 @@ class EngineBuilder:
         self.budget = config.scheduler.token_budget(self.max_model_len)
         cache = config.cache
         self.kv_dtype = self.runtime.torch_kv_dtype
+        if isinstance(self.loaded.arch, EncoderArch):   # no KV: nothing to size or swap
+            return
         self.block_bytes = bytes_per_token(self.loaded.arch, self.kv_dtype) * cache.block_size
         self.num_swap_blocks = int(cache.swap_space * (1 << 30)) // self.block_bytes
 
     def build(self) -> EngineCore:
         config, cache, loaded = self.config, self.config.cache, self.loaded
+        if isinstance(loaded.arch, EncoderArch):
+            return self._build_encoder()
         parts = role_parts(config.role)   # what the role puts into the engine
         spec = config.speculative if parts.decodes else None
         draft = None  # speculative decoding's draft model
@@ -109,6 +117,53 @@ class EngineBuilder:
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens, budget %d tokens/step, scheduling %s",
                     time.monotonic() - self.start, loaded.path.name, num_blocks, cache.block_size, self.budget,
                     config.scheduler.policy)
+        return engine
+
+    def _build_encoder(self) -> EngineCore:
+        """A cross-encoder's engine: a sequence is computed whole in one step, attending both ways,
+        and keeps nothing, so chunking, the prefix cache, swap and the KV tiers do not apply. Its
+        blocks are bookkeeping only: with enough of them for every sequence of a full batch, the
+        scheduler's batch and token caps alone decide a step."""
+        config, cache, loaded = self.config, self.config.cache, self.loaded
+        if config.role != Role.COLOCATED:
+            raise ConfigError("role", str(config.role), "colocated: a cross-encoder computes a pair whole, it has "
+                              "no prefill and decode to split")
+        for field, value, plain in (("speculative", config.speculative, None), ("kv_store", config.kv_store, None)):
+            if value != plain:
+                raise ConfigError(field, "set", f"unset for a cross-encoder ({loaded.arch.architecture}), which "
+                                  "generates nothing and keeps no KV")
+        given = config.scheduler.max_num_batched_tokens
+        if given is not None and given < self.max_model_len:
+            raise ConfigError("max_num_batched_tokens", given, f"at least max_model_len ({self.max_model_len}): a "
+                              "cross-encoder computes a sequence in one step")
+        # many short pairs in one forward: the matmuls of a step go faster per token than the batch of one
+        self.budget = given or max(self.max_model_len, ENCODER_STEP_TOKENS)
+        num_blocks = config.scheduler.max_num_seqs * -(-self.max_model_len // cache.block_size)
+        kv = KVCacheManager(num_blocks, cache.block_size, enable_caching=False)
+        scheduler = Scheduler(SchedulerSetup(
+            kv=kv, max_num_batched_tokens=self.budget, max_num_seqs=config.scheduler.max_num_seqs,
+            enable_chunked_prefill=False, sources=[], swap=None, role=role_parts(Role.COLOCATED).policy(config, kv),
+            policy=config.scheduler.policy, tenant_weights=config.scheduler.tenant_weights))
+        runner = EncoderRunner(loaded, self.device)
+        self.weights = weight_bytes(loaded.model)
+        scratch_tokens = min(self.budget, self.max_model_len)
+        scratch = measure_prefill_scratch(lambda: runner.scratch_forward(scratch_tokens), torch.empty(0)) if (
+            self.device == "cpu" and scratch_measured()) else None
+        memory = {"weights_bytes": {kind: size for kind, size in self.weights.items() if size},
+                  "kv_pool": {"blocks": 0, "block_size": cache.block_size, "tokens": 0, "bytes": 0,
+                              "max_model_len": self.max_model_len, "sizing": "none: a cross-encoder keeps no KV"},
+                  "swap": {"blocks": 0, "bytes": 0}, "prefill_scratch_bytes": scratch,
+                  "prefill_scratch_tokens": scratch_tokens, "prefill_scratch_measured": scratch is not None,
+                  "runtime_bytes": self.runtime_bytes, "rss_bytes": rss_bytes() if self.device == "cpu" else None,
+                  "pid": os.getpid()}
+        engine = EngineCore(config=config, loaded=loaded, max_model_len=self.max_model_len, scheduler=scheduler,
+                            runner=runner, handoff=role_parts(Role.COLOCATED).handoff(config, scheduler, runner),
+                            memory=memory)
+        gc.collect()
+        gc.freeze()
+        logger.info("cross-encoder engine ready in %.1fs: %s (%s), up to %d tokens a step, weights %.0f MB",
+                    time.monotonic() - self.start, loaded.path.name, loaded.arch.architecture, self.budget,
+                    sum(self.weights.values()) / 2 ** 20)
         return engine
 
     def _turns(self, runner: ModelRunner) -> CpuTurns | None:

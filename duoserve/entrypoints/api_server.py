@@ -28,7 +28,8 @@ from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
 from duoserve.entrypoints.errors import APIError, error_response
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           EmbeddingRequest, GenerateRequest, TokenizeRequest)
+                                           EmbeddingRequest, GenerateRequest, RerankRequest, ScoreRequest,
+                                           TokenizeRequest)
 from duoserve.entrypoints.serving import OpenAIServing
 from duoserve.entrypoints.responses_protocol import ResponsesRequest
 from duoserve.entrypoints.serving_anthropic import AnthropicServing
@@ -38,6 +39,7 @@ from duoserve.entrypoints.server_config import ServerConfig
 from duoserve.entrypoints.tenants import KEY_TENANT, key_tenant, split_keys
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.serving_embeddings import EmbeddingServing
+from duoserve.entrypoints.serving_score import ScoreServing
 from duoserve.frontend.admission import Admission
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.metrics import ServerMetrics
@@ -199,6 +201,7 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
     kv_store = engine_config.kv_store
     app.state.responses = ResponsesServing(app.state.chat, RedisResponseStore(kv_store.url) if kv_store else None)
     app.state.embeddings = EmbeddingServing(openai, server.pooling)
+    app.state.scores = ScoreServing(openai)
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
     app.add_middleware(APIKeyGuard, api_key=server.api_key)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -278,6 +281,21 @@ async def anthropic_count_tokens(body: CountTokensRequest, raw: Request):
 async def embeddings(body: EmbeddingRequest, raw: Request):
     check_fields(body)
     return await raw.app.state.embeddings.embeddings(body, raw)
+
+
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+@router.post("/rerank")
+async def rerank(body: RerankRequest, raw: Request):
+    check_fields(body)
+    return await raw.app.state.scores.rerank(body, raw)
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def score(body: ScoreRequest, raw: Request):
+    check_fields(body)
+    return await raw.app.state.scores.score(body, raw)
 
 
 @router.post("/v1/responses")

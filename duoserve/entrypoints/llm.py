@@ -13,7 +13,9 @@ from duoserve import envs
 from duoserve.engine.builder import build_engine
 from duoserve.engine.core import EngineCore
 from duoserve.engine_args import EngineArgs
+from duoserve.errors import ConfigError
 from duoserve.frontend.frontend import Frontend
+from duoserve.model.reranker import pair_token_ids
 from duoserve.outputs import RequestOutput
 from duoserve.sampling_params import SamplingParams
 
@@ -66,6 +68,24 @@ class LLM:
         pooling = pooling or self.engine.loaded.pooling or "last"
         outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling), use_tqdm=False)
         return [out.embedding for out in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[float]:
+        """A reranker's relevance of each pair (vLLM's ``LLM.score``, what /score returns): one
+        text_1 against each text_2, or pairwise."""
+        reranker = self.engine.loaded.reranker
+        if reranker is None:
+            raise ConfigError("model", str(self.engine.loaded.path), "a reranker: a cross-encoder, or a causal LM "
+                              "with hf_overrides' classifier_from_token")
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1 or as many "
+                             "of each (and at least one text_2)")
+        prompts = [pair_token_ids(self.engine.tokenizer, reranker, a, b) for a, b in zip(firsts, seconds)]
+        outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)
+        return [out.pooled[0] for out in outputs]
 
     def get_tokenizer(self):
         return self.engine.tokenizer

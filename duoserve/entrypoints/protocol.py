@@ -337,6 +337,33 @@ class GenerateRequest(SamplingFields):
     logprobs: int | None = None
 
 
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankRequest(_Body):
+    """/v1/rerank, /v2/rerank, /rerank (vLLM's, Jina's and Cohere's): the documents by relevance."""
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = None        # None or 0: every document
+    return_documents: bool = True
+    user: str | None = None
+    priority: int = 0
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class ScoreRequest(_Body):
+    """/score (vLLM's): text_1 against each text_2 (one to many), or pairwise (as many of each)."""
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    user: str | None = None
+    priority: int = 0
+
+
 class EmbeddingRequest(_Body):
     """OpenAI's /v1/embeddings: one vector per input (text, or token ids)."""
     model: str | None = None

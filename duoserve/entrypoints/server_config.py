@@ -10,7 +10,7 @@ from duoserve.errors import ConfigError
 from duoserve.entrypoints.reasoning import REASONING_PARSERS
 from duoserve.entrypoints.tool_formats import TOOL_CALL_PARSERS
 from duoserve.flags import flag
-from duoserve.sampling_params import POOLINGS
+from duoserve.sampling_params import EMBEDDING_POOLINGS
 
 MODES = ("colocated", "disaggregated")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -47,7 +47,7 @@ class ServerConfig:
         choices=REASONING_PARSERS, default_help="none")
     pooling: str | None = flag(
         None, "how /v1/embeddings pools a prompt's final hidden states: the last token's, or the mean of all",
-        choices=POOLINGS, default_help="what the model file says (GGUF pooling_type, sentence-transformers' "
+        choices=EMBEDDING_POOLINGS, default_help="what the model file says (GGUF pooling_type, sentence-transformers' "
         "Pooling config), else last, as for a causal model")
     shutdown_timeout: float = flag(30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", parse=float)
     otlp_traces_endpoint: str | None = flag(

@@ -247,6 +247,11 @@ class AsyncEngine:
         return None if self.group is None else self.group.reference.pooling
 
     @property
+    def reranker(self) -> str | None:
+        """What kind of reranker the model is ("cross-encoder", "yes-no"), None for none."""
+        return None if self.group is None else self.group.reference.reranker
+
+    @property
     def max_model_len(self) -> int | None:
         return None if self.group is None else self.group.max_model_len
 
@@ -356,7 +361,8 @@ class AsyncEngine:
             self.group = EngineGroup(self.decode_clients, self.prefill_clients, router)
             self.group.on_place, self.group.on_resume = self.on_place, self.on_resume
             self.group.on_first_token = self.on_first_token
-            self.inputs = InputProcessor(self.group.tokenizer, self.group.vocab_size, self.group.eos_token_ids)
+            self.inputs = InputProcessor(self.group.tokenizer, self.group.vocab_size, self.group.eos_token_ids,
+                                         self.group.reference.reranker)
             # The tokenizer and the server's modules are long-lived (tens of thousands of
             # objects): moved out of the collector's sight, a full collection while serving
             # scans only the requests' objects instead of stalling every stream for the scan.

@@ -55,7 +55,8 @@ class Frontend:
     def __init__(self, engine: InProcessEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.inputs = InputProcessor(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+        self.inputs = InputProcessor(engine.tokenizer, engine.vocab_size, engine.eos_token_ids,
+                                     engine.loaded.reranker)
         self.outputs = OutputProcessor()
         self._ids = itertools.count()
 

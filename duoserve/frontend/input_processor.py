@@ -26,8 +26,10 @@ _CHECKED_GRAMMARS = 256   # specs known to be enforceable, not checked again
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 reranker: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.reranker = reranker   # what kind of reranker the model is (LoadedModel.reranker), or None
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
@@ -68,9 +70,19 @@ class InputProcessor:
                               f"asks for {num + params.max_tokens} ({num} in the prompt + {params.max_tokens} "
                               "max_tokens); lower max_tokens or shorten the prompt")
 
+    def check_task(self, params: SamplingParams) -> None:
+        """A cross-encoder only scores; a score needs a reranker."""
+        if self.reranker == "cross-encoder" and params.pooling != "score":
+            raise InvalidInputError("model", "this model is a cross-encoder: it scores (query, document) pairs at "
+                                    "/v1/rerank and /score, and neither generates text nor embeds")
+        if params.pooling == "score" and self.reranker is None:
+            raise InvalidInputError("model", "this model is no reranker: serve a cross-encoder, or a causal LM "
+                                    "with hf_overrides' classifier_from_token (a yes/no reranker)")
+
     def validate(self, prompt: str | list[int], params: SamplingParams, max_model_len: int,
                  strict_length: bool) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt: (its text or None, its token ids)."""
+        self.check_task(params)
         text, prompt_ids = self.tokenize_prompt(prompt)
         self.check_length(prompt_ids, params, max_model_len, strict_length)
         self.check_tokens(params)

@@ -3,6 +3,7 @@ modules; the runner's edge (``duoserve.worker.backends``) adds the kernels' weig
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +12,12 @@ import torch
 
 from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError
-from duoserve.model.arch import ModelArch
+from duoserve.model.arch import ModelArch, apply_overrides
+from duoserve.model.encoder import EncoderArch, build_encoder, encoder_arch_from_hf, is_encoder_config
 from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.pooling import declared_pooling
+from duoserve.model.reranker import classifier_token_ids, split_reranker
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import BlockModules, build_model
 from duoserve.platform import RunTime
@@ -31,17 +34,25 @@ class LoadedModel:
     dtype: torch.dtype
     quantization: str = "none"  # none, gguf-fast, gguf-exact or int8: part of the fingerprint
     pooling: str | None = None  # how the file says its embeddings are pooled (duoserve.model.pooling)
+    # a reranker: "cross-encoder" (model/encoder.py) or "yes-no" (model/reranker.py), with the
+    # latter's classifier tokens (negative first); None: not a reranker
+    reranker: str | None = None
+    classifier_token_ids: tuple[int, ...] = ()
 
 
-def check_max_model_len(arch: ModelArch, max_model_len: int | None) -> int:
+def check_max_model_len(arch: ModelArch | EncoderArch, max_model_len: int | None) -> int:
     """The context length to serve: ``max_model_len`` if the model allows it, else its own maximum
     (max_position_embeddings; a YaRN or dynamic-NTK rope allows up to the original context times
-    its factor when asked)."""
-    limit = arch.rope.max_context(arch.max_position_embeddings)
+    its factor when asked; an encoder's position table less its offset)."""
+    if isinstance(arch, EncoderArch):
+        limit = arch.max_context
+    else:
+        limit = arch.rope.max_context(arch.max_position_embeddings)
     if max_model_len is None:
-        max_model_len = arch.max_position_embeddings
+        max_model_len = limit if isinstance(arch, EncoderArch) else arch.max_position_embeddings
     elif max_model_len > limit:
-        what = ("max_position_embeddings", "trained") if limit == arch.max_position_embeddings else (
+        what = ("max_position_embeddings", "trained") if limit == arch.max_position_embeddings or isinstance(
+            arch, EncoderArch) else (
             f"{arch.rope.rope_type} rope's original context times its factor", "scaled")
         raise ConfigError(
             "max_model_len", max_model_len,
@@ -79,10 +90,13 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     fingerprint covers it)."""
     path = resolve_model_path(config.model)
     dtype, device = runtime.torch_dtype, runtime.device
+    if not path.is_file() and is_encoder_dir(path):
+        return load_encoder(config, path, dtype, device)
+    overrides, classifier_tokens = split_reranker(config.hf_overrides)
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 
-        reader, meta, arch = open_gguf(path, config.hf_overrides)
+        reader, meta, arch = open_gguf(path, overrides)
         tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids, path) if "tokenizer.ggml.tokens" in meta else None
         gguf_arch = str(meta.get("general.architecture"))
         source = GGUFSource(reader, arch, permuted_qk=gguf_arch == "llama", gguf_arch=gguf_arch)
@@ -90,7 +104,7 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     else:
         from duoserve.model.hf_loader import SafetensorsSource, read_hf_arch
 
-        arch = read_hf_arch(path, config.hf_overrides)
+        arch = read_hf_arch(path, overrides)
         tokenizer = tokenizer_from_hf_dir(path, arch.bos_token_id, arch.eos_token_ids)
         source = SafetensorsSource(path)
         pooling = declared_pooling(path)
@@ -98,11 +112,40 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
         logger.warning("%s has no tokenizer: only token-id prompts will work", path)
     elif config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
+    if classifier_tokens is not None and tokenizer is None:
+        raise ConfigError("hf_overrides.classifier_from_token", list(classifier_tokens),
+                          "unset for a model without a tokenizer (its tokens cannot be found)")
+    classifier_ids = classifier_token_ids(tokenizer, classifier_tokens) if classifier_tokens else ()
     max_model_len = check_max_model_len(arch, config.max_model_len)
     arch = arch.for_context(max_model_len)
     model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization,
-                       pooling=pooling)
+                       pooling=pooling, reranker="yes-no" if classifier_ids else None,
+                       classifier_token_ids=classifier_ids)
+
+
+def is_encoder_dir(path: Path) -> bool:
+    """A Hugging Face directory holding a cross-encoder (``duoserve.model.encoder``)."""
+    try:
+        return is_encoder_config(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def load_encoder(config: ModelConfig, path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    """A cross-encoder: scores (query, document) pairs; it generates nothing."""
+    from duoserve.model.hf_loader import SafetensorsSource
+
+    hf_config = apply_overrides(json.loads((path / "config.json").read_text()), config.hf_overrides)
+    tokenizer = tokenizer_from_hf_dir(path, None, ())
+    if tokenizer is None:
+        raise ConfigError("model", str(path), "a cross-encoder directory with its tokenizer.json (a pair is "
+                          "tokenized by the model's own template)")
+    sep = tokenizer.backend.token_to_id("[SEP]")
+    arch = encoder_arch_from_hf(hf_config, sep)
+    check_max_model_len(arch, config.max_model_len)
+    model = build_encoder(arch, SafetensorsSource(path), dtype, device)
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker="cross-encoder")
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:

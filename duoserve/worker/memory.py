@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from duoserve import envs
 from duoserve.core.kv_cache_manager import NO_WINDOW, window_to_free
+from duoserve.model.reranker import split_reranker
 
 if TYPE_CHECKING:  # torch-free at import: the API process reads its own size with rss_bytes
     import torch
@@ -126,14 +127,15 @@ def plan(config) -> dict:
     path = resolve_model_path(config.model.model)
     runtime = resolve(config.model, path, config.cache)   # every "auto", as the engine's builder resolves it
     device = runtime.device
+    overrides = split_reranker(config.model.hf_overrides)[0]   # a yes/no reranker plans as its causal LM
     if path.is_file():
         from duoserve.model.gguf_loader import open_gguf
 
-        arch = open_gguf(path, config.model.hf_overrides)[2]
+        arch = open_gguf(path, overrides)[2]
     else:
         from duoserve.model.hf_loader import read_hf_arch
 
-        arch = read_hf_arch(path, config.model.hf_overrides)
+        arch = read_hf_arch(path, overrides)
     dtype, kv_dtype, quantization = runtime.torch_dtype, runtime.torch_kv_dtype, runtime.quantization
     weights = _checkpoint_weights(path, quantization, torch.tensor([], dtype=dtype).element_size())
     # refuses a pool too small for an asked context; caps the model's own to what the pool holds

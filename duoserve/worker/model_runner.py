@@ -58,6 +58,7 @@ class ModelRunner:
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap space (allocate_swap)
         self.swap_seconds = 0.0   # time spent copying to and from it, and bytes copied (cumulative)
         self.swap_bytes = 0
+        self.classifier_token_ids = list(loaded.classifier_token_ids)   # a yes/no reranker's (model/reranker.py)
 
     def allocate_swap(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Host-memory blocks of the KV cache's layout for swapped-out requests (pinned for a GPU)."""
@@ -212,11 +213,11 @@ class ModelRunner:
             entries: list[TokenLogprobs] = top_logprobs(lp, targets, [request.params.prompt_logprobs] * count)
             output.prompt_logprobs[request.request_id] = entries
 
-    @staticmethod
-    def _pool(items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
+    def _pool(self, items: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
         """Embeddings: each pooling request's final hidden states, summed over its prompt's chunks
         (a chunk from position 0 starts the sum again: the prompt is being computed anew), and
-        given out when its last chunk is done."""
+        given out when its last chunk is done. A score: the last token's logits of the yes/no
+        reranker's tokens, softmaxed, the last one's share."""
         offset = 0
         for item in items:
             first, offset = offset, offset + item.num_new_tokens
@@ -229,6 +230,13 @@ class ModelRunner:
                 total = rows.sum(dim=0) if item.start == 0 else request.pool_sum + rows.sum(dim=0)
                 request.pool_sum = total
             if item.start + item.num_new_tokens == request.num_prompt_tokens:
+                if pooling == "score":
+                    if not self.classifier_token_ids:
+                        output.failed[request.request_id] = "this model is no reranker: it gives no score"
+                        continue
+                    logits = self.model.compute_logits(hidden[offset - 1:offset])[0, self.classifier_token_ids]
+                    output.pooled[request.request_id] = [torch.softmax(logits.float(), dim=0)[-1].item()]
+                    continue
                 vector = request.pool_sum / request.num_prompt_tokens if pooling == "mean" else rows[-1]
                 output.pooled[request.request_id] = vector.tolist()
                 request.pool_sum = None

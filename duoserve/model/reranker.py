@@ -1,0 +1,63 @@
+"""Yes/no rerankers: a causal LM asked whether a document answers a query, scored by its next
+token's logits for "no" and "yes" (Qwen3-Reranker's way). Configured as vLLM configures it, by
+``hf_overrides``: ``{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":
+["no", "yes"], "is_original_qwen3_reranker": true}``. The model stays the causal LM it is (it can
+still generate); a score is the softmax over the listed tokens' logits, the last one's share
+(P(yes) = sigmoid(yes - no), what vLLM's converted classifier computes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from duoserve.errors import ConfigError
+
+RERANKER_KEYS = ("classifier_from_token", "is_original_qwen3_reranker", "method")
+
+
+def split_reranker(overrides: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...] | None]:
+    """``hf_overrides`` less vLLM's reranker keys, and the classifier's tokens (None: not a reranker).
+    The "...ForSequenceClassification" architecture they name is read as its causal LM."""
+    if not overrides or "classifier_from_token" not in overrides:
+        return overrides, None
+    tokens = overrides["classifier_from_token"]
+    if not (isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) and t for t in tokens)):
+        raise ConfigError("hf_overrides.classifier_from_token", tokens,
+                          'two tokens, the negative answer first: ["no", "yes"]')
+    rest = {key: value for key, value in overrides.items() if key not in RERANKER_KEYS}
+    names = rest.get("architectures")
+    if isinstance(names, list):
+        rest["architectures"] = [n.replace("ForSequenceClassification", "ForCausalLM") for n in names]
+    return rest, tuple(tokens)
+
+
+def classifier_token_ids(tokenizer, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """Each token's id: the vocabulary's entry of that text, else the text's single token."""
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.backend.token_to_id(token)
+        if token_id is None:
+            encoded = tokenizer.backend.encode(token, add_special_tokens=False).ids
+            if len(encoded) != 1:
+                raise ConfigError("hf_overrides.classifier_from_token", token,
+                                  f"one token of the model's vocabulary (it is {len(encoded)} tokens)")
+            token_id = encoded[0]
+        ids.append(token_id)
+    return tuple(ids)
+
+
+# Qwen3-Reranker's prompt (its model card's): a yes/no question about one pair, answered by the next token
+YES_NO_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+YES_NO_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def pair_token_ids(tokenizer, reranker: str, query: str, document: str) -> list[int]:
+    """The prompt that scores one (query, document) pair: a cross-encoder's own pair template
+    (``[CLS] q [SEP] d [SEP]``, ``<s> q </s></s> d </s>``), or the yes/no question."""
+    if reranker == "cross-encoder":
+        return tokenizer.backend.encode(query, document, add_special_tokens=True).ids
+    text = YES_NO_TEMPLATE.format(instruction=YES_NO_INSTRUCTION, query=query, document=document)
+    return tokenizer.encode(text)

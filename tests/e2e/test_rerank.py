@@ -1,0 +1,128 @@
+"""Rerankers through the engine (``SamplingParams.pooling`` "score", ``LLM.score``): a cross-encoder's
+scores equal sentence-transformers' ``CrossEncoder.predict`` (BERT with its token types, XLM-RoBERTa
+with its offset positions), a yes/no reranker's equal transformers' softmax over the "no" and "yes"
+logits, batched or alone; the pool is whole afterwards (the autouse check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duoserve import LLM, SamplingParams
+from duoserve.errors import ConfigError, InvalidInputError
+from duoserve.model.reranker import YES_NO_INSTRUCTION, YES_NO_TEMPLATE, pair_token_ids
+from tests.helpers import make_tiny_cross_encoder, make_tiny_yes_no_reranker
+
+QUERIES = ["what is the sea", "where are animals near peru", "the moon"]
+DOCUMENTS = ["the sea is a tide pulled by the moon", "the quick brown fox jumps over the lazy dog",
+             "a llama and a camel in peru", "china", "tides rise and fall twice a day"]
+YES_NO = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+          "is_original_qwen3_reranker": True}
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def cross_encoder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"ce-{request.param}")
+    make_tiny_cross_encoder(path, request.param)
+    return path, LLM(model=str(path), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def yes_no(tmp_path_factory):
+    path = tmp_path_factory.mktemp("yes-no")
+    make_tiny_yes_no_reranker(path)
+    return path, LLM(model=str(path), dtype="float32", quantization="none", hf_overrides=YES_NO)
+
+
+def test_cross_encoder_scores_equal_sentence_transformers_batched_and_alone(cross_encoder):
+    from sentence_transformers import CrossEncoder
+
+    path, llm = cross_encoder
+    reference = CrossEncoder(str(path), device="cpu")
+    pairs = [(q, d) for q in QUERIES for d in DOCUMENTS]
+    for query, document in pairs:   # the pair template is the tokenizer's own
+        assert pair_token_ids(llm.get_tokenizer(), "cross-encoder", query, document) == \
+            reference.tokenizer(query, document)["input_ids"]
+    want = reference.predict(pairs).tolist()
+    assert max(want) - min(want) > 0.05   # the scores spread: an order to get right
+    got = llm.score([q for q, _ in pairs], [d for _, d in pairs])   # one batch of 15 sequences
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    assert sorted(range(len(got)), key=got.__getitem__) == sorted(range(len(want)), key=want.__getitem__)
+    assert llm.score(QUERIES[0], DOCUMENTS) == pytest.approx(want[:len(DOCUMENTS)], abs=1e-5)   # one to many
+    for i in (0, 7):
+        assert llm.score(*pairs[i])[0] == pytest.approx(want[i], abs=1e-5)   # alone
+
+
+@pytest.mark.parametrize("cross_encoder", ["bert"], indirect=True)   # XLM-RoBERTa has one token type
+def test_bert_reads_the_document_as_token_type_1(cross_encoder):
+    """Without the types the same ids give other scores: the types are read back from the [SEP]."""
+    path, llm = cross_encoder
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    ids = pair_token_ids(llm.get_tokenizer(), "cross-encoder", QUERIES[0], DOCUMENTS[0])
+    with torch.no_grad():
+        untyped = torch.sigmoid(hf(torch.tensor([ids]), token_type_ids=torch.zeros(1, len(ids), dtype=torch.long))
+                                .logits)[0, 0].item()
+    got = llm.score(QUERIES[0], DOCUMENTS[0])[0]
+    assert abs(got - untyped) > 1e-3
+
+
+def test_a_cross_encoder_only_scores(cross_encoder):
+    _, llm = cross_encoder
+    with pytest.raises(InvalidInputError, match="cross-encoder"):
+        llm.generate("the sea", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="cross-encoder"):
+        llm.embed("the sea")
+
+
+def test_yes_no_reranker_equals_transformers_yes_no_logits(yes_no):
+    import transformers
+
+    path, llm = yes_no
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    want = []
+    for document in DOCUMENTS:
+        text = YES_NO_TEMPLATE.format(instruction=YES_NO_INSTRUCTION, query=QUERIES[1], document=document)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == pair_token_ids(llm.get_tokenizer(), "yes-no", QUERIES[1], document)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        want.append(torch.softmax(logits[[no, yes]], dim=0)[1].item())
+    assert max(want) - min(want) > 1e-3
+    got = llm.score(QUERIES[1], DOCUMENTS)
+    assert got == pytest.approx(want, abs=1e-5)
+    assert sorted(range(5), key=got.__getitem__) == sorted(range(5), key=want.__getitem__)
+    # again: the query's prefix comes from the cache, the score does not change
+    prompt = pair_token_ids(llm.get_tokenizer(), "yes-no", QUERIES[1], DOCUMENTS[2])
+    again = llm.generate([prompt], SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.pooled[0] == pytest.approx(want[2], abs=1e-5)
+    assert len(llm.generate("the sea", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3   # still a causal LM that generates
+
+
+def test_what_is_no_reranker_is_refused_by_name(smol_llm, tmp_path):
+    with pytest.raises(ConfigError, match="reranker"):
+        smol_llm.score("the sea", "a tide")
+    with pytest.raises(InvalidInputError, match="no reranker"):
+        smol_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)
+    make_tiny_cross_encoder(tmp_path, "bert")
+    import json
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(num_labels=3, id2label={str(i): f"L{i}" for i in range(3)})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="num_labels"):
+        LLM(model=str(tmp_path), dtype="float32")
+
+
+def test_classifier_tokens_are_checked(yes_no):
+    path, _ = yes_no
+    with pytest.raises(ConfigError, match="classifier_from_token"):
+        LLM(model=str(path), dtype="float32", quantization="none",
+            hf_overrides={**YES_NO, "classifier_from_token": ["yes"]})
+    with pytest.raises(ConfigError, match="classifier_from_token"):
+        LLM(model=str(path), dtype="float32", quantization="none",
+            hf_overrides={**YES_NO, "classifier_from_token": ["no", "a yes"]})
