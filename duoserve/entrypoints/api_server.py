@@ -352,7 +352,7 @@ async def models(raw: Request):
 async def tokenize(body: TokenizeRequest, raw: Request):
     state = raw.app.state
     engine = state.engine
-    state.openai.check_model(body.model)
+    state.openai.check_model(body.model, generates=False)
     require_engine(engine)
     if body.messages is not None:
         ids = state.chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
@@ -367,7 +367,7 @@ async def tokenize(body: TokenizeRequest, raw: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, raw: Request):
     engine = raw.app.state.engine
-    raw.app.state.openai.check_model(body.model)
+    raw.app.state.openai.check_model(body.model, generates=False)
     require_engine(engine)
     bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
     if bad:

@@ -27,10 +27,15 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, generates: bool = True) -> None:
+        """The model asked for is the one served (404 else), and it does what the route asks: a
+        cross-encoder only scores (400 for a route that generates or embeds)."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
+        if generates and self.engine.reranker == "cross-encoder":
+            raise APIError(400, f"{self.model_name} is a cross-encoder: it scores (query, document) pairs at "
+                           "/v1/rerank and /score, and neither generates text nor embeds", param="model")
 
     # ---- completions --------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ class ScoreServing:
         self.base = base
 
     async def rerank(self, body: RerankRequest, raw: Request) -> dict:
-        self.base.check_model(body.model)
+        self.base.check_model(body.model, generates=False)
         documents = body.texts()
         if not documents:
             raise APIError(400, "documents must not be empty", param="documents")
@@ -44,7 +44,7 @@ class ScoreServing:
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     async def score(self, body: ScoreRequest, raw: Request) -> dict:
-        self.base.check_model(body.model)
+        self.base.check_model(body.model, generates=False)
         firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if not firsts or not seconds:
