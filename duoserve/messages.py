@@ -156,6 +156,7 @@ class EngineReady(msgspec.Struct, tag=True):
     tokenizer_file: str | None = None   # the file tokenizer_json was read from: a frontend on this
                                         # host that parsed it already keeps its parse
     reranker: str | None = None    # "cross-encoder", "yes-no" or None (LoadedModel.reranker)
+    score_template: str | None = None   # a yes/no reranker's prompt from its file (LoadedModel's)
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

@@ -101,6 +101,10 @@ class EngineCore:
         return self._fingerprint_values
 
     @property
+    def reranker(self) -> str | None:
+        return self.loaded.reranker
+
+    @property
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 

@@ -527,6 +527,6 @@ def _ready(core, fingerprint: dict, instance_id: str):
         bos_token_id=None if tok is None else tok.bos_token_id,
         add_bos_token=False if tok is None else tok.add_bos_token,
         chat_template=None if tok is None else tok.chat_template, memory=core.memory,
-        pooling=core.loaded.pooling, reranker=core.loaded.reranker,
+        pooling=core.loaded.pooling, reranker=core.loaded.reranker, score_template=core.loaded.score_template,
         tokenizer_file=None if tok is None or tok.source_file is None else str(tok.source_file),
     )

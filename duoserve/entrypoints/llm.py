@@ -83,7 +83,8 @@ class LLM:
         if len(firsts) != len(seconds) or not seconds:
             raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1 or as many "
                              "of each (and at least one text_2)")
-        prompts = [pair_token_ids(self.engine.tokenizer, reranker, a, b) for a, b in zip(firsts, seconds)]
+        template = self.engine.loaded.score_template
+        prompts = [pair_token_ids(self.engine.tokenizer, reranker, a, b, template) for a, b in zip(firsts, seconds)]
         outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)
         return [out.pooled[0] for out in outputs]
 

@@ -69,7 +69,8 @@ class ScoreServing:
         if reranker is None:
             raise APIError(400, f"{self.base.model_name} is no reranker: serve a cross-encoder (a BERT or XLM-RoBERTa "
                            "sequence classifier) or a causal LM with hf_overrides' classifier_from_token", param="model")
-        prompts = [pair_token_ids(tokenizer, reranker, query, document) for query, document in pairs]
+        template = engine.score_template
+        prompts = [pair_token_ids(tokenizer, reranker, query, document, template) for query, document in pairs]
         for index, ids in enumerate(prompts):
             if len(ids) >= max_len:
                 raise APIError(400, f"pair {index} is {len(ids)} tokens (the query, {param} {index} and the template), "

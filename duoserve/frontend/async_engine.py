@@ -252,6 +252,11 @@ class AsyncEngine:
         return None if self.group is None else self.group.reference.reranker
 
     @property
+    def score_template(self) -> str | None:
+        """A yes/no reranker's prompt, where its file gives one."""
+        return None if self.group is None else self.group.reference.score_template
+
+    @property
     def max_model_len(self) -> int | None:
         return None if self.group is None else self.group.max_model_len
 

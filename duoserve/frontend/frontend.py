@@ -26,6 +26,7 @@ class EngineHandle(Protocol):
 
     tokenizer: Tokenizer | None
     max_model_len: int
+    reranker: str | None   # what kind of reranker the model is (LoadedModel.reranker), None for none
 
     @property
     def vocab_size(self) -> int: ...
@@ -55,8 +56,7 @@ class Frontend:
     def __init__(self, engine: InProcessEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.inputs = InputProcessor(engine.tokenizer, engine.vocab_size, engine.eos_token_ids,
-                                     engine.loaded.reranker)
+        self.inputs = InputProcessor(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, engine.reranker)
         self.outputs = OutputProcessor()
         self._ids = itertools.count()
 

@@ -239,6 +239,7 @@ class GGUFSource:
 
     def __init__(self, reader: GGUFFile, arch: ModelArch, permuted_qk: bool, gguf_arch: str = "llama") -> None:
         self._tensors: dict[str, tuple[Any, int | None]] = {}   # HF name -> (GGUF tensor, expert or None)
+        self._by_file_name = {tensor.name: tensor for tensor in reader.tensors}
         mixtral = arch.architecture == "MixtralForCausalLM"
         for tensor in reader.tensors:
             for name, expert in hf_names(tensor.name, gguf_arch, arch.num_experts, mixtral):
@@ -246,6 +247,14 @@ class GGUFSource:
         self._arch = arch
         self._permuted_qk = permuted_qk
         self._norms_plus_one = gguf_arch.startswith("gemma")
+
+    def file_tensor(self, gguf_name: str) -> torch.Tensor | None:
+        """A tensor under the file's own name, dequantized (one no model layer reads: ``cls.output``)."""
+        tensor = self._by_file_name.get(gguf_name)
+        if tensor is None:
+            return None
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        return dequantize(np.asarray(tensor.data), tensor.tensor_type.name, shape, tensor.name)
 
     def _raw(self, name: str) -> tuple[Any, np.ndarray, tuple[int, ...]] | None:
         """The GGUF tensor holding ``name``, the bytes of ``name`` in it and its shape (outermost first)."""

@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 
 from duoserve.config import ModelConfig
-from duoserve.errors import ConfigError
+from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.model.arch import ModelArch, apply_overrides
 from duoserve.model.encoder import EncoderArch, build_encoder, encoder_arch_from_hf, is_encoder_config
 from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.pooling import declared_pooling
-from duoserve.model.reranker import classifier_token_ids, split_reranker
+from duoserve.model.reranker import (GGUF_RERANK_TEMPLATE, classifier_token_ids, gguf_yes_no_labels,
+                                     split_reranker)
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import BlockModules, build_model
 from duoserve.platform import RunTime
@@ -38,6 +39,8 @@ class LoadedModel:
     # latter's classifier tokens (negative first); None: not a reranker
     reranker: str | None = None
     classifier_token_ids: tuple[int, ...] = ()
+    classifier_head: torch.Tensor | None = None   # or its rows [no, yes] ([2, hidden]; a GGUF rank model's)
+    score_template: str | None = None             # the file's yes/no prompt ({query}, {document})
 
 
 def check_max_model_len(arch: ModelArch | EncoderArch, max_model_len: int | None) -> int:
@@ -93,6 +96,7 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     if not path.is_file() and is_encoder_dir(path):
         return load_encoder(config, path, dtype, device)
     overrides, classifier_tokens = split_reranker(config.hf_overrides)
+    classifier_head, score_template = None, None   # a GGUF reranker's [no, yes] rows and prompt
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf
 
@@ -101,6 +105,14 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
         gguf_arch = str(meta.get("general.architecture"))
         source = GGUFSource(reader, arch, permuted_qk=gguf_arch == "llama", gguf_arch=gguf_arch)
         pooling = declared_pooling(path, meta)
+        labels = gguf_yes_no_labels(meta) if classifier_tokens is None else None
+        if labels is not None:   # llama.cpp's yes/no reranker: its classifier rows, its prompt
+            rows = source.file_tensor("cls.output.weight")
+            if rows is None or rows.shape[0] != len(labels):
+                raise ModelLoadError(f"{path.name} is a rank model labelled {labels} without a cls.output tensor "
+                                     "of one row per label")
+            classifier_head = rows[[labels.index("no"), labels.index("yes")]].to(dtype=torch.float32, device=device)
+            score_template = meta.get(GGUF_RERANK_TEMPLATE)
     else:
         from duoserve.model.hf_loader import SafetensorsSource, read_hf_arch
 
@@ -120,8 +132,9 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     arch = arch.for_context(max_model_len)
     model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization,
-                       pooling=pooling, reranker="yes-no" if classifier_ids else None,
-                       classifier_token_ids=classifier_ids)
+                       pooling=pooling, reranker="yes-no" if classifier_ids or classifier_head is not None else None,
+                       classifier_token_ids=classifier_ids, classifier_head=classifier_head,
+                       score_template=score_template)
 
 
 def is_encoder_dir(path: Path) -> bool:

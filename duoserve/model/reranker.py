@@ -45,19 +45,37 @@ def classifier_token_ids(tokenizer, tokens: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(ids)
 
 
-# Qwen3-Reranker's prompt (its model card's): a yes/no question about one pair, answered by the next token
-YES_NO_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+# Qwen3-Reranker's prompt (its model card's; what llama.cpp's converter stores as a GGUF file's
+# "rerank" template): a yes/no question about one pair, answered by the next token. The
+# placeholders are replaced as text, as llama.cpp does, so braces in a query are only text.
 YES_NO_TEMPLATE = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
     'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
-    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
-    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    "<Instruct>: Given a web search query, retrieve relevant passages that answer the query\n"
+    "<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+GGUF_RANK_POOLING = 4   # llama.cpp's LLAMA_POOLING_TYPE_RANK
+GGUF_RERANK_TEMPLATE = "tokenizer.chat_template.rerank"
 
 
-def pair_token_ids(tokenizer, reranker: str, query: str, document: str) -> list[int]:
+def gguf_yes_no_labels(meta: dict[str, Any]) -> list[str] | None:
+    """A GGUF file's yes/no reranker labels (the rows of its ``cls.output`` tensor), where llama.cpp's
+    converter made it one: rank pooling with the labels "yes" and "no"; None otherwise."""
+    arch = meta.get("general.architecture")
+    labels = meta.get(f"{arch}.classifier.output_labels")
+    if meta.get(f"{arch}.pooling_type") != GGUF_RANK_POOLING or not labels:
+        return None
+    return list(labels) if sorted(labels) == ["no", "yes"] else None
+
+
+def render_pair(template: str, query: str, document: str) -> str:
+    return template.replace("{query}", query).replace("{document}", document)
+
+
+def pair_token_ids(tokenizer, reranker: str, query: str, document: str, template: str | None = None) -> list[int]:
     """The prompt that scores one (query, document) pair: a cross-encoder's own pair template
-    (``[CLS] q [SEP] d [SEP]``, ``<s> q </s></s> d </s>``), or the yes/no question."""
+    (``[CLS] q [SEP] d [SEP]``, ``<s> q </s></s> d </s>``), or the yes/no question (the model
+    file's template where it has one)."""
     if reranker == "cross-encoder":
         return tokenizer.backend.encode(query, document, add_special_tokens=True).ids
-    text = YES_NO_TEMPLATE.format(instruction=YES_NO_INSTRUCTION, query=query, document=document)
-    return tokenizer.encode(text)
+    return tokenizer.encode(render_pair(template or YES_NO_TEMPLATE, query, document))

@@ -58,7 +58,9 @@ class ModelRunner:
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the swap space (allocate_swap)
         self.swap_seconds = 0.0   # time spent copying to and from it, and bytes copied (cumulative)
         self.swap_bytes = 0
-        self.classifier_token_ids = list(loaded.classifier_token_ids)   # a yes/no reranker's (model/reranker.py)
+        # a yes/no reranker's (model/reranker.py): its tokens' logits, or a GGUF file's rows for them
+        self.classifier_token_ids = list(loaded.classifier_token_ids)
+        self.classifier_head = loaded.classifier_head
 
     def allocate_swap(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Host-memory blocks of the KV cache's layout for swapped-out requests (pinned for a GPU)."""
@@ -231,10 +233,13 @@ class ModelRunner:
                 request.pool_sum = total
             if item.start + item.num_new_tokens == request.num_prompt_tokens:
                 if pooling == "score":
-                    if not self.classifier_token_ids:
+                    if self.classifier_head is not None:
+                        logits = self.classifier_head @ hidden[offset - 1].float()
+                    elif self.classifier_token_ids:
+                        logits = self.model.compute_logits(hidden[offset - 1:offset])[0, self.classifier_token_ids]
+                    else:
                         output.failed[request.request_id] = "this model is no reranker: it gives no score"
                         continue
-                    logits = self.model.compute_logits(hidden[offset - 1:offset])[0, self.classifier_token_ids]
                     output.pooled[request.request_id] = [torch.softmax(logits.float(), dim=0)[-1].item()]
                     continue
                 vector = request.pool_sum / request.num_prompt_tokens if pooling == "mean" else rows[-1]

@@ -10,12 +10,17 @@ import torch
 
 from duoserve import LLM, SamplingParams
 from duoserve.errors import ConfigError, InvalidInputError
-from duoserve.model.reranker import YES_NO_INSTRUCTION, YES_NO_TEMPLATE, pair_token_ids
+from duoserve.model.reranker import pair_token_ids
 from tests.helpers import make_tiny_cross_encoder, make_tiny_yes_no_reranker
 
 QUERIES = ["what is the sea", "where are animals near peru", "the moon"]
 DOCUMENTS = ["the sea is a tide pulled by the moon", "the quick brown fox jumps over the lazy dog",
              "a llama and a camel in peru", "china", "tides rise and fall twice a day"]
+# Qwen3-Reranker's model card: the prompt its scores are computed on (the reference's own copy)
+CARD_PREFIX = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
+               'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+CARD_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 YES_NO = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
           "is_original_qwen3_reranker": True}
 
@@ -85,7 +90,7 @@ def test_yes_no_reranker_equals_transformers_yes_no_logits(yes_no):
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
     want = []
     for document in DOCUMENTS:
-        text = YES_NO_TEMPLATE.format(instruction=YES_NO_INSTRUCTION, query=QUERIES[1], document=document)
+        text = f"{CARD_PREFIX}<Instruct>: {CARD_INSTRUCTION}\n<Query>: {QUERIES[1]}\n<Document>: {document}{CARD_SUFFIX}"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert ids == pair_token_ids(llm.get_tokenizer(), "yes-no", QUERIES[1], document)
         with torch.no_grad():
@@ -126,3 +131,43 @@ def test_classifier_tokens_are_checked(yes_no):
     with pytest.raises(ConfigError, match="classifier_from_token"):
         LLM(model=str(path), dtype="float32", quantization="none",
             hf_overrides={**YES_NO, "classifier_from_token": ["no", "a yes"]})
+
+
+def test_a_gguf_rank_model_scores_as_its_checkpoint(yes_no, tmp_path):
+    """llama.cpp's converter writes a Qwen3 reranker as rank pooling, labels ["yes", "no"], a
+    cls.output tensor of those two rows of the head, and the prompt as a "rerank" template: such a
+    file needs no flag, and scores as the checkpoint does with vLLM's overrides."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.model.test_gguf import write_gguf
+
+    path, llm = yes_no
+    backend = llm.get_tokenizer().backend
+    no, yes = backend.token_to_id("no"), backend.token_to_id("yes")
+    weights = load_file(str(path / "model.safetensors"))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])   # the converter's source rows
+
+    def add_reranker(writer) -> None:   # as llama.cpp's converter writes Qwen3-Reranker
+        vocab = backend.get_vocab()
+        tokens = sorted(vocab, key=vocab.get)
+        specials = {"<|im_start|>", "<|im_end|>", "<think>", "</think>"}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.USER_DEFINED
+                                if t in ("yes", "no") else gguf.TokenType.NORMAL for t in tokens])
+        writer.add_token_merges([])
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_chat_template([{"name": "rerank", "template": CARD_PREFIX + f"<Instruct>: {CARD_INSTRUCTION}\n"
+                                   "<Query>: {query}\n<Document>: {document}" + CARD_SUFFIX}])
+        writer.add_tensor("cls.output.weight", torch.stack([head[yes], head[no]]).numpy())
+
+    out = tmp_path / "reranker.gguf"
+    write_gguf(path, out, "F32", tokenizer=add_reranker)
+    ranked = LLM(model=str(out), dtype="float32", quantization="none")
+    want = llm.score(QUERIES[0], DOCUMENTS)
+    assert ranked.score(QUERIES[0], DOCUMENTS) == pytest.approx(want, abs=1e-5)
+    assert ranked.score("{query} {document}", DOCUMENTS[0]) == pytest.approx(   # braces stay text
+        llm.score("{query} {document}", DOCUMENTS[0]), abs=1e-5)

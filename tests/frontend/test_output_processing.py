@@ -126,6 +126,7 @@ class RecordingEngine:
     max_model_len = 64
     vocab_size = len(WORDS)
     eos_token_ids = (EOS,)
+    reranker = None
 
     def __init__(self, outputs: list[EngineCoreOutput]) -> None:
         self.calls: list[tuple[str, str]] = []
