@@ -325,11 +325,17 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def open_gguf(path: Path, hf_overrides: dict[str, Any] | None) -> tuple[GGUFFile, dict[str, Any], ModelArch]:
+def read_header(path: Path) -> GGUFFile:
     try:
-        reader = read_gguf(path)
+        return read_gguf(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def open_gguf(path: Path, hf_overrides: dict[str, Any] | None,
+              reader: GGUFFile | None = None) -> tuple[GGUFFile, dict[str, Any], ModelArch]:
+    """The file's header (``reader``: read already), metadata and decoder architecture."""
+    reader = reader or read_header(path)
     meta = reader.meta
     names = {t.name for t in reader.tensors}
     config = _hf_config_from_gguf(meta, names)

@@ -14,6 +14,7 @@ from duoserve.config import ModelConfig
 from duoserve.errors import ConfigError, ModelLoadError
 from duoserve.model.arch import ModelArch, apply_overrides
 from duoserve.model.encoder import EncoderArch, build_encoder, encoder_arch_from_hf, is_encoder_config
+from duoserve.model.gguf_encoder import GGUF_ENCODER_ARCH
 from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.pooling import declared_pooling
@@ -98,9 +99,12 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     overrides, classifier_tokens = split_reranker(config.hf_overrides)
     classifier_head, score_template = None, None   # a GGUF reranker's [no, yes] rows and prompt
     if path.is_file():
-        from duoserve.model.gguf_loader import GGUFSource, open_gguf
+        from duoserve.model.gguf_loader import GGUFSource, open_gguf, read_header
 
-        reader, meta, arch = open_gguf(path, overrides)
+        reader = read_header(path)
+        if reader.meta.get("general.architecture") == GGUF_ENCODER_ARCH:
+            return load_gguf_cross_encoder(config, reader, path, dtype, device)
+        reader, meta, arch = open_gguf(path, overrides, reader)
         tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids, path) if "tokenizer.ggml.tokens" in meta else None
         gguf_arch = str(meta.get("general.architecture"))
         source = GGUFSource(reader, arch, permuted_qk=gguf_arch == "llama", gguf_arch=gguf_arch)
@@ -158,6 +162,17 @@ def load_encoder(config: ModelConfig, path: Path, dtype: torch.dtype, device: st
     arch = encoder_arch_from_hf(hf_config, sep)
     check_max_model_len(arch, config.max_model_len)
     model = build_encoder(arch, SafetensorsSource(path), dtype, device)
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker="cross-encoder")
+
+
+def load_gguf_cross_encoder(config: ModelConfig, reader, path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    """A cross-encoder from a GGUF file (``duoserve.model.gguf_encoder``), its weights dequantized."""
+    from duoserve.model.gguf_encoder import gguf_encoder_arch, load_gguf_encoder
+
+    arch = gguf_encoder_arch(reader)
+    tokenizer = tokenizer_from_gguf(reader.meta, (), path)
+    check_max_model_len(arch, config.max_model_len)
+    model = load_gguf_encoder(reader, arch, dtype, device)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker="cross-encoder")
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from duoserve.errors import ModelLoadError
 from duoserve.heap import release_free_memory
@@ -265,10 +265,13 @@ def _gguf_backend(meta: dict[str, Any]) -> HFTokenizer:
         backend = _sentencepiece_bpe(meta)
     elif kind == "gpt2":
         backend = _byte_level_bpe(meta)
+    elif kind == "t5":
+        backend = _unigram(meta)
     else:
         raise ModelLoadError(
             f"tokenizer.ggml.model={kind!r} is not supported here: duoserve rebuilds byte-level BPE ('gpt2') "
-            "tokenizers, and Gemma's SentencePiece ('llama') one, from GGUF files; use the Hugging Face "
+            "tokenizers, Gemma's SentencePiece ('llama') one and SentencePiece Unigram ('t5'), from GGUF files; "
+            "use the Hugging Face "
             "directory of this model instead"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -311,6 +314,33 @@ def _byte_level_bpe(meta: dict[str, Any]) -> HFTokenizer:
 
 
 _SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _unigram(meta: dict[str, Any]) -> HFTokenizer:
+    """SentencePiece Unigram (XLM-RoBERTa's: llama.cpp's "t5" kind) from the pieces, their scores and
+    the normalizer's compiled character map; a pair is ``<s> A </s></s> B </s>``, as XLM-RoBERTa's."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    backend = HFTokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores)],
+                                         unk_id=meta.get("tokenizer.ggml.unknown_token_id"), byte_fallback=False))
+    steps = []
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        steps.append(normalizers.Precompiled(bytes(charsmap)))
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces", True):
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    backend.normalizer = normalizers.Sequence(steps)
+    prepend = "always" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme=prepend)
+    backend.decoder = decoders.Metaspace(replacement=_SPACE, prepend_scheme=prepend)
+    cls = meta.get("tokenizer.ggml.bos_token_id")   # llama.cpp starts a sequence with BOS: <s>, the CLS
+    sep = meta.get("tokenizer.ggml.seperator_token_id", meta.get("tokenizer.ggml.eos_token_id"))
+    if cls is not None and sep is not None:
+        special = [(tokens[cls], cls), (tokens[sep], sep)]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[cls]} $A {tokens[sep]}", pair=f"{tokens[cls]} $A {tokens[sep]} {tokens[sep]} $B {tokens[sep]}",
+            special_tokens=list(dict.fromkeys(special)))
+    return backend
 
 
 def _sentencepiece_bpe(meta: dict[str, Any]) -> HFTokenizer:

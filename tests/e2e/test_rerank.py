@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from duoserve import LLM, SamplingParams
-from duoserve.errors import ConfigError, InvalidInputError
+from duoserve.errors import ConfigError, InvalidInputError, ModelLoadError
 from duoserve.model.reranker import pair_token_ids
 from tests.helpers import make_tiny_cross_encoder, make_tiny_yes_no_reranker
 
@@ -171,3 +171,81 @@ def test_a_gguf_rank_model_scores_as_its_checkpoint(yes_no, tmp_path):
     assert ranked.score(QUERIES[0], DOCUMENTS) == pytest.approx(want, abs=1e-5)
     assert ranked.score("{query} {document}", DOCUMENTS[0]) == pytest.approx(   # braces stay text
         llm.score("{query} {document}", DOCUMENTS[0]), abs=1e-5)
+
+
+def write_encoder_gguf(hf_dir, out, with_pooler: bool = True) -> None:
+    """A cross-encoder as llama.cpp's converter writes it: arch "bert", the position table cut to
+    start after the padding id, the head's dense layer as ``cls`` and its output as ``cls.output``,
+    the SentencePiece vocabulary as "t5"; ``with_pooler=False``: a BERT classifier's file, which has
+    lost its pooler on the way."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]   # [[piece, score], ...]
+    offset = config["pad_token_id"] + 1
+    writer = gguf.GGUFWriter(str(out), "bert")
+    writer.add_context_length(config["max_position_embeddings"] - offset)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_tokenizer_model("t5")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([piece for piece, _ in vocab])
+    writer.add_token_scores([score for _, score in vocab])
+    writer.add_token_types([gguf.TokenType.CONTROL if p in ("<s>", "<pad>", "</s>", "<mask>") else
+                            gguf.TokenType.UNKNOWN if p == "<unk>" else gguf.TokenType.NORMAL for p, _ in vocab])
+    writer.add_add_space_prefix(True)
+    writer.add_token_type_count(config["type_vocab_size"])
+    writer.add_remove_extra_whitespaces(True)
+    for add, value in ((writer.add_bos_token_id, 0), (writer.add_pad_token_id, 1), (writer.add_eos_token_id, 2),
+                       (writer.add_unk_token_id, 3), (writer.add_sep_token_id, 2)):
+        add(value)
+    layer = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+             "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+             "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+    top = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
+           "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm",
+           "classifier.dense": "cls", "classifier.out_proj": "cls.output"}
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        stem, kind = name.removeprefix("roberta.").rsplit(".", 1)
+        if stem.startswith("encoder.layer."):
+            index, rest = stem[len("encoder.layer."):].split(".", 1)
+            gguf_name = f"blk.{index}.{layer[rest]}"
+        else:
+            gguf_name = top[stem]
+        if gguf_name == "cls" and not with_pooler:
+            continue
+        if gguf_name == "position_embd":
+            tensor = tensor[offset:]
+        writer.add_tensor(f"{gguf_name}.{kind}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("cross_encoder", ["xlm-roberta"], indirect=True)
+def test_a_gguf_cross_encoder_scores_as_its_checkpoint(cross_encoder, tmp_path):
+    from sentence_transformers import CrossEncoder
+
+    path, llm = cross_encoder
+    out = tmp_path / "reranker.gguf"
+    write_encoder_gguf(path, out)
+    ranked = LLM(model=str(out), dtype="float32")
+    reference = CrossEncoder(str(path), device="cpu")
+    for query in QUERIES:   # the vocabulary rebuilt from the file tokenizes a pair as the checkpoint's
+        for document in DOCUMENTS:
+            assert pair_token_ids(ranked.get_tokenizer(), "cross-encoder", query, document) == \
+                reference.tokenizer(query, document)["input_ids"]
+    want = reference.predict([(QUERIES[1], d) for d in DOCUMENTS]).tolist()
+    assert ranked.score(QUERIES[1], DOCUMENTS) == pytest.approx(want, abs=1e-5)
+    pooler_lost = tmp_path / "no-pooler.gguf"
+    write_encoder_gguf(path, pooler_lost, with_pooler=False)
+    with pytest.raises(ModelLoadError, match="pooler"):
+        LLM(model=str(pooler_lost), dtype="float32")
