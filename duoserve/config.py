@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,6 +257,44 @@ class KVStoreConfig:
             raise ConfigError("kv_store_write_queue", self.write_queue, "a positive number of blocks")
 
 
+DEFAULT_KV_DISK_BYTES = 16 << 30
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """``16G``, ``512M``, ``1048576`` -> bytes (binary units, an optional trailing B or iB)."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    try:
+        return int(float(text[:len(text) - len(unit)]) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ConfigError("kv_disk_bytes", value, "a size in bytes: 1073741824, 512M, 16G") from None
+
+
+@dataclass(frozen=True)
+class KVDiskConfig:
+    """A KV tier on disk (``--kv-disk-path DIR``): the shared store's block records as files, kept
+    across restarts, at most ``max_bytes`` of them (the least recently used go first). The same
+    limits as the Redis tier's bound a request's time with it and its write queue."""
+    path: str
+    max_bytes: int = DEFAULT_KV_DISK_BYTES
+    timeout_ms: float = 500.0              # one batch of reads; a request's budget is a few of these
+    write_queue: int = 1024                # blocks waiting to be written; more are dropped (counted)
+    breaker_errors: int = 3
+    breaker_cooldown: float = 5.0
+    required: bool = False                 # refuse to start when the directory cannot be written
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("kv_disk_path", self.path, "a directory (created if missing)")
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ConfigError("kv_disk_path", self.path, "a directory (this is a file)")
+        if not isinstance(self.max_bytes, int) or self.max_bytes < 1:
+            raise ConfigError("kv_disk_bytes", self.max_bytes, "a positive number of bytes (1073741824, 512M, 16G)")
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """Where an engine publishes its prefix cache's KV events (``duoserve.kv.events``)."""
@@ -303,6 +342,7 @@ class EngineConfig:
     compile: bool = False            # compile the model step with torch.compile (CPU); else eager + C++ decode step
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_store: KVStoreConfig | None = None         # None: no shared KV tier
+    kv_disk: KVDiskConfig | None = None           # None: no KV tier on disk
     kv_events: KVEventsConfig | None = None       # None: no KV events published
     shutdown_timeout: float = 30.0   # a launched engine's SIGTERM gives its requests this long (serve's flag)
     turns: TurnsConfig | None = None # cores shared with engines of the other role (launcher.py)

@@ -21,8 +21,8 @@ from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES,
                              LATENCY_STEP_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                             SPEC_METHODS, parse_tenant_weights,
-                             CacheConfig, EngineConfig, KVEventsConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
+                             SPEC_METHODS, parse_size, parse_tenant_weights,
+                             CacheConfig, EngineConfig, KVDiskConfig, KVEventsConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from duoserve.errors import ConfigError
 from duoserve.flags import add_flags, flag, values_from_args
@@ -31,6 +31,7 @@ from duoserve.gguf_types import block_type_names
 MODEL_GROUP = "model and engine"
 SPECULATIVE_GROUP = "speculative decoding (off unless --speculative-method is given)"
 KV_STORE_GROUP = "shared KV store (off unless --kv-store is given)"
+KV_DISK_GROUP = "KV tier on disk (off unless --kv-disk-path is given)"
 KV_EVENTS_GROUP = "KV events for cluster routers (off unless --kv-events-endpoint is given)"
 
 
@@ -147,6 +148,13 @@ class EngineArgs:
     kv_store_required: bool = flag(
         KVStoreConfig.required, "refuse to start when the store does not answer", parse=bool, group=KV_STORE_GROUP,
         default_help="off: warn, naming it, and serve without it until it does")
+    # the KV tier on disk
+    kv_disk_path: str | None = flag(
+        None, "a directory where full KV blocks are kept as files, across restarts (checksummed; the least "
+        "recently used go first past --kv-disk-bytes); a prompt found there skips its prefill", group=KV_DISK_GROUP,
+        default_help="none")
+    kv_disk_bytes: int = flag(KVDiskConfig.max_bytes, "the most bytes of block files kept (1073741824, 512M, 16G)",
+                              parse=parse_size, group=KV_DISK_GROUP, default_help="16G")
 
     # KV events for cluster routers
     kv_events_endpoint: str | None = flag(
@@ -189,6 +197,7 @@ class EngineArgs:
             num_threads=self.num_threads, compile=self._compile(), speculative=self._speculative(),
             kv_store=KVStoreConfig(self.kv_store, self.kv_store_ttl, self.kv_store_timeout,
                                    required=self.kv_store_required) if self.kv_store else None,
+            kv_disk=KVDiskConfig(self.kv_disk_path, parse_size(self.kv_disk_bytes)) if self.kv_disk_path else None,
             kv_events=self._kv_events())
 
     def _kv_events(self) -> KVEventsConfig | None:

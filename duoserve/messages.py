@@ -102,11 +102,11 @@ class EngineStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_by_position: list[int] = []
-    # the shared KV store, cumulative: blocks found and not found, bytes each way, writes dropped
-    # (queue full, or the store failing), errors by kind; and whether its circuit breaker is open
     num_swap_preemptions: int = 0   # of num_preemptions, those swapped out (the rest recomputed)
     num_swapped: int = 0            # requests whose KV waits in the swap space
     swap_usage: float = 0.0
+    # the shared KV store, cumulative: blocks found and not found, bytes each way, writes dropped
+    # (queue full, or the store failing), errors by kind; and whether its circuit breaker is open
     kv_store_hits: int = 0
     kv_store_misses: int = 0
     kv_store_bytes_read: int = 0
@@ -114,6 +114,19 @@ class EngineStats(msgspec.Struct):
     kv_store_dropped_writes: int = 0
     kv_store_errors: dict[str, int] = {}
     kv_store_breaker_open: bool = False
+    # the KV tier on disk, the same counters; and what it holds now, files evicted past its size
+    # and torn writes found at start (a process killed mid-write)
+    kv_disk_hits: int = 0
+    kv_disk_misses: int = 0
+    kv_disk_bytes_read: int = 0
+    kv_disk_bytes_written: int = 0
+    kv_disk_dropped_writes: int = 0
+    kv_disk_errors: dict[str, int] = {}
+    kv_disk_breaker_open: bool = False
+    kv_disk_files: int = 0
+    kv_disk_bytes_stored: int = 0
+    kv_disk_evicted: int = 0
+    kv_disk_torn: int = 0
     # structured outputs, cumulative: grammars compiled and refused, seconds compiling; steps that
     # computed token masks, the masks (rows) and the seconds they took
     grammars_compiled: int = 0

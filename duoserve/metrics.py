@@ -169,17 +169,15 @@ class ServerMetrics:
                             "(GET /v1/memory)", ["engine", "kind"], registry=r)
 
     def _kv_store(self, r: CollectorRegistry) -> None:
-        """The shared KV tier's traffic and its breaker."""
-        self.store_hits = Counter("duoserve:kv_store_hits", "Blocks found in the shared KV store", registry=r)
-        self.store_misses = Counter("duoserve:kv_store_misses", "Blocks looked up in the shared KV store and "
-                                    "not found (or not loadable)", registry=r)
-        self.store_errors = Counter("duoserve:kv_store_errors", "Shared KV store errors", ["kind"], registry=r)
-        self.store_bytes = Counter("duoserve:kv_store_bytes", "Bytes read from and written to the shared KV "
-                                   "store", ["direction"], registry=r)
-        self.store_dropped = Counter("duoserve:kv_store_dropped_writes", "Blocks not written to the shared KV "
-                                     "store (write queue full, or the store failing)", registry=r)
-        self.store_breaker = Gauge("duoserve:kv_store_breaker_open", "1 while the shared KV store's circuit "
-                                   "breaker is open", ["engine"], registry=r)
+        """The KV tiers' traffic and breakers (the shared store in Redis, the tier on disk)."""
+        self.tiers = {prefix: _TierMetrics(r, prefix, what) for prefix, what in
+                      (("kv_store", "the shared KV store"), ("kv_disk", "the KV tier on disk"))}
+        self.disk_stored = Gauge("duoserve:kv_disk_bytes_stored", "Bytes of block files the disk tier holds",
+                                 ["engine"], registry=r)
+        self.disk_evicted = Counter("duoserve:kv_disk_evicted", "Block files removed past --kv-disk-bytes, least "
+                                    "recently used first", registry=r)
+        self.disk_torn = Counter("duoserve:kv_disk_torn", "Half-written block files found at start (a process "
+                                 "killed while writing) and removed", registry=r)
 
     def _structured_outputs(self, r: CollectorRegistry) -> None:
         """Grammars: requests, compiles and the masks' time."""
@@ -293,15 +291,19 @@ class ServerMetrics:
         def since(name: str) -> int:
             return getattr(stats, name) - (getattr(last, name) if last else 0)
 
-        self.store_hits.inc(since("kv_store_hits"))
-        self.store_misses.inc(since("kv_store_misses"))
-        self.store_bytes.labels("read").inc(since("kv_store_bytes_read"))
-        self.store_bytes.labels("write").inc(since("kv_store_bytes_written"))
-        self.store_dropped.inc(since("kv_store_dropped_writes"))
-        before = last.kv_store_errors if last else {}
-        for kind, count in stats.kv_store_errors.items():
-            self.store_errors.labels(kind).inc(count - before.get(kind, 0))
-        self.store_breaker.labels(engine).set(1.0 if stats.kv_store_breaker_open else 0.0)
+        for prefix, tier in self.tiers.items():
+            tier.hits.inc(since(f"{prefix}_hits"))
+            tier.misses.inc(since(f"{prefix}_misses"))
+            tier.bytes.labels("read").inc(since(f"{prefix}_bytes_read"))
+            tier.bytes.labels("write").inc(since(f"{prefix}_bytes_written"))
+            tier.dropped.inc(since(f"{prefix}_dropped_writes"))
+            before = getattr(last, f"{prefix}_errors") if last else {}
+            for kind, count in getattr(stats, f"{prefix}_errors").items():
+                tier.errors.labels(kind).inc(count - before.get(kind, 0))
+            tier.breaker.labels(engine).set(1.0 if getattr(stats, f"{prefix}_breaker_open") else 0.0)
+        self.disk_stored.labels(engine).set(stats.kv_disk_bytes_stored)
+        self.disk_evicted.inc(since("kv_disk_evicted"))
+        self.disk_torn.inc(since("kv_disk_torn"))
 
     def _observe_grammars(self, stats: EngineStats, last: EngineStats | None) -> None:
         def since(name: str):
@@ -365,3 +367,19 @@ def memory_kinds(report: dict) -> dict[str, int]:
             "rss": report.get("rss_bytes")}
     kinds.update({kind: value for kind, value in flat.items() if value is not None})
     return kinds
+
+
+class _TierMetrics:
+    """One KV tier's counters: ``duoserve:<prefix>_hits`` and the rest."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, what: str) -> None:
+        name = f"duoserve:{prefix}"
+        self.hits = Counter(f"{name}_hits", f"Blocks found in {what}", registry=r)
+        self.misses = Counter(f"{name}_misses", f"Blocks looked up in {what} and not found (or not loadable)",
+                              registry=r)
+        self.errors = Counter(f"{name}_errors", f"Errors of {what}", ["kind"], registry=r)
+        self.bytes = Counter(f"{name}_bytes", f"Bytes read from and written to {what}", ["direction"], registry=r)
+        self.dropped = Counter(f"{name}_dropped_writes", f"Blocks not written to {what} (write queue full, or "
+                               "the tier failing)", registry=r)
+        self.breaker = Gauge(f"{name}_breaker_open", f"1 while the circuit breaker of {what} is open", ["engine"],
+                             registry=r)

@@ -129,13 +129,14 @@ def assert_pool_whole(engine_or_llm) -> None:
 
 
 def wait_for_store_writes(*engines, timeout: float = 5.0) -> None:
-    """Wait until each engine's KV store writer has written everything queued."""
+    """Wait until each engine's KV tiers' writers have written everything queued."""
     import time
 
     for engine in engines:
-        deadline = time.monotonic() + timeout
-        while not engine.kv_store.writes.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        for store in engine.store.stores:
+            deadline = time.monotonic() + timeout
+            while not store.writes.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
     time.sleep(0.1)
 
 

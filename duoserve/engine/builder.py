@@ -26,7 +26,8 @@ from duoserve.engine.core import EngineCore
 from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.role_parts import role_parts
 from duoserve.errors import ConfigError
-from duoserve.kv.store import BlockStore, StoreSource
+from duoserve.kv.disk_tier import DiskTier
+from duoserve.kv.store import BlockStore, RedisTier, StoreSource
 from duoserve.model.encoder import EncoderArch
 from duoserve.model.fingerprint import describe, fingerprint
 from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
@@ -94,7 +95,7 @@ class EngineBuilder:
         window, self.window_freeing = window_to_free([loaded.arch.window(i) for i in range(loaded.arch.num_layers)],
                                                      config.role, draft is not None)
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, window)
-        store = self._open_store(kv) if config.kv_store is not None else None
+        store = self._open_store(kv) if config.kv_store is not None or config.kv_disk is not None else None
         swap = SwapSource(SwapSpace(self.num_swap_blocks), SwapCost(self.block_bytes)) if self.num_swap_blocks else None
         grammars = self._grammars()
         scheduler = Scheduler(SchedulerSetup(
@@ -128,7 +129,8 @@ class EngineBuilder:
         if config.role != Role.COLOCATED:
             raise ConfigError("role", str(config.role), "colocated: a cross-encoder computes a pair whole, it has "
                               "no prefill and decode to split")
-        for field, value, plain in (("speculative", config.speculative, None), ("kv_store", config.kv_store, None)):
+        for field, value, plain in (("speculative", config.speculative, None), ("kv_store", config.kv_store, None),
+                                    ("kv_disk", config.kv_disk, None)):
             if value != plain:
                 raise ConfigError(field, "set", f"unset for a cross-encoder ({loaded.arch.architecture}), which "
                                   "generates nothing and keeps no KV")
@@ -196,16 +198,23 @@ class EngineBuilder:
         return runner
 
     def _open_store(self, kv: KVCacheManager) -> StoreSource:
-        """The shared KV tier, keyed by this model's fingerprint and KV layout; it extends the prefix
-        cache, whose block hashes it uses."""
+        """The KV tiers (disk first, then Redis), keyed by this model's fingerprint and KV layout;
+        they extend the prefix cache, whose block hashes they use."""
         config, arch = self.config, self.loaded.arch
         if not config.cache.enable_prefix_caching:
-            raise ConfigError("enable_prefix_caching", False, "on with --kv-store (the store keeps the prefix "
+            flag = "--kv-store" if config.kv_store is not None else "--kv-disk-path"
+            raise ConfigError("enable_prefix_caching", False, f"on with {flag} (the tier keeps the prefix "
                               "cache's blocks)")
         digest = fingerprint(describe(arch, self.loaded.tokenizer, self.loaded.path, self.loaded.quantization))
         layout = {"dtype": str(self.kv_dtype), "block_size": config.cache.block_size, "num_layers": arch.num_layers,
                   "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim}
-        return StoreSource(BlockStore(config.kv_store, digest, layout), kv)
+        stores = []
+        if config.kv_disk is not None:
+            stores.append(BlockStore(config.kv_disk, DiskTier(config.kv_disk.path, config.kv_disk.max_bytes), digest,
+                                     layout))
+        if config.kv_store is not None:
+            stores.append(BlockStore(config.kv_store, RedisTier(config.kv_store), digest, layout))
+        return StoreSource(stores, kv)
 
     def _loading_bytes(self, runner: ModelRunner, weights: int) -> int | None:
         """What loading the model and building its runner left resident beyond the weights and

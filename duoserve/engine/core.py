@@ -51,7 +51,7 @@ class EngineCore:
         self.speculation = scheduler.speculation
         self.runner = runner
         self.handoff = handoff   # the role's part in handing KV to or from another engine
-        self.store = store       # the shared KV tier, or None
+        self.store = store       # the KV tiers (disk, Redis), or None
         self.swap = swap
         self.draft = draft       # speculative decoding's draft model, or None
         self.memory = memory or {}   # where the engine's memory goes (builder), for /v1/memory
@@ -66,7 +66,13 @@ class EngineCore:
 
     @property
     def kv_store(self) -> BlockStore | None:
-        return self.store.store if self.store is not None else None
+        """The Redis tier's store, if the engine has one."""
+        return self.store.tier("kv_store") if self.store is not None else None
+
+    @property
+    def kv_disk(self) -> BlockStore | None:
+        """The disk tier's store, if the engine has one."""
+        return self.store.tier("kv_disk") if self.store is not None else None
 
     @property
     def swap_cost(self) -> SwapCost | None:
@@ -88,7 +94,8 @@ class EngineCore:
         if self.turns is not None:
             self.turns.close()
         if self.store is not None:
-            self.store.store.close()
+            for store in self.store.stores:
+                store.close()
         if self.grammars is not None:
             self.grammars.close()
 

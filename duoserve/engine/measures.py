@@ -76,7 +76,7 @@ class EngineMeasures:
             kv_transfer_seconds=handoff.drain_transfer_seconds(), num_kv_leased=scheduler.num_leased,
             prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=self.decode_step_s,
             handoff_s_per_token=handoff.seconds_per_token, cached_blocks=self._cached_blocks(core.kv.pool),
-            **self._spec_stats(core.speculation), **(store.store.stats() if store is not None else {}),
+            **self._spec_stats(core.speculation), **{k: v for tier in (store.stores if store is not None else ()) for k, v in tier.stats().items()},
             **(masks.stats() if masks is not None else {}))
 
     def _cached_blocks(self, pool) -> list[int] | None:

@@ -1,20 +1,24 @@
-"""The shared KV tier: full KV blocks in Redis, by content, for every engine of the same model.
+"""The KV tiers beyond the prefix cache: full KV blocks by content, in Redis (shared by every engine
+of the same model) and on disk (``duoserve.kv.disk_tier``: kept across restarts).
 
 Keys and values are block records (``duoserve.kv.store_record``, docs/kv-wire-format.md):
 engines of other models, dtypes, block sizes or salts never meet a key of each other's; the
 same model on two hosts always does. A record that fails its checks on read is a miss, is
 deleted, and is never loaded.
 
-Finding a prompt's stored blocks is one pipelined round trip (``EXISTS`` per block); loading
-them is pipelined ``GETEX`` (which refreshes the TTL) in batches. New blocks are written by a
-background thread from a bounded queue (``SET NX EX``: nobody rewrites what is there); a full
-queue drops the block and counts it. Trouble with Redis never fails a request: every call has
-``timeout_ms``, a request has a time budget for the tier, and a circuit breaker
-(``duoserve.kv.breaker``) stops asking after repeated errors, probing again after a cooldown.
+A tier answers ``exists``, ``get``, ``put`` and ``delete`` for keys (``RedisTier``, ``DiskTier``);
+``BlockStore`` does the rest the same for both. Finding a prompt's stored blocks is one round trip
+(in Redis one pipelined ``EXISTS`` per block); loading them is done in batches (``GETEX``, which
+refreshes the TTL). New blocks are written by a background thread from a bounded queue (nobody
+rewrites what is there); a full queue drops the block and counts it. Trouble with a tier never
+fails a request: every call has ``timeout_ms``, a request has a time budget for the tier, and a
+circuit breaker (``duoserve.kv.breaker``) stops asking after repeated errors, probing again after
+a cooldown.
 
 ``StoreSource`` is the engine's side: one of the KV sources asked at admission
-(``duoserve.core.kv_sources``), right after the prefix cache, and the writer of the blocks the
-prefix cache publishes once their KV is computed.
+(``duoserve.core.kv_sources``), right after the prefix cache, asking its tiers in order (disk,
+then Redis: each continues where the one before stopped), and the writer of the blocks the
+prefix cache publishes once their KV is computed, to every tier.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections import OrderedDict
 
 import torch
 
-from duoserve.config import KVStoreConfig
+from duoserve.config import KVDiskConfig, KVStoreConfig
 from duoserve.core.kv_cache_manager import KVCacheManager
 from duoserve.core.kv_sources import KVHit, takes_cached_kv
 from duoserve.core.outputs import SchedulerOutput
@@ -57,37 +61,81 @@ def error_kind(error: Exception) -> str:
     return "other"
 
 
-class BlockStore:
-    """The engine's side of the tier: ``find``/``load`` on the engine thread, ``submit`` queues
-    writes for a background thread."""
+class RedisTier:
+    """Block records in Redis, each with a TTL its writes and hits refresh."""
+    stats_prefix = "kv_store"
+    required_by = "--kv-store-required"
 
-    def __init__(self, config: KVStoreConfig, fingerprint: bytes, layout: dict) -> None:
+    def __init__(self, config: KVStoreConfig) -> None:
         import redis
 
-        self.config, self.fingerprint, self.layout = config, fingerprint, layout
-        self.root = store_root(fingerprint, layout)
         seconds = config.timeout_ms / 1000
+        self.ttl = config.ttl
+        self.what = f"the KV store {safe_url(config.url)}"
         self.client = redis.Redis.from_url(config.url, socket_timeout=seconds, socket_connect_timeout=seconds,
                                            retry_on_timeout=False)
-        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown, f"the KV store {safe_url(config.url)}")
+
+    def ping(self) -> None:
+        self.client.ping()
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [bool(n) for n in pipe.execute()]
+
+    def get(self, keys: list[bytes]) -> list[bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getex(key, ex=self.ttl)
+        return pipe.execute()
+
+    def put(self, records: list[tuple[bytes, bytes]]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key, record in records:
+            pipe.set(key, record, nx=True, ex=self.ttl)
+        pipe.execute(raise_on_error=True)
+
+    def delete(self, key: bytes) -> None:
+        self.client.delete(key)
+
+    def error_kind(self, error: Exception) -> str:
+        return error_kind(error)
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class BlockStore:
+    """The engine's side of one tier: ``find``/``load`` on the engine thread, ``submit`` queues
+    writes for a background thread."""
+
+    def __init__(self, config: KVStoreConfig | KVDiskConfig, tier, fingerprint: bytes, layout: dict) -> None:
+        self.config, self.tier, self.fingerprint, self.layout = config, tier, fingerprint, layout
+        self.prefix = tier.stats_prefix
+        self.root = store_root(fingerprint, layout)
+        self.breaker = CircuitBreaker(config.breaker_errors, config.breaker_cooldown, tier.what)
         self._check_answers()
         self.hits = self.misses = self.bytes_read = self.bytes_written = self.dropped_writes = 0
         self.errors: dict[str, int] = {}
         self.known: OrderedDict[bytes, None] = OrderedDict()   # keys seen in the store (not written again)
         self.writes: queue.Queue = queue.Queue(maxsize=config.write_queue)
         self.lock = threading.Lock()
-        self.writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
+        self.writer = threading.Thread(target=self._write_loop, name=f"{self.prefix}-writer", daemon=True)
         self.writer.start()
 
     def _check_answers(self) -> None:
         """One PING at start: a store that does not answer is a warning naming it (requests
         compute without it, and the breaker retries it), or with ``required`` a refusal to start."""
         try:
-            self.client.ping()
+            self.tier.ping()
         except Exception as exc:  # noqa: BLE001 - any failure to answer is reported the same way
-            what = f"the KV store {safe_url(self.config.url)} does not answer ({type(exc).__name__}: {exc})"
+            what = f"{self.tier.what} does not answer ({type(exc).__name__}: {exc})"
             if self.config.required:
-                raise KVStoreUnavailable(f"{what}; --kv-store-required: not starting") from exc
+                raise KVStoreUnavailable(f"{what}; {self.tier.required_by}: not starting") from exc
             logger.warning("%s: serving without it until it does", what)
 
     # ---- reads, on the engine thread ------------------------------------------------------
@@ -98,8 +146,8 @@ class BlockStore:
             return None
         try:
             result = fn()
-        except Exception as exc:  # noqa: BLE001 - Redis trouble never reaches a request
-            self._count_error(error_kind(exc))
+        except Exception as exc:  # noqa: BLE001 - a tier's trouble never reaches a request
+            self._count_error(self.tier.error_kind(exc))
             self.breaker.failure(exc)
             return None
         self.breaker.success()
@@ -116,28 +164,14 @@ class BlockStore:
         if not block_hashes:
             return []
         keys = [block_key(self.root, h) for h in block_hashes]
-
-        def exists():
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            return pipe.execute()
-
-        present = self._call(exists)
+        present = self._call(lambda: self.tier.exists(keys))
         if present is None:
             return []
         run = next((i for i, p in enumerate(present) if not p), len(keys))
         loaded: list = []
         while len(loaded) < run and time.monotonic() < deadline:
             batch = keys[len(loaded):min(run, len(loaded) + LOAD_BATCH)]
-
-            def get(batch=batch):
-                pipe = self.client.pipeline(transaction=False)
-                for key in batch:
-                    pipe.getex(key, ex=self.config.ttl)
-                return pipe.execute()
-
-            values = self._call(get)
+            values = self._call(lambda batch=batch: self.tier.get(batch))
             if values is None:
                 break
             for key, value in zip(batch, values):
@@ -174,9 +208,10 @@ class BlockStore:
         try:
             block = decode_record(value, key, token_ids, self.fingerprint, self.layout)
         except BadRecord as exc:
-            logger.warning("KV store record %s is bad (%s): deleted", key[len(KEY_PREFIX):][:16].decode(), exc)
+            logger.warning("%s: record %s is bad (%s): deleted", self.tier.what, key[len(KEY_PREFIX):][:16].decode(),
+                           exc)
             self._count_error("corrupt")
-            self._call(lambda: self.client.delete(key))
+            self._call(lambda: self.tier.delete(key))
             return None
         with self.lock:
             self.bytes_read += len(value)
@@ -227,17 +262,10 @@ class BlockStore:
                 self.drop(len(batch))
                 continue
             records = [(key, encode_record(key, k, v, tokens, self.fingerprint)) for key, tokens, k, v in batch]
-
-            def put():
-                pipe = self.client.pipeline(transaction=False)
-                for key, record in records:
-                    pipe.set(key, record, nx=True, ex=self.config.ttl)
-                return pipe.execute(raise_on_error=True)
-
             try:
-                put()
+                self.tier.put(records)
             except Exception as exc:  # noqa: BLE001 - counted, and the breaker decides what comes next
-                self._count_error(error_kind(exc))
+                self._count_error(self.tier.error_kind(exc))
                 self.breaker.failure(exc)
                 self.drop(len(records))
                 continue
@@ -250,28 +278,37 @@ class BlockStore:
     def close(self) -> None:
         self.writes.put(None)
         self.writer.join(timeout=5)
-        self.client.close()
+        self.tier.close()
 
     def stats(self) -> dict:
+        """Its counters under its tier's names (``kv_store_hits``, ``kv_disk_hits``, ...)."""
         with self.lock:
-            return dict(kv_store_hits=self.hits, kv_store_misses=self.misses, kv_store_errors=dict(self.errors),
-                        kv_store_bytes_read=self.bytes_read, kv_store_bytes_written=self.bytes_written,
-                        kv_store_dropped_writes=self.dropped_writes, kv_store_breaker_open=self.breaker.is_open)
+            counts = dict(hits=self.hits, misses=self.misses, errors=dict(self.errors), bytes_read=self.bytes_read,
+                          bytes_written=self.bytes_written, dropped_writes=self.dropped_writes,
+                          breaker_open=self.breaker.is_open)
+        return {**{f"{self.prefix}_{name}": value for name, value in counts.items()}, **self.tier.stats()}
 
 
 class StoreSource:
-    """The shared KV tier as a KV source: the stored blocks that continue a prompt's prefix-cache
-    hits, loaded into its new blocks; and the writer of what this engine computes."""
+    """The KV tiers as a KV source: the stored blocks that continue a prompt's prefix-cache hits,
+    from each tier in turn (disk, then Redis), loaded into its new blocks; and the writer of what
+    this engine computes, to every tier."""
 
-    def __init__(self, store: BlockStore, kv: KVCacheManager) -> None:
-        self.store, self.kv = store, kv
+    def __init__(self, stores: list[BlockStore], kv: KVCacheManager) -> None:
+        self.stores, self.kv = stores, kv
         kv.record_published = True   # the prefix cache keeps what it publishes for write_published
+
+    def tier(self, prefix: str) -> BlockStore | None:
+        """The store of one tier ("kv_store": Redis, "kv_disk"), if the engine has it."""
+        return next((store for store in self.stores if store.prefix == prefix), None)
 
     def find(self, request: Request, num_found: int) -> KVHit | None:
         if request.num_computed_tokens or not takes_cached_kv(request, self.kv):
             return None
         size = self.kv.block_size
-        stored = self.store.fetch_prefix(request, num_found // size, size)
+        stored: list = []
+        for store in self.stores:
+            stored += store.fetch_prefix(request, num_found // size + len(stored), size)
         return KVHit(len(stored) * size, payload=stored, cached=True) if stored else None
 
     def fill(self, request: Request, hit: KVHit, block_ids: list[int], plan: SchedulerOutput) -> None:
@@ -282,8 +319,13 @@ class StoreSource:
         published = self.kv.drain_published()
         if not published:
             return
-        if self.store.breaker.is_open:  # the store is away: not worth reading the blocks out
-            self.store.drop(len(published))
+        open_stores = []
+        for store in self.stores:
+            if store.breaker.is_open:  # the tier is away: not worth reading the blocks out for it
+                store.drop(len(published))
+            else:
+                open_stores.append(store)
+        if not open_stores:
             return
         size = self.kv.block_size
         block_ids = [block_id for block_id, _, _ in published]
@@ -291,7 +333,8 @@ class StoreSource:
         keys, values = to_host(keys), to_host(values)
         for i, (_, block_hash, token_ids) in enumerate(published):
             rows = slice(i * size, (i + 1) * size)
-            self.store.submit(block_hash, token_ids, [k[rows] for k in keys], [v[rows] for v in values])
+            for store in open_stores:
+                store.submit(block_hash, token_ids, [k[rows] for k in keys], [v[rows] for v in values])
 
 
 def safe_url(url: str) -> str:

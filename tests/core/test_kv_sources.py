@@ -94,7 +94,7 @@ def test_prefix_cache_shares_the_cached_blocks_that_start_a_prompt():
 def test_the_store_continues_the_prefix_cache_into_new_blocks():
     kv = KVCacheManager(16, BLOCK)
     store = FakeStore(["kv of block 2"])
-    s = scheduler(kv, PrefixCacheSource(kv), StoreSource(store, kv))
+    s = scheduler(kv, PrefixCacheSource(kv), StoreSource([store], kv))
     assert kv.record_published                                 # what is computed is written to the store
     s.add_request(request("a", PROMPT))
     step(s)
@@ -113,7 +113,7 @@ def test_the_store_continues_the_prefix_cache_into_new_blocks():
 def test_the_store_skips_requests_that_take_no_cached_kv():
     kv = KVCacheManager(16, BLOCK)
     store = FakeStore(["kv"])
-    source = StoreSource(store, kv)
+    source = StoreSource([store], kv)
     assert source.find(request("a", PROMPT, prompt_logprobs=0), 0) is None
     running = request("b", PROMPT)
     running.status = S.RUNNING
