@@ -146,3 +146,56 @@ def test_bad_settings_are_refused_by_name(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="kv_disk_path"):
         KVDiskConfig(str(tmp_path / "file"))
+
+
+def test_kill_9_while_writing_then_the_next_start_serves_what_was_written(tmp_path):
+    """A server killed (SIGKILL, its whole process group) while its engine computes a second prompt
+    and writes its blocks: the next start removes what was half written and serves the rest, with
+    the same text. Where in a write the kill lands varies, so one torn file is planted as well."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from tests.conftest import API_KEY
+    from tests.server_helpers import Server, alive, descendants, metric
+
+    directory = tmp_path / "kv"
+    args = ("--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.5", "--kv-disk-path",
+            str(directory))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prompt = " ".join(["The tide rises and falls twice a day, pulled by the moon and, less, by the sun."] * 30)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    srv = Server(*args, api_key=API_KEY, new_session=True, log=tmp_path / "first.log")
+    try:
+        first = httpx.post(f"{srv.url}/v1/completions", json=body, headers=headers, timeout=300).json()
+        deadline = time.monotonic() + 60
+        while len(files(directory)) < 20 and time.monotonic() < deadline:   # its blocks on their way out
+            time.sleep(0.01)
+        other = {**body, "prompt": prompt.replace("tide", "sea")}   # more blocks to write, then the kill
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(f"{srv.url}/v1/completions", json=other, headers=headers, timeout=0.5)
+        family = [srv.proc.pid, *descendants(srv.proc.pid)]
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=30)
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in family)
+    written = len(files(directory))
+    assert written >= 20
+    (files(directory)[0].parent / ("f" * 62 + ".kvb.999.part")).write_bytes(b"torn")   # one torn for sure
+    again = Server(*args, api_key=API_KEY, log=tmp_path / "second.log")
+    try:
+        reply = httpx.post(f"{again.url}/v1/completions", json=body, headers=headers, timeout=300).json()
+        assert reply["choices"][0]["text"] == first["choices"][0]["text"]
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 * BLOCK
+        assert metric(again.url, "duoserve:kv_disk_hits_total", headers=headers) >= 20
+        assert metric(again.url, "duoserve:kv_disk_torn_total", headers=headers) >= 1
+        assert not list(directory.glob("*/*.part"))
+        assert metric(again.url, "duoserve:kv_disk_errors_total", headers=headers) == 0
+    finally:
+        again.stop()
