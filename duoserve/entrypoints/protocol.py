@@ -61,6 +61,7 @@ NOT_IMPLEMENTED: dict[str, Callable[[dict], bool]] = {
     "audio": _never, "prediction": _never, "web_search_options": _never,
     "guided_json": _never, "guided_regex": _never, "guided_choice": _never,
     "guided_grammar": _never, "logits_processors": _never,
+    "truncate_prompt_tokens": _never, "max_tokens_per_doc": _never,   # a prompt past the context is a 400
 }
 
 

@@ -19,6 +19,7 @@ from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import CompletionRequest
 from duoserve.entrypoints.streams import Streams, checked_params, run_until_disconnect, sse, usage
 from duoserve.frontend.async_engine import AsyncEngine
+from duoserve.model.reranker import scores_only_reason
 from duoserve.outputs import RequestOutput
 
 
@@ -33,9 +34,9 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
-        if generates and self.engine.reranker == "cross-encoder":
-            raise APIError(400, f"{self.model_name} is a cross-encoder: it scores (query, document) pairs at "
-                           "/v1/rerank and /score, and neither generates text nor embeds", param="model")
+        reason = scores_only_reason(self.engine.reranker) if generates else None
+        if reason is not None:
+            raise APIError(400, f"{self.model_name}: {reason}", param="model")
 
     # ---- completions --------------------------------------------------------------------
 

@@ -50,8 +50,7 @@ class EmbeddingServing:
         params = checked_params(lambda: SamplingParams(max_tokens=0, pooling=self.chosen_pooling,
                                                        tenant=body.user or ""))
         streams = Streams(self.base.engine, inputs, params, f"embd-{uuid.uuid4().hex}", prompt_param="input")
-        await streams.start()
-        finals = await run_until_disconnect(raw, streams.collect())
+        finals = await run_until_disconnect(raw, streams.start_and_collect())
         data, num_tokens = [], 0
         for index, out in enumerate(finals):
             vector = out.embedding   # normalised once

@@ -17,7 +17,7 @@ from duoserve.entrypoints.errors import APIError
 from duoserve.entrypoints.protocol import RerankRequest, ScoreRequest
 from duoserve.entrypoints.serving import OpenAIServing
 from duoserve.entrypoints.streams import Streams, checked_params, run_until_disconnect
-from duoserve.model.reranker import pair_token_ids
+from duoserve.model.reranker import PairError, pair_token_ids
 from duoserve.sampling_params import SamplingParams
 
 
@@ -70,16 +70,18 @@ class ScoreServing:
             raise APIError(400, f"{self.base.model_name} is no reranker: serve a cross-encoder (a BERT or XLM-RoBERTa "
                            "sequence classifier) or a causal LM with hf_overrides' classifier_from_token", param="model")
         template = engine.score_template
-        prompts = [pair_token_ids(tokenizer, reranker, query, document, template) for query, document in pairs]
+        try:
+            prompts = [pair_token_ids(tokenizer, reranker, query, document, template) for query, document in pairs]
+        except PairError as exc:
+            raise APIError(400, str(exc), param="query" if param == "documents" else "text_1") from exc
         for index, ids in enumerate(prompts):
-            if len(ids) >= max_len:
+            if len(ids) > max_len:
                 raise APIError(400, f"pair {index} is {len(ids)} tokens (the query, {param} {index} and the template), "
-                               f"but the model's context length is {max_len}: at most {max_len - 1} fit", param=param)
+                               f"but the model's context length is {max_len}", param=param)
         params = checked_params(lambda: SamplingParams(max_tokens=0, pooling="score", tenant=body.user or "",
                                                        priority=body.priority))
         streams = Streams(engine, prompts, params, f"score-{uuid.uuid4().hex}", prompt_param=param)
-        await streams.start()
-        finals = await run_until_disconnect(raw, streams.collect())
+        finals = await run_until_disconnect(raw, streams.start_and_collect())
         scores = []
         for index, out in enumerate(finals):
             if out.pooled is None:   # ended without its score (an engine's error)

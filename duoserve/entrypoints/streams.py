@@ -60,12 +60,23 @@ class Streams:
         self.prompt_param = prompt_param
 
     async def start(self) -> None:
+        """Every stream's first output. The streams start together (each prompt is admitted before
+        any is awaited), so their prompts share the engine's steps; a prompt refused ends them all."""
+        tasks = [asyncio.ensure_future(first_output(stream, self.prompt_param)) for stream in self.streams]
         try:
-            for stream in self.streams:
-                self.firsts.append(await first_output(stream, self.prompt_param))
+            await asyncio.gather(*tasks)
         except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.close()
             raise
+        self.firsts = [task.result() for task in tasks]
+
+    async def start_and_collect(self) -> list[RequestOutput]:
+        """Each prompt's final output, in the prompts' order, from the start."""
+        await self.start()
+        return await self.collect()
 
     async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, snapshot) in arrival order, the first snapshots included."""

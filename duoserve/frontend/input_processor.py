@@ -17,6 +17,7 @@ from duoserve.core.request import Request
 from duoserve.errors import InvalidInputError
 from duoserve.frontend.detokenizer import IncrementalDetokenizer
 from duoserve.frontend.output_processor import RequestState
+from duoserve.model.reranker import scores_only_reason
 from duoserve.model.tokenizer import Tokenizer
 from duoserve.outputs import CompletionOutput
 from duoserve.sampling_params import SamplingParams
@@ -45,6 +46,8 @@ class InputProcessor:
             ids = self.tokenizer.encode(prompt)
             if not ids:   # "" (OpenAI's API allows it): the model starts a new document
                 start = self.tokenizer.bos_token_id
+                if start is None and not self.eos_token_ids:   # an encoder: nothing starts a document
+                    raise InvalidInputError("prompt", "the prompt is empty: give at least one token")
                 ids = [start if start is not None else self.eos_token_ids[0]]
             return prompt, ids
         ids = list(prompt)
@@ -60,10 +63,11 @@ class InputProcessor:
         if not prompt_ids:
             raise InvalidInputError("prompt", "the prompt is empty: give at least one token")
         num = len(prompt_ids)
-        if num >= max_model_len:
+        room = max_model_len if params.pooling is not None else max_model_len - 1   # a pooled prompt generates nothing
+        if num > room:
             raise InvalidInputError(
                 "prompt", f"the prompt has {num} tokens, but the context length (max_model_len) is "
-                          f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
+                          f"{max_model_len}: at most {room} prompt tokens fit")
         if strict and params.max_tokens is not None and num + params.max_tokens > max_model_len:
             raise InvalidInputError(
                 "max_tokens", f"this model's context length is {max_model_len} tokens, but the request "
@@ -71,10 +75,10 @@ class InputProcessor:
                               "max_tokens); lower max_tokens or shorten the prompt")
 
     def check_task(self, params: SamplingParams) -> None:
-        """A cross-encoder only scores; a score needs a reranker."""
-        if self.reranker == "cross-encoder" and params.pooling != "score":
-            raise InvalidInputError("model", "this model is a cross-encoder: it scores (query, document) pairs at "
-                                    "/v1/rerank and /score, and neither generates text nor embeds")
+        """A cross-encoder (or a reranker without its head) only scores; a score needs a reranker."""
+        reason = scores_only_reason(self.reranker)
+        if reason is not None and params.pooling != "score":
+            raise InvalidInputError("model", reason)
         if params.pooling == "score" and self.reranker is None:
             raise InvalidInputError("model", "this model is no reranker: serve a cross-encoder, or a causal LM "
                                     "with hf_overrides' classifier_from_token (a yes/no reranker)")

@@ -225,6 +225,11 @@ class BlockStore:
 
     # ---- writes, on the writer thread -----------------------------------------------------
 
+    def knows(self, block_hash: bytes) -> bool:
+        """Whether the tier holds this block already, as far as this engine saw (loaded or written)."""
+        with self.lock:
+            return block_key(self.root, block_hash) in self.known
+
     def submit(self, block_hash: bytes, token_ids: list[int], keys: list[torch.Tensor],
                values: list[torch.Tensor]) -> None:
         """Queue one computed block for writing (K, V per layer: tensors of its own, on the CPU)."""
@@ -317,6 +322,10 @@ class StoreSource:
     def write_published(self, kv_caches: list) -> None:
         """Queue the blocks published this step (their KV is computed now) for the store."""
         published = self.kv.drain_published()
+        if not published:
+            return
+        # blocks loaded from the tiers are published again as they are cached: not read out for nothing
+        published = [p for p in published if not all(store.knows(p[1]) for store in self.stores)]
         if not published:
             return
         open_stores = []

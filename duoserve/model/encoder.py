@@ -27,6 +27,8 @@ from duoserve.errors import ConfigError, ModelLoadError
 ENCODER_CLASSIFIERS = {"BertForSequenceClassification": "bert", "XLMRobertaForSequenceClassification": "roberta",
                        "RobertaForSequenceClassification": "roberta"}
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# what a score is made of the logit: sentence-transformers' activation_fn, as it saves it in config.json
+SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class EncoderArch:
     layer_norm_eps: float
     hidden_act: str
     num_labels: int
+    score_activation: str = "sigmoid"  # sigmoid or identity (the raw logit), as sentence-transformers reads it
     position_offset: int = 0          # XLM-RoBERTa: padding_idx + 1
     sep_token_id: int | None = None   # BERT: the document's tokens (type 1) follow the first of these
     eos_token_ids: tuple[int, ...] = ()
@@ -80,18 +83,39 @@ def encoder_arch_from_hf(config: dict[str, Any], sep_token_id: int | None) -> En
     if hidden % heads:
         raise ConfigError("num_attention_heads", heads, f"a divisor of hidden_size ({hidden})")
     num_labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 2)
-    if num_labels != 1:
-        raise ConfigError("num_labels", num_labels, "1: a reranker's one relevance logit (a classifier of "
-                          f"{num_labels} labels ranks nothing)")
+    check_num_labels(num_labels)
+    type_vocab_size = int(config.get("type_vocab_size", 2))
+    if not roberta and type_vocab_size > 1 and sep_token_id is None:
+        raise ConfigError("sep_token", None, "a token of the vocabulary (tokenizer_config.json's sep_token, or "
+                          "[SEP]): a BERT pair's document follows it")
     return EncoderArch(
         architecture=architecture, vocab_size=int(config["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
         num_heads=heads, max_position_embeddings=int(config["max_position_embeddings"]),
-        type_vocab_size=int(config.get("type_vocab_size", 2)), layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=type_vocab_size, layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
         hidden_act=_ACTIVATIONS[activation], num_labels=num_labels,
         position_offset=int(config.get("pad_token_id", 1)) + 1 if roberta else 0,
-        sep_token_id=None if roberta else sep_token_id,
+        sep_token_id=None if roberta else sep_token_id, score_activation=score_activation(config),
     )
+
+
+def check_num_labels(num_labels: int) -> None:
+    if num_labels != 1:
+        raise ConfigError("num_labels", num_labels, "1: a reranker's one relevance logit (a classifier of "
+                          f"{num_labels} labels ranks nothing)")
+
+
+def score_activation(config: dict[str, Any]) -> str:
+    """sentence-transformers' activation of the logit (``sentence_transformers.activation_fn``, or
+    before its v4 ``sbert_ce_default_activation_function``): a sigmoid unless it says otherwise
+    (ms-marco's cross-encoders say Identity: their scores are the raw logits)."""
+    path = (config.get("sentence_transformers") or {}).get("activation_fn") or \
+        config.get("sbert_ce_default_activation_function")
+    if path is None:
+        return "sigmoid"
+    if path not in SCORE_ACTIVATIONS:
+        raise ConfigError("sentence_transformers.activation_fn", path, f"one of {', '.join(SCORE_ACTIVATIONS)}")
+    return SCORE_ACTIVATIONS[path]
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -168,8 +192,10 @@ class EncoderClassifier(nn.Module):
 
     def score(self, states: torch.Tensor) -> torch.Tensor:
         """One sequence's relevance from its hidden states: its first token's through the head, the
-        one logit through a sigmoid (what sentence-transformers' CrossEncoder and vLLM's score give)."""
-        return torch.sigmoid(self.head_out(torch.tanh(self.head_dense(states[0]))).float())[0]
+        one logit through the model's activation (what sentence-transformers' CrossEncoder and vLLM's
+        score give: a sigmoid, or the logit itself)."""
+        logit = self.head_out(torch.tanh(self.head_dense(states[0]))).float()[0]
+        return torch.sigmoid(logit) if self.arch.score_activation == "sigmoid" else logit
 
 
 def _hf_names(arch: EncoderArch) -> dict[str, str]:
@@ -210,5 +236,12 @@ def build_encoder(arch: EncoderArch, source: Callable[[str], torch.Tensor | None
         attention = f"{base}.encoder.layer.{i}.attention.self"
         for part in ("weight", "bias"):
             state[f"layers.{i}.qkv.{part}"] = torch.cat([read(f"{attention}.{p}.{part}") for p in ("query", "key", "value")])
+    shapes = {name: p.shape for name, p in model.state_dict().items()}
+    for name, tensor in state.items():   # some converters squeeze a one-row matrix into a vector
+        if tensor.shape != shapes[name]:
+            if tensor.numel() != shapes[name].numel():
+                raise ModelLoadError(f"tensor {_hf_names(arch).get(name, name)} has shape {list(tensor.shape)}, "
+                                     f"expected {list(shapes[name])}")
+            state[name] = tensor.reshape(shapes[name])
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return model.to(device).eval()

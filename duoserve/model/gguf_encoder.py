@@ -4,8 +4,10 @@ XLM-RoBERTa rerankers (bge-reranker) with their classifier head's dense layer (`
 SentencePiece Unigram vocabulary (``tokenizer.ggml.model`` "t5").
 
 A BERT sequence classifier converted so has lost its pooler (the converter keeps BERT for
-embeddings and drops ``pooler.dense``): its file holds no ``cls`` tensor, and its scores would not
-be the model's, so it is refused by name."""
+embeddings and drops ``pooler.dense``): its file holds ``cls.output`` without ``cls`` (or, from
+older converters, its classifier as a one-row ``cls``), and its scores would not be the model's,
+so it is refused by name. The score is the sigmoid of the logit (the file does not carry
+sentence-transformers' activation)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from duoserve.errors import ModelLoadError
 from duoserve.model.dequant import dequantize
-from duoserve.model.encoder import EncoderArch, EncoderClassifier, build_encoder
+from duoserve.model.encoder import EncoderArch, EncoderClassifier, build_encoder, check_num_labels
 from duoserve.model.gguf_file import GGUFFile
 
 GGUF_ENCODER_ARCH = "bert"
@@ -27,16 +29,19 @@ _TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddi
 
 def gguf_encoder_arch(reader: GGUFFile) -> EncoderArch:
     meta, names = reader.meta, {t.name for t in reader.tensors}
-    if "cls.output.weight" not in names:
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    one_row_cls = "cls.weight" in names and (len(shapes["cls.weight"]) == 1 or shapes["cls.weight"][1] == 1)
+    if "cls.output.weight" not in names and not one_row_cls:
         raise ModelLoadError("this GGUF BERT file has no classifier (cls.output): an embedding model, not a reranker")
-    if "cls.weight" not in names:
+    if "cls.weight" not in names or "cls.output.weight" not in names:   # older converters: the classifier as cls
         raise ModelLoadError(
             "this GGUF file is a BERT sequence classifier without its pooler (llama.cpp's converter drops "
             "pooler.dense): its scores would not be the model's. Serve its Hugging Face folder instead")
     if meta.get("tokenizer.ggml.model") != "t5":
         raise ModelLoadError(f"tokenizer.ggml.model={meta.get('tokenizer.ggml.model')!r}: duoserve serves GGUF "
                              "cross-encoders of XLM-RoBERTa's SentencePiece vocabulary ('t5')")
-    rows = next(t for t in reader.tensors if t.name == "cls.output.weight").shape
+    rows = shapes["cls.output.weight"]   # innermost first: [hidden] squeezed, or [hidden, labels]
+    check_num_labels(rows[1] if len(rows) > 1 else 1)
     key = f"{GGUF_ENCODER_ARCH}."
     return EncoderArch(
         architecture="XLMRobertaForSequenceClassification", vocab_size=len(meta["tokenizer.ggml.tokens"]),
@@ -45,8 +50,7 @@ def gguf_encoder_arch(reader: GGUFFile) -> EncoderArch:
         max_position_embeddings=int(meta[key + "context_length"]),
         type_vocab_size=int(meta.get("tokenizer.ggml.token_type_count", 1)),
         layer_norm_eps=float(meta.get(key + "attention.layer_norm_epsilon", 1e-5)), hidden_act="gelu",
-        num_labels=int(rows[1]) if len(rows) > 1 else 1,   # GGUF shapes are innermost first
-        position_offset=0)   # the converter cut the table to start at the first real position
+        num_labels=1, position_offset=0)   # the converter cut the table to start at the first real position
 
 
 def load_gguf_encoder(reader: GGUFFile, arch: EncoderArch, dtype: torch.dtype, device: str) -> EncoderClassifier:

@@ -256,6 +256,16 @@ class GGUFSource:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         return dequantize(np.asarray(tensor.data), tensor.tensor_type.name, shape, tensor.name)
 
+    def file_rows(self, gguf_name: str, rows: list[int]) -> torch.Tensor | None:
+        """Some rows of a matrix under the file's own name, dequantized (a row's blocks are contiguous)."""
+        tensor = self._by_file_name.get(gguf_name)
+        if tensor is None:
+            return None
+        num_rows, cols = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1, int(tensor.shape[0])
+        row_bytes = tensor.data.size // num_rows
+        raw = np.concatenate([tensor.data[r * row_bytes:(r + 1) * row_bytes] for r in rows])
+        return dequantize(raw, tensor.tensor_type.name, (len(rows), cols), tensor.name)
+
     def _raw(self, name: str) -> tuple[Any, np.ndarray, tuple[int, ...]] | None:
         """The GGUF tensor holding ``name``, the bytes of ``name`` in it and its shape (outermost first)."""
         if name not in self._tensors:

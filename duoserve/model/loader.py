@@ -18,8 +18,8 @@ from duoserve.model.gguf_encoder import GGUF_ENCODER_ARCH
 from duoserve.model.llama import LlamaModel
 from duoserve.model.paths import default_model_path, resolve_model_path  # noqa: F401 (re-exported)
 from duoserve.model.pooling import declared_pooling
-from duoserve.model.reranker import (GGUF_RERANK_TEMPLATE, classifier_token_ids, gguf_yes_no_labels,
-                                     split_reranker)
+from duoserve.model.reranker import (CROSS_ENCODER, GGUF_RERANK_TEMPLATE, YES_NO, YES_NO_SCORES_ONLY,
+                                     classifier_token_ids, gguf_yes_no_labels, split_reranker)
 from duoserve.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from duoserve.model.weights import BlockModules, build_model
 from duoserve.platform import RunTime
@@ -55,8 +55,9 @@ def check_max_model_len(arch: ModelArch | EncoderArch, max_model_len: int | None
     if max_model_len is None:
         max_model_len = limit if isinstance(arch, EncoderArch) else arch.max_position_embeddings
     elif max_model_len > limit:
-        what = ("max_position_embeddings", "trained") if limit == arch.max_position_embeddings or isinstance(
-            arch, EncoderArch) else (
+        what = ("max_position_embeddings less its padding offset" if isinstance(arch, EncoderArch) and limit !=
+                arch.max_position_embeddings else "max_position_embeddings", "trained") if (
+            limit == arch.max_position_embeddings or isinstance(arch, EncoderArch)) else (
             f"{arch.rope.rope_type} rope's original context times its factor", "scaled")
         raise ConfigError(
             "max_model_len", max_model_len,
@@ -94,16 +95,18 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     fingerprint covers it)."""
     path = resolve_model_path(config.model)
     dtype, device = runtime.torch_dtype, runtime.device
+    encoder_label = "int8" if quantization == "int8" else "none"   # an encoder's weights: int8 or dequantized
     if not path.is_file() and is_encoder_dir(path):
-        return load_encoder(config, path, dtype, device)
+        return load_encoder(config, path, dtype, device, encoder_label)
     overrides, classifier_tokens = split_reranker(config.hf_overrides)
     classifier_head, score_template = None, None   # a GGUF reranker's [no, yes] rows and prompt
+    reranker = None
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf, read_header
 
         reader = read_header(path)
         if reader.meta.get("general.architecture") == GGUF_ENCODER_ARCH:
-            return load_gguf_cross_encoder(config, reader, path, dtype, device)
+            return load_gguf_cross_encoder(config, reader, path, dtype, device, encoder_label)
         reader, meta, arch = open_gguf(path, overrides, reader)
         tokenizer = tokenizer_from_gguf(meta, arch.eos_token_ids, path) if "tokenizer.ggml.tokens" in meta else None
         gguf_arch = str(meta.get("general.architecture"))
@@ -117,6 +120,8 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
                                      "of one row per label")
             classifier_head = rows[[labels.index("no"), labels.index("yes")]].to(dtype=torch.float32, device=device)
             score_template = meta.get(GGUF_RERANK_TEMPLATE)
+            if not _keeps_its_head(source, reader, tokenizer, classifier_head):
+                reranker = YES_NO_SCORES_ONLY
     else:
         from duoserve.model.hf_loader import SafetensorsSource, read_hf_arch
 
@@ -136,7 +141,8 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
     arch = arch.for_context(max_model_len)
     model = build_model(arch, source, dtype, device, max_positions=max_model_len, blocks=blocks)
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, quantization=quantization,
-                       pooling=pooling, reranker="yes-no" if classifier_ids or classifier_head is not None else None,
+                       pooling=pooling,
+                       reranker=reranker or (YES_NO if classifier_ids or classifier_head is not None else None),
                        classifier_token_ids=classifier_ids, classifier_head=classifier_head,
                        score_template=score_template)
 
@@ -149,7 +155,8 @@ def is_encoder_dir(path: Path) -> bool:
         return False
 
 
-def load_encoder(config: ModelConfig, path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def load_encoder(config: ModelConfig, path: Path, dtype: torch.dtype, device: str,
+                 quantization: str = "none") -> LoadedModel:
     """A cross-encoder: scores (query, document) pairs; it generates nothing."""
     from duoserve.model.hf_loader import SafetensorsSource
 
@@ -158,14 +165,40 @@ def load_encoder(config: ModelConfig, path: Path, dtype: torch.dtype, device: st
     if tokenizer is None:
         raise ConfigError("model", str(path), "a cross-encoder directory with its tokenizer.json (a pair is "
                           "tokenized by the model's own template)")
-    sep = tokenizer.backend.token_to_id("[SEP]")
-    arch = encoder_arch_from_hf(hf_config, sep)
+    arch = encoder_arch_from_hf(hf_config, _separator_id(path, tokenizer))
     check_max_model_len(arch, config.max_model_len)
     model = build_encoder(arch, SafetensorsSource(path), dtype, device)
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker="cross-encoder")
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker=CROSS_ENCODER,
+                       quantization=quantization)
 
 
-def load_gguf_cross_encoder(config: ModelConfig, reader, path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _keeps_its_head(source, reader, tokenizer, classifier_head: torch.Tensor) -> bool:
+    """Whether a GGUF rank model still has the head it generates with: an output tensor, or a tied
+    one (its classifier rows are then the embedding's rows of "no" and "yes"). llama.cpp's
+    converter drops an untied head and keeps only those two rows."""
+    if any(t.name == "output.weight" for t in reader.tensors):
+        return True
+    if tokenizer is None:
+        return False
+    ids = classifier_token_ids(tokenizer, ("no", "yes"))
+    rows = source.file_rows("token_embd.weight", list(ids))
+    if rows is None:
+        return False
+    difference = (rows - classifier_head.cpu()).norm() / classifier_head.norm().clamp_min(1e-12)
+    return bool(difference < 0.05)   # the same rows, whatever each tensor's quantization
+
+
+def _separator_id(path: Path, tokenizer: Tokenizer) -> int | None:
+    """The id of the token between a pair's two texts: tokenizer_config.json's sep_token, else [SEP]."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    sep = config.get("sep_token")
+    text = sep.get("content") if isinstance(sep, dict) else sep
+    return tokenizer.backend.token_to_id(text or "[SEP]")
+
+
+def load_gguf_cross_encoder(config: ModelConfig, reader, path: Path, dtype: torch.dtype, device: str,
+                            quantization: str = "none") -> LoadedModel:
     """A cross-encoder from a GGUF file (``duoserve.model.gguf_encoder``), its weights dequantized."""
     from duoserve.model.gguf_encoder import gguf_encoder_arch, load_gguf_encoder
 
@@ -173,7 +206,8 @@ def load_gguf_cross_encoder(config: ModelConfig, reader, path: Path, dtype: torc
     tokenizer = tokenizer_from_gguf(reader.meta, (), path)
     check_max_model_len(arch, config.max_model_len)
     model = load_gguf_encoder(reader, arch, dtype, device)
-    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker="cross-encoder")
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, path=path, dtype=dtype, reranker=CROSS_ENCODER,
+                       quantization=quantization)
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:

@@ -7,11 +7,26 @@ still generate); a score is the softmax over the listed tokens' logits, the last
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from duoserve.errors import ConfigError
 
 RERANKER_KEYS = ("classifier_from_token", "is_original_qwen3_reranker", "method")
+# the kinds of reranker (LoadedModel.reranker); the ones that only score, and generate nothing
+CROSS_ENCODER, YES_NO, YES_NO_SCORES_ONLY = "cross-encoder", "yes-no", "yes-no-scores-only"
+SCORES_ONLY = frozenset({CROSS_ENCODER, YES_NO_SCORES_ONLY})
+
+
+def scores_only_reason(reranker: str | None) -> str | None:
+    """Why a model of this kind refuses to generate or embed (None: it does not)."""
+    if reranker == CROSS_ENCODER:
+        return ("this model is a cross-encoder: it scores (query, document) pairs at /v1/rerank and /score, and "
+                "neither generates text nor embeds")
+    if reranker == YES_NO_SCORES_ONLY:
+        return ("this model is a reranker whose file lost its output head (llama.cpp's converter keeps only the "
+                "yes/no rows of an untied one): it scores pairs at /v1/rerank and /score, and generates nothing")
+    return None
 
 
 def split_reranker(overrides: dict[str, Any] | None) -> tuple[dict[str, Any] | None, tuple[str, ...] | None]:
@@ -47,7 +62,7 @@ def classifier_token_ids(tokenizer, tokens: tuple[str, ...]) -> tuple[int, ...]:
 
 # Qwen3-Reranker's prompt (its model card's; what llama.cpp's converter stores as a GGUF file's
 # "rerank" template): a yes/no question about one pair, answered by the next token. The
-# placeholders are replaced as text, as llama.cpp does, so braces in a query are only text.
+# placeholders are replaced as text in one pass, so braces in a query or document are only text.
 YES_NO_TEMPLATE = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
     'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
@@ -68,14 +83,26 @@ def gguf_yes_no_labels(meta: dict[str, Any]) -> list[str] | None:
     return list(labels) if sorted(labels) == ["no", "yes"] else None
 
 
+class PairError(ValueError):
+    """A (query, document) pair this model cannot score as it is (the message says why)."""
+
+
 def render_pair(template: str, query: str, document: str) -> str:
-    return template.replace("{query}", query).replace("{document}", document)
+    """Both placeholders replaced in one pass: a query holding "{document}" keeps it as text."""
+    return re.sub(r"\{(query|document)\}", lambda m: query if m.group(1) == "query" else document, template)
 
 
 def pair_token_ids(tokenizer, reranker: str, query: str, document: str, template: str | None = None) -> list[int]:
     """The prompt that scores one (query, document) pair: a cross-encoder's own pair template
     (``[CLS] q [SEP] d [SEP]``, ``<s> q </s></s> d </s>``), or the yes/no question (the model
-    file's template where it has one)."""
-    if reranker == "cross-encoder":
-        return tokenizer.backend.encode(query, document, add_special_tokens=True).ids
+    file's template where it has one). A BERT pair whose query holds its separator is refused:
+    the engine reads the document's token type back from the first separator."""
+    if reranker == CROSS_ENCODER:
+        encoding = tokenizer.backend.encode(query, document, add_special_tokens=True)
+        ids, types = encoding.ids, encoding.type_ids
+        if any(types):
+            first = types.index(1)
+            if first == 0 or ids[first - 1] in ids[:first - 1]:
+                raise PairError("the query holds the model's separator token: its pair could not be told apart")
+        return ids
     return tokenizer.encode(render_pair(template or YES_NO_TEMPLATE, query, document))

@@ -326,7 +326,7 @@ def _unigram(meta: dict[str, Any]) -> HFTokenizer:
     steps = []
     charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
     if charsmap:
-        steps.append(normalizers.Precompiled(bytes(charsmap)))
+        steps.append(normalizers.Precompiled(bytes(v & 0xFF for v in charsmap)))   # stored as uint8 or int8
     if meta.get("tokenizer.ggml.remove_extra_whitespaces", True):
         steps.append(normalizers.Replace(Regex(" {2,}"), " "))
     backend.normalizer = normalizers.Sequence(steps)

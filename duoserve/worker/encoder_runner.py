@@ -27,7 +27,9 @@ class EncoderRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         items = plan.scheduled
         for item in items:   # the engine admits a sequence whole (no chunking, no prefix cache)
-            assert item.start == 0 and item.num_new_tokens == item.request.num_prompt_tokens, "a partial sequence"
+            if item.start != 0 or item.num_new_tokens != item.request.num_prompt_tokens:
+                raise RuntimeError(f"a cross-encoder computes a sequence whole: {item.request.request_id} was "
+                                   f"scheduled for tokens {item.start} to {item.start + item.num_new_tokens}")
         lengths = [item.num_new_tokens for item in items]
         token_ids = [t for item in items for t in item.request.prompt_token_ids]
         positions = [p for length in lengths for p in range(length)]

@@ -128,6 +128,9 @@ def plan(config) -> dict:
     runtime = resolve(config.model, path, config.cache)   # every "auto", as the engine's builder resolves it
     device = runtime.device
     overrides = split_reranker(config.model.hf_overrides)[0]   # a yes/no reranker plans as its causal LM
+    encoder = _encoder_arch(path)
+    if encoder is not None:
+        return _encoder_plan(config, path, runtime, encoder)
     if path.is_file():
         from duoserve.model.gguf_loader import open_gguf
 
@@ -169,6 +172,44 @@ def plan(config) -> dict:
                           f"{total / gib:.2f} GiB, but {result['available_bytes'] / gib:.2f} GiB is available",
                           "Lower --kv-cache-memory or --swap-space, or quantize the weights")
     return result
+
+
+def _encoder_arch(path: Path):
+    """A cross-encoder's architecture (``duoserve.model.encoder``), or None for a decoder."""
+    import json
+
+    if path.is_file():
+        from duoserve.model.gguf_encoder import GGUF_ENCODER_ARCH, gguf_encoder_arch
+        from duoserve.model.gguf_file import read_gguf
+
+        reader = read_gguf(path)
+        return gguf_encoder_arch(reader) if reader.meta.get("general.architecture") == GGUF_ENCODER_ARCH else None
+    from duoserve.model.encoder import encoder_arch_from_hf, is_encoder_config
+
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    return encoder_arch_from_hf(config, sep_token_id=0) if is_encoder_config(config) else None
+
+
+def _encoder_plan(config, path: Path, runtime, arch) -> dict:
+    """A cross-encoder's plan: its weights (dequantized) and one step's scratch; it keeps no KV."""
+    import torch
+
+    from duoserve.model.loader import check_max_model_len
+    from duoserve.platform import available_bytes
+
+    element = torch.tensor([], dtype=runtime.torch_dtype).element_size()
+    weights = _checkpoint_weights(path, "none", element)
+    max_model_len = check_max_model_len(arch, config.model.max_model_len)
+    budget = config.scheduler.max_num_batched_tokens or max(max_model_len, 2048)
+    scratch = SCRATCH_OVERHEAD * budget * (4 * arch.hidden_size + arch.intermediate_size) * element
+    total = RUNTIME_ESTIMATE + weights + scratch
+    return {"model": str(path), "quantization": "none", "dtype": str(runtime.torch_dtype).removeprefix("torch."),
+            "weights_bytes": weights, "kv_pool": {"blocks": 0, "tokens": 0, "bytes": 0, "bytes_per_token": 0,
+                                                  "dtype": "none", "sizing": "none: a cross-encoder keeps no KV",
+                                                  "window_freeing": None},
+            "max_model_len": max_model_len, "sequences_at_full_context": config.scheduler.max_num_seqs,
+            "step_token_budget": budget, "swap_bytes": 0, "prefill_scratch_estimate_bytes": scratch,
+            "runtime_estimate_bytes": RUNTIME_ESTIMATE, "total_bytes": total, "available_bytes": available_bytes()}
 
 
 def describe_plan(result: dict) -> str:

@@ -169,6 +169,9 @@ def test_a_gguf_rank_model_scores_as_its_checkpoint(yes_no, tmp_path):
     ranked = LLM(model=str(out), dtype="float32", quantization="none")
     want = llm.score(QUERIES[0], DOCUMENTS)
     assert ranked.score(QUERIES[0], DOCUMENTS) == pytest.approx(want, abs=1e-5)
+    from duoserve.model.reranker import render_pair
+
+    assert render_pair("<{query}|{document}>", "a {document} b", "c {query} d") == "<a {document} b|c {query} d>"
     assert ranked.score("{query} {document}", DOCUMENTS[0]) == pytest.approx(   # braces stay text
         llm.score("{query} {document}", DOCUMENTS[0]), abs=1e-5)
 
@@ -249,3 +252,38 @@ def test_a_gguf_cross_encoder_scores_as_its_checkpoint(cross_encoder, tmp_path):
     write_encoder_gguf(path, pooler_lost, with_pooler=False)
     with pytest.raises(ModelLoadError, match="pooler"):
         LLM(model=str(pooler_lost), dtype="float32")
+
+
+def test_the_checkpoint_says_what_a_score_is_made_of(tmp_path):
+    """ms-marco's cross-encoders tell sentence-transformers to keep the raw logit (Identity)."""
+    import json
+
+    from sentence_transformers import CrossEncoder
+
+    make_tiny_cross_encoder(tmp_path, "bert", seed=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = CrossEncoder(str(tmp_path), device="cpu").predict([(QUERIES[0], d) for d in DOCUMENTS]).tolist()
+    assert min(want) < 0 or max(want) > 1   # logits, not probabilities
+    assert LLM(model=str(tmp_path), dtype="float32").score(QUERIES[0], DOCUMENTS) == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("cross_encoder", ["bert"], indirect=True)
+def test_pairs_that_cannot_be_told_apart_or_fill_the_context(cross_encoder):
+    from duoserve.model.reranker import PairError
+
+    _, llm = cross_encoder
+    with pytest.raises(PairError, match="separator"):
+        pair_token_ids(llm.get_tokenizer(), "cross-encoder", "the sea [SEP] the sky", "a tide")
+    assert len(pair_token_ids(llm.get_tokenizer(), "cross-encoder", "the sea", "the sky [SEP] a tide")) > 0
+    # a pair of exactly the context's length is scored (it generates nothing); one more is refused
+    filling = llm.get_tokenizer().backend.encode("the " * 62, "sea " * 62, add_special_tokens=True).ids
+    assert len(filling) == 127 and llm.engine.max_model_len == 128
+    full = filling[:-1] + [filling[-2]] + filling[-1:]
+    assert len(full) == 128
+    assert llm.generate([full], SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)[0].pooled
+    with pytest.raises(InvalidInputError, match="at most 128"):
+        llm.generate([full + [5]], SamplingParams(max_tokens=0, pooling="score"), use_tqdm=False)
+    with pytest.raises(ConfigError, match="pooling"):
+        llm.embed("the sea", pooling="score")
