@@ -31,11 +31,13 @@ def disaggregated(tmp_path_factory):
     srv.stop()
 
 
-def test_deterministic_normalised_and_batched_equal_to_single(client, smol_llm):
+def test_stable_normalised_and_batched_equal_to_single(client, smol_llm):
     batch = vectors(client, TEXTS)
     assert batch.shape == (3, 576)
     assert np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
-    assert np.array_equal(vectors(client, TEXTS), batch)
+    # a request's inputs are admitted together; which of them share a step depends on when each
+    # reaches the engine, and a step's shape moves the last float bits
+    assert np.abs(vectors(client, TEXTS) - batch).max() < 1e-5
     for i, text in enumerate(TEXTS):
         assert np.abs(vectors(client, text)[0] - batch[i]).max() < 1e-4
     # the offline engine's vectors, and token ids for text
