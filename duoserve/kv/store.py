@@ -45,7 +45,10 @@ from duoserve.kv.store_record import KEY_PREFIX, BadRecord, block_key, decode_re
 logger = logging.getLogger(__name__)
 
 LOAD_BATCH = 16          # blocks per pipelined GETEX
-REQUEST_BUDGET_ROUND_TRIPS = 8  # a request's time with the tier: this many timeouts, then it computes
+# a request's time with the tier: a timeout for each round trip its blocks take, and this many more;
+# past it, it computes the rest (a block loads in a fraction of what computing it costs, so a tier
+# that answers is never cut short, and one that does not costs a bounded wait)
+REQUEST_BUDGET_SPARE_ROUND_TRIPS = 2
 WRITE_BATCH = 32         # blocks per pipelined SET
 
 
@@ -194,7 +197,8 @@ class BlockStore:
         its last token's block (those logits are computed); within the request's time budget."""
         max_blocks = (request.num_tokens - 1) // block_size
         hashes = request.block_hashes[first_block:max_blocks]
-        deadline = time.monotonic() + REQUEST_BUDGET_ROUND_TRIPS * self.config.timeout_ms / 1000
+        round_trips = 1 + -(-len(hashes) // LOAD_BATCH) + REQUEST_BUDGET_SPARE_ROUND_TRIPS   # find, load, spare
+        deadline = time.monotonic() + round_trips * self.config.timeout_ms / 1000
 
         def tokens_of(i: int) -> list[int]:
             start = (first_block + i) * block_size
