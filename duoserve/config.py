@@ -91,6 +91,7 @@ AUTO_DECODE_STEP_TOKENS = 192
 # ones waits for the step in progress, so these policies keep steps short; a server past its
 # capacity served as many tokens a second at 256 as at 512 (BENCHMARKS.md, session 33)
 LATENCY_STEP_TOKENS = 256
+LATENCY_STEP_MS = 100.0   # priority, fair: a step's target length, the most an outranking arrival waits for it
 DEFAULT_MAX_NUM_SEQS = 128
 
 
@@ -126,6 +127,9 @@ class SchedulerConfig:
     # fair: priority first, then each tenant's tokens served over its weight (core/fair_share.py)
     policy: str = "fcfs"
     tenant_weights: tuple[tuple[str, float], ...] = ()   # (tenant, weight) under fair; others weigh 1
+    # a step's target length in ms (its token budget paced to it, core/step_pacer.py); None: 100 under
+    # priority and fair, off under fcfs; 0: off
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -139,6 +143,8 @@ class SchedulerConfig:
         for tenant, weight in self.tenant_weights:
             if not (isinstance(weight, (int, float)) and 0 < weight < 1e9) or not tenant:
                 raise ConfigError("tenant_weights", f"{tenant}={weight}", "tenant=weight pairs, each weight > 0")
+        if self.max_step_ms is not None and not self.max_step_ms >= 0:
+            raise ConfigError("max_step_ms", self.max_step_ms, "a number of milliseconds, 0 for no pacing")
         if self.tenant_weights and self.policy != "fair":
             raise ConfigError("tenant_weights", parse_back(self.tenant_weights),
                               "unset unless --scheduling-policy fair (only fair share weighs tenants)")
@@ -148,6 +154,12 @@ class SchedulerConfig:
         if priority and self.policy == "fcfs":
             raise ConfigError("priority", priority, "0 unless the engine runs --scheduling-policy priority or "
                               "fair (fcfs serves in arrival order)")
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The pacer's target step length (None: steps are sized by tokens alone)."""
+        ms = self.max_step_ms if self.max_step_ms is not None else (0 if self.policy == "fcfs" else LATENCY_STEP_MS)
+        return ms / 1000 if ms else None
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget, checked against the context length."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                             LATENCY_STEP_TOKENS,
+                             LATENCY_STEP_MS, LATENCY_STEP_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              SPEC_METHODS, parse_size, parse_tenant_weights,
@@ -92,6 +92,11 @@ class EngineArgs:
         "--scheduling-policy priority or fair: a step's length is what a request that outranks the running "
         "ones waits), else max_model_len")
     max_num_seqs: int = flag(SchedulerConfig.max_num_seqs, "most sequences in one step", parse=int)
+    max_step_ms: float | None = flag(
+        SchedulerConfig.max_step_ms, "a step's target length in ms: its token budget paced to it from the "
+        "engine's measured tokens a second, the running requests served in turn past it (0: off)", parse=float,
+        default_help=f"{LATENCY_STEP_MS:g} under --scheduling-policy priority or fair (the most a request that "
+        "outranks the running ones waits for the step in progress), off under fcfs")
     scheduling_policy: str = flag(
         SchedulerConfig.policy, "fcfs: requests in arrival order; priority: by each request's priority (lower "
         "first, then arrival), a waiting request preempting running ones of a worse priority when the batch "
@@ -192,7 +197,7 @@ class EngineArgs:
                               swap_space=self.swap_space),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       policy=self.scheduling_policy, tenant_weights=self.tenant_weights,
-                                      max_num_seqs=self.max_num_seqs,
+                                      max_num_seqs=self.max_num_seqs, max_step_ms=self.max_step_ms,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             num_threads=self.num_threads, compile=self._compile(), speculative=self._speculative(),
             kv_store=KVStoreConfig(self.kv_store, self.kv_store_ttl, self.kv_store_timeout,

@@ -68,7 +68,7 @@ class Request:
                  "status", "num_computed_tokens", "num_cached_tokens", "arrival_time", "eos_token_ids",
                  "max_total_tokens", "error", "block_hashes", "num_preemptions", "first_scheduled_time",
                  "prompt_logprobs", "num_draft_computed", "swap_block_ids", "transferred_kv", "grammar",
-                 "pool_sum", "num_charged_prompt_tokens")
+                 "pool_sum", "num_charged_prompt_tokens", "last_served")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), max_total_tokens: int | None = None,
@@ -98,6 +98,7 @@ class Request:
         self.grammar: object = None           # structured outputs: this sample's matcher (structured.cache)
         self.pool_sum: object = None          # a mean-pooled embedding: its chunks' hidden states summed (runner's)
         self.num_charged_prompt_tokens = 0    # fair share: prompt tokens charged to its tenant (not again)
+        self.last_served = 0                  # when the scheduler last gave it tokens (its count of services)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -70,6 +70,7 @@ from duoserve.core.outputs import EngineCoreOutput, RunnerOutput, ScheduledReque
 from duoserve.core.request import Request, RequestStatus
 from duoserve.core.roles import RolePolicy
 from duoserve.core.speculation import SpeculationPolicy
+from duoserve.core.step_pacer import StepPacer
 
 S = RequestStatus
 QUEUE_TIMEOUT = "timed out waiting"   # how a dropped request's error starts (the server answers 503)
@@ -93,6 +94,7 @@ class SchedulerSetup:
     ready: Callable[[Request], bool] | None = None   # structured outputs: is its grammar compiled
     policy: str = "fcfs"                           # or "priority", "fair": see Scheduler's docstring
     tenant_weights: Sequence[tuple[str, float]] = ()   # fair: tenants' weights (others 1)
+    step_seconds: float | None = None              # a step's target length (core/step_pacer.py); None: by tokens
 
     def __post_init__(self) -> None:
         if self.swap is not None and not any(source is self.swap for source in self.sources):
@@ -126,6 +128,14 @@ class Scheduler:
         self.pending_swap_out: list[tuple[int, int]] = []
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
+        self.pacer = StepPacer(setup.step_seconds, self.token_budget) if setup.step_seconds else None
+        self.step_budget = self.token_budget   # this step's: the pacer's, else the configured one
+        self.num_served = 0   # requests given tokens so far, counted one by one (Request.last_served)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """What a step computed and how long the model took (the pacer's measure)."""
+        if self.pacer is not None:
+            self.pacer.observe(num_tokens, seconds)
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -213,21 +223,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.swap is not None:
             self.swap.space.end_step()
-        budget = self.token_budget
+        step_start = self.num_served
+        self.step_budget = budget = self.pacer.budget() if self.pacer is not None else self.token_budget
         plan = SchedulerOutput([], 0)
         scheduled = plan.scheduled
         preempted = plan.preempted_ids
-        reserved = self.role.order(self.waiting, self.running, self.token_budget)
+        reserved = self.role.order(self.waiting, self.running, budget)
         made_room = self._make_room_by_priority(plan) if self.by_priority else 0
         first = self._prompt_first() if self.by_priority else None
         reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
+        order = self._in_turn() if self.pacer is not None and len(self.running) > budget else list(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(order) and budget > 0:
+            request = order[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or (first is not None and self._outranks(first, request)):
+            if request.request_id in preempted or num_new <= 0 or (
+                    first is not None and self._outranks(first, request)):
                 i += 1
                 continue
             guesses, num_spec = [], 0
@@ -239,13 +252,18 @@ class Scheduler:
                     num_spec -= 1
                     del guesses[num_spec:]
                     continue
-                victim = self.running.pop()
+                # the newest running request not served yet this step (served ones keep their blocks)
+                victim = self.running.pop(next(j for j in range(len(self.running) - 1, -1, -1)
+                                               if self.running[j].last_served <= step_start))
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
+                    i += 1
                     break
             else:
                 scheduled.append(self._plan(request, num_new, guesses, num_spec))
+                self.num_served += 1
+                request.last_served = self.num_served
                 budget -= num_new + num_spec
                 i += 1
         budget += reserved
@@ -254,10 +272,15 @@ class Scheduler:
             for queue, status in self.queues:
                 budget = self._admit(queue, status, budget, plan, bar)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-        plan.num_batched_tokens = self.token_budget - budget
+        plan.num_batched_tokens = self.step_budget - budget
         plan.block_copies, self.pending_copies = self.pending_copies, []
         plan.swap_out, self.pending_swap_out = self.pending_swap_out, []
         return plan
+
+    def _in_turn(self) -> list[Request]:
+        """The running requests in the order a paced step serves them when it cannot serve all:
+        by rank, then the least recently served first (each gets its turn)."""
+        return sorted(self.running, key=lambda r: (self._rank(r), r.last_served))
 
     # ---- priorities (--scheduling-policy priority) ------------------------------------------
 
@@ -304,7 +327,7 @@ class Scheduler:
         made = 0
         while self.waiting and self.running and self._outranks(self.waiting[0], self.running[-1]):
             best = self.waiting[0]
-            first_chunk = min(best.num_tokens - best.num_computed_tokens, self.token_budget)
+            first_chunk = min(best.num_tokens - best.num_computed_tokens, self.step_budget)
             if (len(self.running) < self.max_num_seqs
                     and self.kv.pool.num_free_blocks >= self.kv.num_blocks_for(first_chunk)):
                 break
@@ -326,7 +349,7 @@ class Scheduler:
             return None
         if self.ready is not None and not self.ready(best):
             return None
-        first_chunk = min(best.num_tokens - best.num_computed_tokens, self.token_budget)
+        first_chunk = min(best.num_tokens - best.num_computed_tokens, self.step_budget)
         if (len(self.running) >= self.max_num_seqs
                 or self.kv.pool.num_free_blocks < self.kv.num_blocks_for(first_chunk)):
             return None
@@ -355,7 +378,7 @@ class Scheduler:
         if not self.waiting_for_kv:
             return 0
         decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        return min(len(self.waiting_for_kv), max(self.token_budget - reserved - decodes, 0))
+        return min(len(self.waiting_for_kv), max(self.step_budget - reserved - decodes, 0))
 
     def _find_kv(self, request: Request) -> tuple[list[tuple[KVSource, KVHit]], int]:
         """Every source's hit for ``request``, in order, and the tokens they provide together."""

@@ -103,7 +103,8 @@ class EngineBuilder:
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             sources=_sources(config, kv, store, swap), swap=swap, role=parts.policy(config, kv),
             speculation=SpeculationPolicy(spec) if spec else None, ready=grammars.ready if grammars else None,
-            policy=config.scheduler.policy, tenant_weights=config.scheduler.tenant_weights))
+            policy=config.scheduler.policy, tenant_weights=config.scheduler.tenant_weights,
+            step_seconds=config.scheduler.step_seconds))
         runner = self._runner(num_blocks, draft)
         if grammars is not None:
             runner.grammar_masks = GrammarMasks(grammars, loaded.arch.vocab_size)

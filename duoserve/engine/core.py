@@ -181,7 +181,9 @@ class EngineCore:
                 outputs += self.scheduler.abort(item.request.request_id, RequestStatus.FINISHED_ERROR,
                                                 f"internal error while running the model: {exc}")
             return outputs
-        self.measures.step_took(plan, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.measures.step_took(plan, seconds)
+        self.scheduler.observe_step(plan.num_batched_tokens, seconds)
         outputs = early + self.scheduler.update(plan, result)
         if self.store is not None:
             self.store.write_published(self.runner.kv_caches)
