@@ -176,7 +176,8 @@ def priority(args, tokenizer) -> dict:
     server = start(["--scheduling-policy", "priority", *args.flags])
     try:
         idle = asyncio.run(_urgent(server, urgent_idle, 0.2))
-        reference, _ = asyncio.run(send(server, HEAVY, streams, float("inf"), seed=9, extra={"priority": 10}))
+        reference, reference_s = asyncio.run(send(server, HEAVY, streams, float("inf"), seed=9,
+                                                  extra={"priority": 10}))
 
         async def loaded():
             background = asyncio.create_task(send(server, HEAVY, streams, float("inf"), seed=9,
@@ -193,7 +194,8 @@ def priority(args, tokenizer) -> dict:
     result = {"config": vars(args), "urgent_idle": idle_sum, "urgent_at_full_batch": loaded_sum,
               "ttft_median_vs_idle": round(loaded_sum["ttft_median_s"] / idle_sum["ttft_median_s"], 2),
               "ttft_p99_vs_idle": round(loaded_sum["ttft_p99_s"] / idle_sum["ttft_p99_s"], 2),
-              "streams": summary(busy), "streams_text_equal_to_unpreempted": f"{same}/{len(streams)}"}
+              "streams": summary(busy), "streams_text_equal_to_unpreempted": f"{same}/{len(streams)}",
+              "streams_alone_tok_s": round(summary(reference)["output_tokens"] / reference_s, 1)}
     print(json.dumps(result), flush=True)
     return result
 
