@@ -91,7 +91,7 @@ AUTO_DECODE_STEP_TOKENS = 192
 # ones waits for the step in progress, so these policies keep steps short; a server past its
 # capacity served as many tokens a second at 256 as at 512 (BENCHMARKS.md, session 33)
 LATENCY_STEP_TOKENS = 256
-LATENCY_STEP_MS = 100.0   # priority, fair: a step's target length, the most an outranking arrival waits for it
+LATENCY_STEP_MS = 100.0   # priority: a step's target length, the most an outranking arrival waits for it
 DEFAULT_MAX_NUM_SEQS = 128
 
 
@@ -128,7 +128,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     tenant_weights: tuple[tuple[str, float], ...] = ()   # (tenant, weight) under fair; others weigh 1
     # a step's target length in ms (its token budget paced to it, core/step_pacer.py); None: 100 under
-    # priority and fair, off under fcfs; 0: off
+    # priority, off under fcfs and fair (where it measured worse: BENCHMARKS.md, session 34); 0: off
     max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -158,7 +158,7 @@ class SchedulerConfig:
     @property
     def step_seconds(self) -> float | None:
         """The pacer's target step length (None: steps are sized by tokens alone)."""
-        ms = self.max_step_ms if self.max_step_ms is not None else (0 if self.policy == "fcfs" else LATENCY_STEP_MS)
+        ms = self.max_step_ms if self.max_step_ms is not None else (LATENCY_STEP_MS if self.policy == "priority" else 0)
         return ms / 1000 if ms else None
 
     def token_budget(self, max_model_len: int) -> int:

@@ -95,8 +95,8 @@ class EngineArgs:
     max_step_ms: float | None = flag(
         SchedulerConfig.max_step_ms, "a step's target length in ms: its token budget paced to it from the "
         "engine's measured tokens a second, the running requests served in turn past it (0: off)", parse=float,
-        default_help=f"{LATENCY_STEP_MS:g} under --scheduling-policy priority or fair (the most a request that "
-        "outranks the running ones waits for the step in progress), off under fcfs")
+        default_help=f"{LATENCY_STEP_MS:g} under --scheduling-policy priority (the most a request that outranks "
+        "the running ones waits for the step in progress), off under fcfs and fair")
     scheduling_policy: str = flag(
         SchedulerConfig.policy, "fcfs: requests in arrival order; priority: by each request's priority (lower "
         "first, then arrival), a waiting request preempting running ones of a worse priority when the batch "

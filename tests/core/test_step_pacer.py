@@ -40,7 +40,9 @@ def test_the_budget_follows_the_measured_rate():
     for _ in range(50):
         pacer.observe(10, 1.0)
     assert pacer.budget() == MIN_STEP_TOKENS           # however slow, a step of some size
-    assert SchedulerConfig(policy="fair").step_seconds == 0.1 and SchedulerConfig().step_seconds is None
+    assert SchedulerConfig(policy="priority").step_seconds == 0.1 and SchedulerConfig().step_seconds is None
+    assert SchedulerConfig(policy="fair").step_seconds is None   # opt-in there (BENCHMARKS.md, session 34)
+    assert SchedulerConfig(policy="fair", max_step_ms=250).step_seconds == 0.25
     assert SchedulerConfig(policy="priority", max_step_ms=0).step_seconds is None
 
 
