@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +92,7 @@ AUTO_DECODE_STEP_TOKENS = 192
 # ones waits for the step in progress, so these policies keep steps short; a server past its
 # capacity served as many tokens a second at 256 as at 512 (BENCHMARKS.md, session 33)
 LATENCY_STEP_TOKENS = 256
-LATENCY_STEP_MS = 100.0   # priority: a step's target length, the most an outranking arrival waits for it
+LATENCY_STEP_MS = 100.0   # priority: a step's target length, about what an outranking arrival waits for
 DEFAULT_MAX_NUM_SEQS = 128
 
 
@@ -143,7 +144,7 @@ class SchedulerConfig:
         for tenant, weight in self.tenant_weights:
             if not (isinstance(weight, (int, float)) and 0 < weight < 1e9) or not tenant:
                 raise ConfigError("tenant_weights", f"{tenant}={weight}", "tenant=weight pairs, each weight > 0")
-        if self.max_step_ms is not None and not self.max_step_ms >= 0:
+        if self.max_step_ms is not None and not (self.max_step_ms >= 0 and math.isfinite(self.max_step_ms)):
             raise ConfigError("max_step_ms", self.max_step_ms, "a number of milliseconds, 0 for no pacing")
         if self.tenant_weights and self.policy != "fair":
             raise ConfigError("tenant_weights", parse_back(self.tenant_weights),
@@ -159,7 +160,8 @@ class SchedulerConfig:
     def step_seconds(self) -> float | None:
         """The pacer's target step length (None: steps are sized by tokens alone)."""
         ms = self.max_step_ms if self.max_step_ms is not None else (LATENCY_STEP_MS if self.policy == "priority" else 0)
-        return ms / 1000 if ms else None
+        # without chunked prefill a prompt must fit one step: a paced budget could hold it back for good
+        return ms / 1000 if ms and self.enable_chunked_prefill else None
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget, checked against the context length."""
@@ -281,7 +283,7 @@ def parse_size(value: str | int) -> int:
     unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
     try:
         return int(float(text[:len(text) - len(unit)]) * _SIZE_UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError("kv_disk_bytes", value, "a size in bytes: 1073741824, 512M, 16G") from None
 
 
@@ -292,7 +294,7 @@ class KVDiskConfig:
     limits as the Redis tier's bound a request's time with it and its write queue."""
     path: str
     max_bytes: int = DEFAULT_KV_DISK_BYTES
-    timeout_ms: float = 500.0              # one batch of reads; a request's budget is a few of these
+    timeout_ms: float = 250.0              # a request's time with the tier: this per batch of reads it takes
     write_queue: int = 1024                # blocks waiting to be written; more are dropped (counted)
     breaker_errors: int = 3
     breaker_cooldown: float = 5.0

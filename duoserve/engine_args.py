@@ -158,7 +158,8 @@ class EngineArgs:
         None, "a directory where full KV blocks are kept as files, across restarts (checksummed; the least "
         "recently used go first past --kv-disk-bytes); a prompt found there skips its prefill", group=KV_DISK_GROUP,
         default_help="none")
-    kv_disk_bytes: int = flag(KVDiskConfig.max_bytes, "the most bytes of block files kept (1073741824, 512M, 16G)",
+    kv_disk_bytes: int = flag(KVDiskConfig.max_bytes, "the most bytes of block files each engine keeps "
+                              "(1073741824, 512M, 16G)",
                               parse=parse_size, group=KV_DISK_GROUP, default_help="16G")
 
     # KV events for cluster routers

@@ -98,7 +98,7 @@ class Request:
         self.grammar: object = None           # structured outputs: this sample's matcher (structured.cache)
         self.pool_sum: object = None          # a mean-pooled embedding: its chunks' hidden states summed (runner's)
         self.num_charged_prompt_tokens = 0    # fair share: prompt tokens charged to its tenant (not again)
-        self.last_served = 0                  # when the scheduler last gave it tokens (its count of services)
+        self.last_served = 0                  # the scheduler's running count of services when it last gave it tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,9 +2,11 @@
 
 Every request has ``num_computed_tokens`` catching up with ``num_tokens``; a step
 gives each a number of new tokens, never more than ``max_num_batched_tokens`` in
-all. A decoding request asks for 1, a prompt for the rest of its prompt (cut to the
-budget: chunked prefill). Running requests are served first, in admission order;
-when blocks run out the newest running request is preempted (its blocks freed, to
+all (or, paced by time under priority, ``core/step_pacer.py``'s budget: then the running
+requests take turns, by rank and the least recently served first). A decoding request asks
+for 1, a prompt for the rest of its prompt (cut to the budget: chunked prefill). Running
+requests are served first, in admission order; when blocks run out the newest running request
+not yet served in the step is preempted (its blocks freed, to
 be recomputed, mostly from the prefix cache) or, with a swap space and when copying
 costs less than recomputing, its KV is copied out to host memory and back in when it is
 resumed (swapped requests resume before anything new is admitted). Waiting requests are
@@ -135,7 +137,7 @@ class Scheduler:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """What a step computed and how long the model took (the pacer's measure)."""
         if self.pacer is not None:
-            self.pacer.observe(num_tokens, seconds)
+            self.pacer.observe(num_tokens, seconds, self.step_budget)
 
     # ---- intake -------------------------------------------------------------------------
 
@@ -234,7 +236,7 @@ class Scheduler:
         reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
-        order = self._in_turn() if self.pacer is not None and len(self.running) > budget else list(self.running)
+        order = self._in_turn() if self.pacer is not None else list(self.running)
         i = 0
         while i < len(order) and budget > 0:
             request = order[i]

@@ -68,8 +68,10 @@ class Streams:
         except BaseException:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.close()
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:   # cancelled again meanwhile (a shutdown): the streams are closed all the same
+                await self.close()
             raise
         self.firsts = [task.result() for task in tasks]
 

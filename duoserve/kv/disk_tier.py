@@ -3,24 +3,32 @@ so a prompt's KV outlives the server that computed it.
 
 A record lives at ``DIR/<2 hex>/<62 hex>.kvb``, named by its key (which already covers the
 model, tokenizer, KV layout and every token before the block). It is written whole under a
-temporary ``.part`` name and renamed into place: a process killed mid-write leaves only the
-``.part`` file, which no read looks at and the next start removes (counted as torn). A record
-that is there but damaged (a flipped byte, a file cut short by the machine going down) fails
-its checksum when read: it is a miss, deleted, counted. Past ``max_bytes`` the least recently
-used files go first (a read refreshes a file's time). Several servers may share a directory:
-a name is only ever renamed into place whole, and what one wrote the others read.
+temporary ``.part`` name of its own and renamed into place: a process killed mid-write leaves
+only the ``.part`` file, which no read looks at and a later start removes once it is older than
+any write in progress could be (counted as torn). A record that is there but damaged (a flipped
+byte, a file cut short by the machine going down) fails its checksum when read: it is a miss,
+deleted, counted. Past ``max_bytes`` the least recently used files go first (a read refreshes a
+file's time); a full disk lowers the limit to what is stored. Several engines and servers may
+share a directory (every engine of a deployment does): a name is only ever renamed into place
+whole, and what one wrote the others read; each keeps its own account of the files, so the
+directory holds up to ``max_bytes`` for each of them.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import time
+import uuid
 from collections import OrderedDict
+from contextlib import suppress
 from pathlib import Path
 
 from duoserve.kv.store_record import KEY_PREFIX
 
 SUFFIX = ".kvb"
+TORN_AFTER_S = 600   # a .part file this old is no write in progress: a start removes it
 
 
 class DiskTier:
@@ -40,11 +48,13 @@ class DiskTier:
         """What earlier runs left: torn writes removed, whole files indexed by their last use."""
         if not self.dir.is_dir():
             return
-        found = []
+        found, now = [], time.time()
         for path in self.dir.glob("*/*"):
             if path.name.endswith(".part"):
-                path.unlink(missing_ok=True)
-                self.torn += 1
+                with suppress(FileNotFoundError):
+                    if now - path.stat().st_mtime > TORN_AFTER_S:
+                        path.unlink()
+                        self.torn += 1
             elif path.suffix == SUFFIX:
                 try:
                     stat = path.stat()
@@ -73,11 +83,15 @@ class DiskTier:
         for key in keys:
             path = self._path(key)
             try:
-                values.append(path.read_bytes())
-                os.utime(path)   # used now: evicted last
+                value = path.read_bytes()
             except FileNotFoundError:   # evicted (here or by a server sharing the directory)
                 values.append(None)
+                with self.lock:
+                    self.total -= self.sizes.pop(path, 0)
                 continue
+            values.append(value)
+            with suppress(OSError):   # used now: evicted last (best effort: another's file may refuse it)
+                os.utime(path)
             with self.lock:
                 if path in self.sizes:
                     self.sizes.move_to_end(path)
@@ -89,26 +103,38 @@ class DiskTier:
             if path.exists():   # nobody rewrites what is there
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_name(f"{path.name}.{os.getpid()}.part")
-            with open(part, "wb") as f:
-                f.write(record)
-            os.replace(part, path)
-            with self.lock:
-                self.sizes[path] = len(record)
-                self.total += len(record)
-                self._evict()
+            part = path.with_name(f"{path.name}.{uuid.uuid4().hex}.part")   # no other writer's name
+            try:
+                with open(part, "wb") as f:
+                    f.write(record)
+                with self.lock:
+                    os.replace(part, path)
+                    self.total += len(record) - self.sizes.pop(path, 0)
+                    self.sizes[path] = len(record)
+                    victims = self._over_limit()
+            except OSError as exc:
+                part.unlink(missing_ok=True)
+                if exc.errno == errno.ENOSPC:   # the disk is full before the limit: the limit is what fits
+                    with self.lock:
+                        self.max_bytes = max(1, min(self.max_bytes, self.total))
+                raise
+            for victim in victims:   # outside the lock: the engine thread's reads go on meanwhile
+                victim.unlink(missing_ok=True)
 
-    def _evict(self) -> None:
+    def _over_limit(self) -> list[Path]:
+        """The least recently used files past ``max_bytes``, out of the account (to be removed)."""
+        victims = []
         while self.total > self.max_bytes and self.sizes:
             path, size = self.sizes.popitem(last=False)
-            path.unlink(missing_ok=True)
             self.total -= size
             self.evicted += 1
+            victims.append(path)
+        return victims
 
     def delete(self, key: bytes) -> None:
         path = self._path(key)
-        path.unlink(missing_ok=True)
         with self.lock:
+            path.unlink(missing_ok=True)
             self.total -= self.sizes.pop(path, 0)
 
     def error_kind(self, error: Exception) -> str:

@@ -11,7 +11,8 @@ A tier answers ``exists``, ``get``, ``put`` and ``delete`` for keys (``RedisTier
 (in Redis one pipelined ``EXISTS`` per block); loading them is done in batches (``GETEX``, which
 refreshes the TTL). New blocks are written by a background thread from a bounded queue (nobody
 rewrites what is there); a full queue drops the block and counts it. Trouble with a tier never
-fails a request: every call has ``timeout_ms``, a request has a time budget for the tier, and a
+fails a request: a request has a time budget for the tier (``timeout_ms`` a round trip; Redis's
+calls time out at it, the disk's are checked between batches), and a
 circuit breaker (``duoserve.kv.breaker``) stops asking after repeated errors, probing again after
 a cooldown.
 
@@ -45,10 +46,11 @@ from duoserve.kv.store_record import KEY_PREFIX, BadRecord, block_key, decode_re
 logger = logging.getLogger(__name__)
 
 LOAD_BATCH = 16          # blocks per pipelined GETEX
-# a request's time with the tier: a timeout for each round trip its blocks take, and this many more;
-# past it, it computes the rest (a block loads in a fraction of what computing it costs, so a tier
-# that answers is never cut short, and one that does not costs a bounded wait)
+# a request's time with the tier: a timeout for each round trip its blocks take, and this many more,
+# up to a maximum; past it, it computes the rest (a block loads in a fraction of what computing it
+# costs, so a tier that answers in time is not cut short, and one that does not costs a bounded wait)
 REQUEST_BUDGET_SPARE_ROUND_TRIPS = 2
+REQUEST_BUDGET_MAX_ROUND_TRIPS = 32   # and never more: the engine's other requests wait meanwhile
 WRITE_BATCH = 32         # blocks per pipelined SET
 
 
@@ -171,6 +173,9 @@ class BlockStore:
         if present is None:
             return []
         run = next((i for i, p in enumerate(present) if not p), len(keys))
+        if run < len(keys):   # gone (evicted, expired): written again when computed again
+            with self.lock:
+                self.known.pop(keys[run], None)
         loaded: list = []
         while len(loaded) < run and time.monotonic() < deadline:
             batch = keys[len(loaded):min(run, len(loaded) + LOAD_BATCH)]
@@ -197,7 +202,8 @@ class BlockStore:
         its last token's block (those logits are computed); within the request's time budget."""
         max_blocks = (request.num_tokens - 1) // block_size
         hashes = request.block_hashes[first_block:max_blocks]
-        round_trips = 1 + -(-len(hashes) // LOAD_BATCH) + REQUEST_BUDGET_SPARE_ROUND_TRIPS   # find, load, spare
+        round_trips = min(1 + -(-len(hashes) // LOAD_BATCH) + REQUEST_BUDGET_SPARE_ROUND_TRIPS,   # find, load, spare
+                          REQUEST_BUDGET_MAX_ROUND_TRIPS)
         deadline = time.monotonic() + round_trips * self.config.timeout_ms / 1000
 
         def tokens_of(i: int) -> list[int]:

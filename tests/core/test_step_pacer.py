@@ -1,4 +1,4 @@
-"""Steps paced by time under the latency policies (``core/step_pacer.py``): the budget follows the
+"""Steps paced by time (``core/step_pacer.py``, on by default under priority): the budget follows the
 measured tokens a second, the running requests take turns when they outnumber it (each served as
 often as the others of its rank), an outranking prompt still goes first, and the blocks of a
 request served earlier in a step are never taken by a preemption later in it (no torch, no model)."""
@@ -33,16 +33,24 @@ def step(s: Scheduler):
 def test_the_budget_follows_the_measured_rate():
     pacer = StepPacer(0.1, 256)
     assert pacer.budget() == 256                       # nothing measured: the configured budget
-    pacer.observe(200, 1.0)                            # 200 tokens a second: 20 in 0.1 s
+    pacer.observe(256, 1.28, 256)                      # 200 tokens a second: 20 in 0.1 s
     assert pacer.budget() == 20
-    pacer.observe(2000, 1.0)                           # a moving average: 0.2 * 2000 + 0.8 * 200
+    pacer.observe(5, 0.05, 20)                         # a light step (its fixed cost): not measured
+    assert pacer.budget() == 20
+    pacer.observe(2000, 1.0, 2000)                     # a moving average: 0.2 * 2000 + 0.8 * 200
     assert pacer.budget() == 56
     for _ in range(50):
-        pacer.observe(10, 1.0)
+        pacer.observe(10, 1.0, 10)
     assert pacer.budget() == MIN_STEP_TOKENS           # however slow, a step of some size
+    assert StepPacer(0.1, 8).budget() == 8             # never more than the configured budget
+    small = StepPacer(0.1, 8)
+    small.observe(10, 1.0, 8)
+    assert small.budget() == 8
     assert SchedulerConfig(policy="priority").step_seconds == 0.1 and SchedulerConfig().step_seconds is None
     assert SchedulerConfig(policy="fair").step_seconds is None   # opt-in there (BENCHMARKS.md, session 34)
     assert SchedulerConfig(policy="fair", max_step_ms=250).step_seconds == 0.25
+    # without chunked prefill a prompt must fit a step: no pacing
+    assert SchedulerConfig(policy="priority", enable_chunked_prefill=False).step_seconds is None
     assert SchedulerConfig(policy="priority", max_step_ms=0).step_seconds is None
 
 

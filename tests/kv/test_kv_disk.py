@@ -5,7 +5,9 @@ least recently used files go first past the size; and it works beside the Redis 
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 
@@ -14,7 +16,7 @@ from duoserve.config import CacheConfig, EngineConfig, KVDiskConfig, KVStoreConf
 from duoserve.engine.builder import build_engine
 from duoserve.core.request import Request
 from duoserve.errors import ConfigError
-from duoserve.kv.disk_tier import SUFFIX
+from duoserve.kv.disk_tier import SUFFIX, TORN_AFTER_S
 from duoserve.kv.store_record import block_key
 from tests.helpers import assert_pool_whole, wait_for_store_writes
 
@@ -92,12 +94,15 @@ def test_a_flipped_byte_is_caught_the_block_recomputed(written):
 def test_torn_and_cut_files_are_skipped(written):
     path, directory, prompt, want = written
     kept = files(directory)
-    torn = kept[0].with_name(kept[0].name + ".1234.part")   # a process killed mid-write leaves this
+    torn = kept[0].with_name(kept[0].name + ".1234.part")   # a process killed mid-write left this, long ago
     torn.write_bytes(b"half a record")
+    os.utime(torn, (time.time() - 2 * TORN_AFTER_S,) * 2)
+    fresh = kept[1].with_name(kept[1].name + ".5678.part")   # another engine's write in progress: kept
+    fresh.write_bytes(b"being written")
     for victim in kept:   # every record cut short (the machine went down while the page cache was dirty)
         victim.write_bytes(victim.read_bytes()[:-7])
     second = engine(path, directory)
-    assert not torn.exists() and second.engine.kv_disk.stats()["kv_disk_torn"] == 1
+    assert not torn.exists() and fresh.exists() and second.engine.kv_disk.stats()["kv_disk_torn"] == 1
     out = run(second, prompt)
     assert out.outputs[0].token_ids == want and out.num_cached_tokens == 0
     assert second.engine.kv_disk.stats()["kv_disk_errors"] == {"corrupt": 1}   # the first block: the run stops
@@ -152,9 +157,7 @@ def test_kill_9_while_writing_then_the_next_start_serves_what_was_written(tmp_pa
     """A server killed (SIGKILL, its whole process group) while its engine computes a second prompt
     and writes its blocks: the next start removes what was half written and serves the rest, with
     the same text. Where in a write the kill lands varies, so one torn file is planted as well."""
-    import os
     import signal
-    import time
 
     import httpx
 
@@ -187,7 +190,9 @@ def test_kill_9_while_writing_then_the_next_start_serves_what_was_written(tmp_pa
     assert not any(alive(pid) for pid in family)
     written = len(files(directory))
     assert written >= 20
-    (files(directory)[0].parent / ("f" * 62 + ".kvb.999.part")).write_bytes(b"torn")   # one torn for sure
+    planted = files(directory)[0].parent / ("f" * 62 + ".kvb.999.part")   # one torn for sure, long ago
+    planted.write_bytes(b"torn")
+    os.utime(planted, (time.time() - 2 * TORN_AFTER_S,) * 2)
     again = Server(*args, api_key=API_KEY, log=tmp_path / "second.log")
     try:
         reply = httpx.post(f"{again.url}/v1/completions", json=body, headers=headers, timeout=300).json()
@@ -195,7 +200,7 @@ def test_kill_9_while_writing_then_the_next_start_serves_what_was_written(tmp_pa
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 * BLOCK
         assert metric(again.url, "duoserve:kv_disk_hits_total", headers=headers) >= 20
         assert metric(again.url, "duoserve:kv_disk_torn_total", headers=headers) >= 1
-        assert not list(directory.glob("*/*.part"))
+        assert not planted.exists()   # (a .part the kill left just now stays until it is old: never read)
         assert metric(again.url, "duoserve:kv_disk_errors_total", headers=headers) == 0
     finally:
         again.stop()
