@@ -68,13 +68,20 @@ def mix_block_types(model, mode: str) -> None:
 
 def load_tiny(tiny_dir, tmp_path, kind: str, source: str, dtype: str):
     """The tiny checkpoint of ``kind`` as the runner prepares it, from ``source`` (a GGUF block type
-    in fast mode, or "dense": its packed weights); None where bfloat16 cannot be packed here (no
-    AVX-512), after checking that the step declines the model, saying why."""
+    in fast mode, or "dense": its packed weights); None where its dense weights (all of them, or a
+    mixture's float32 router) cannot be packed here (no AVX-512), after checking that the step
+    declines the model, saying why."""
     if source != "dense":
         path = tmp_path / f"tiny-{kind}.gguf"
         write_gguf(tiny_dir(kind=kind), path, source)
-        return _load(path, dtype, "fast")
-    model = _load(tiny_dir(kind=kind), dtype, None)
+        model = _load(path, dtype, "fast")
+        routed = any(getattr(layer, "moe", None) is not None for layer in model.layers)
+        if not (routed and not packed_linear_supported(model.dtype)):
+            return model
+        # a mixture's router stays float32 in the file (as llama.cpp keeps it): dense, so it
+        # needs a packed copy, which this CPU cannot make (no AVX-512): decodes run eagerly
+    else:
+        model = _load(tiny_dir(kind=kind), dtype, None)
     if not packed_linear_supported(model.dtype):   # no packed copy to read: decodes run eagerly
         assert why_not(model, []) == ("a linear layer neither packed in the model's dtype nor in GGUF "
                                       "blocks (at most 4 block types)")

@@ -73,10 +73,11 @@ def test_dry_run_prints_the_plan_and_refuses_what_cannot_fit():
     assert refused.returncode == 2
     assert refused.stderr.startswith("duoserve: error: kv_cache_memory=100000.0 is not allowed: a plan that fits:")
     assert "GiB is available" in refused.stderr
-    small = duoserve("serve", "--dry-run", "--kv-cache-memory", "0.01")   # the model's context: capped, said
+    # bfloat16 named: what auto is depends on the CPU (float32 without native bf16)
+    small = duoserve("serve", "--dry-run", "--kv-cache-memory", "0.01", "--dtype", "bfloat16")   # capped, said
     assert small.returncode == 0 and "max_model_len capped at 464 tokens, what a KV pool of 0.01 GiB holds " \
         "(the model's 8,192 would need 0.18 GiB)" in small.stdout
     assert "1 sequences at the full context of 464 tokens" in small.stdout
-    asked = duoserve("serve", "--dry-run", "--kv-cache-memory", "0.01", "--max-model-len", "8192")
+    asked = duoserve("serve", "--dry-run", "--kv-cache-memory", "0.01", "--max-model-len", "8192", "--dtype", "bfloat16")
     assert asked.returncode == 2 and "one 8,192-token sequence needs 0.1758 GiB of KV cache, more than the 0.01 " \
         "GiB given. Give --max-model-len 256 or --kv-cache-memory 0.2" in asked.stderr
