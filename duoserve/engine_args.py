@@ -174,9 +174,10 @@ class EngineArgs:
     FLAG_GROUP = (MODEL_GROUP, None)   # the fields' group where they name none
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One ``--flag`` per field (its groups in field order)."""
-        add_flags(parser, cls)
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     actions: dict[str, type[argparse.Action]] | None = None) -> None:
+        """One ``--flag`` per field (its groups in field order; ``actions``: ``add_flags``')."""
+        add_flags(parser, cls, actions=actions)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -52,10 +52,11 @@ def option(f: dataclasses.Field) -> str:
     return "--" + dest(f).replace("_", "-")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls, groups: dict[str, argparse._ArgumentGroup] | None = None
-              ) -> dict[str, argparse._ArgumentGroup]:
+def add_flags(parser: argparse.ArgumentParser, cls, groups: dict[str, argparse._ArgumentGroup] | None = None,
+              actions: dict[str, type[argparse.Action]] | None = None) -> dict[str, argparse._ArgumentGroup]:
     """One flag per flagged field of dataclass ``cls``, in field order, each in its group (made
-    where ``groups`` lacks it; ``cls.FLAG_GROUP`` = (title, description) names the class's own)."""
+    where ``groups`` lacks it; ``cls.FLAG_GROUP`` = (title, description) names the class's own);
+    ``actions`` gives a field's flag an action of its own (by its name: --model given again)."""
     groups = {} if groups is None else groups
     title, description = getattr(cls, "FLAG_GROUP", ("options", None))
     for f in flagged_fields(cls):
@@ -76,6 +77,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, groups: dict[str, argparse._
             kwargs["type"] = meta["parse"]
         if meta["choices"]:
             kwargs["choices"] = list(meta["choices"])
+        if actions and f.name in actions:
+            kwargs["action"] = actions[f.name]
         groups[group_title].add_argument(option(f), **kwargs)
     return groups
 

@@ -13,7 +13,7 @@ from duoserve.bench.serve import add_args as add_bench_serve_args
 from duoserve.bench.serve import add_sweep_args
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig, Role
 from duoserve.engine_args import EngineArgs
-from duoserve.entrypoints.server_config import ServerConfig
+from duoserve.entrypoints.server_config import ModelsConfig, ServerConfig
 from duoserve.flags import add_flags
 
 
@@ -40,10 +40,20 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     add_engine_args(gen)
 
 
+class ModelsGiven(argparse.Action):
+    """``serve --model``: the last one is the model (as for every command), and every one given
+    is kept in ``models_given``, each a model behind the server (``--model NAME=PATH`` again)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.models_given = [*(getattr(namespace, "models_given", None) or []), values]
+
+
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server and its engine")
     add_server_args(serve)
-    add_engine_args(serve)
+    add_flags(serve, ModelsConfig)
+    add_engine_args(serve, actions={"model": ModelsGiven})
     serve.add_argument("--dry-run", action="store_true",
                        help="print what the engine would allocate (weights, KV pool, swap, prefill scratch) and the "
                             "largest batch it allows, then exit; refuse a config that cannot fit")
@@ -101,10 +111,10 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("--plot", default=None, metavar="PNG", help="draw them all on one figure here")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, actions: dict[str, type[argparse.Action]] | None = None) -> None:
     """Every flag of an engine (``duoserve.engine_args.EngineArgs``: model, memory and scheduling,
     speculative decoding, the KV store)."""
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, actions)
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -11,7 +11,7 @@ import socket
 
 from duoserve.bench import serve as bench
 from duoserve.cli.configs import (cluster_config_from_args, disagg_config_from_args, engine_config_from_args,
-                                  server_config_from_args)
+                                  models_config_from_args, server_config_from_args)
 from duoserve.config import ClusterConfig, check_engine_address, parse_cpu_list
 from duoserve.errors import ConfigError, DuoserveError
 
@@ -40,21 +40,40 @@ def check_port(host: str, port: int) -> None:
             raise ConfigError("port", port, f"a free port: {host}:{port} cannot be bound ({exc.strerror})") from None
 
 
+def serve_plan(args: argparse.Namespace):
+    """(the server's config, the models' specs or one engine config, the layout, the cluster,
+    the models' limits) of ``serve``'s flags, checked before anything loads."""
+    import dataclasses
+
+    from duoserve.cli.models import model_specs, several_models
+
+    disagg, server = disagg_config_from_args(args), server_config_from_args(args)
+    cluster, limits = cluster_config_from_args(args), models_config_from_args(args)
+    if not several_models(args):
+        # a launched engine's own SIGTERM drains it as long as the server's drains the server
+        return server, dataclasses.replace(engine_config_from_args(args), shutdown_timeout=server.shutdown_timeout), \
+            disagg, cluster, limits
+    if (disagg and (disagg.decode_addrs or disagg.prefill_addrs)) or cluster.kind != "local":
+        raise ConfigError("model", args.model, "one model where the engines run elsewhere (--decode-addrs, "
+                          "--prefill-addrs, --cluster ray): several models are launched here")
+    specs = [dataclasses.replace(spec, engine_config=dataclasses.replace(
+        spec.engine_config, shutdown_timeout=server.shutdown_timeout)) for spec in model_specs(args, server)]
+    return server, specs, disagg, cluster, limits
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
     import logging
     import signal
 
     from duoserve.model.paths import resolve_model_path
 
-    disagg, server = disagg_config_from_args(args), server_config_from_args(args)
-    # a launched engine's own SIGTERM drains it as long as the server's drains the server
-    engine_config = dataclasses.replace(engine_config_from_args(args), shutdown_timeout=server.shutdown_timeout)
-    cluster = cluster_config_from_args(args)
+    server, models, disagg, cluster, limits = serve_plan(args)
     check_port(server.host, server.port)
     if not (disagg and disagg.decode_addrs and disagg.prefill_addrs) and cluster.kind == "local":
-        resolve_model_path(args.model)   # a launched engine loads it: refuse a wrong path now
+        for config in models if isinstance(models, list) else [models]:
+            config = getattr(config, "engine_config", config)
+            resolve_model_path(config.model.model)   # a launched engine loads it: refuse a wrong path now
         from duoserve.frontend.launcher import start_engine_server
         start_engine_server()   # engines' imports beside the web server's below
 
@@ -64,27 +83,29 @@ def run_serve(args: argparse.Namespace) -> int:
     from duoserve.entrypoints.api_server import DrainingServer, create_app
     from duoserve.frontend.engine_client import EngineStartError
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(engine_config, server, disagg, cluster)
-    engine = app.state.engine
+    app = create_app(models, server, disagg, cluster, limits)
+    registry = app.state.models
     # uvicorn cancels what still runs a little after the engine ended it with a final event
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
                             access_log=server.access_log, timeout_graceful_shutdown=int(server.shutdown_timeout) + 5)
 
     async def main() -> int | None:
         """The signal that stopped the start, if one did; else serve until stopped."""
-        with stop_start_on_signal(engine.clients) as received:
+        with stop_start_on_signal(registry.clients) as received:
             try:
-                await engine.start(wait=False)   # launched engines first: the port opens once they serve
+                await registry.start()   # launched engines first: the port opens once they serve
             except asyncio.CancelledError:
                 if not received:
                     raise
+                await registry.shutdown()
                 logging.getLogger("duoserve.api").info("engines stopped; exiting")
                 return received[0]
             except EngineStartError as exc:
+                await registry.shutdown()
                 if exc.config_error:
                     raise DuoserveError(str(exc)) from None
                 raise
-        await DrainingServer(config, engine, server.shutdown_timeout).serve()
+        await DrainingServer(config, registry, server.shutdown_timeout).serve()
         return None
 
     try:
@@ -98,10 +119,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_dry_run(args: argparse.Namespace) -> int:
-    """``serve --dry-run``: the memory plan of the engine, without loading it."""
+    """``serve --dry-run``: the memory plan of each model's engine, without loading it."""
     from duoserve.worker.memory import describe_plan, plan
 
-    print(describe_plan(plan(engine_config_from_args(args))))
+    _, models, _, _, _ = serve_plan(args)
+    for spec in models if isinstance(models, list) else [None]:
+        if spec is not None:
+            print(f"model {spec.name}:")
+        print(describe_plan(plan(models if spec is None else spec.engine_config)))
     return 0
 
 

@@ -8,7 +8,7 @@ import argparse
 
 from duoserve.config import DEFAULT_MODEL_ALIAS, ClusterConfig, DisaggConfig, EngineConfig, Role
 from duoserve.engine_args import EngineArgs
-from duoserve.entrypoints.server_config import ServerConfig
+from duoserve.entrypoints.server_config import ModelsConfig, ServerConfig
 from duoserve.errors import ConfigError
 from duoserve.flags import values_from_args
 
@@ -45,3 +45,7 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
             raise ConfigError(f"num_{role}_engines", placed[f"num_{role}_engines"],
                               f"unset when --{role}-addrs names the engines (their count is the list's)")
     return DisaggConfig(**values_from_args(DisaggConfig, args))
+
+
+def models_config_from_args(args: argparse.Namespace) -> ModelsConfig:
+    return ModelsConfig(**values_from_args(ModelsConfig, args))

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from duoserve.frontend.engine_client import EngineClient
@@ -24,9 +24,10 @@ logger = logging.getLogger("duoserve.api")
 
 
 @contextmanager
-def stop_start_on_signal(clients: list[EngineClient]) -> Iterator[list[int]]:
-    """Within the block (run by the task that starts the engines), the first SIGTERM/SIGINT
-    cancels that task; yields the signals received. The handlers before it come back after."""
+def stop_start_on_signal(clients: Callable[[], list[EngineClient]]) -> Iterator[list[int]]:
+    """Within the block (run by the task that starts the engines, ``clients()`` those started so
+    far), the first SIGTERM/SIGINT cancels that task; yields the signals received. The handlers
+    before it come back after."""
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     received: list[int] = []
 
@@ -36,7 +37,7 @@ def stop_start_on_signal(clients: list[EngineClient]) -> Iterator[list[int]]:
             logger.warning("%s while the engines start: stopping them", signal.Signals(signum).name)
             loop.call_soon_threadsafe(task.cancel)
             return
-        for client in clients:   # a second signal: nothing waits any more
+        for client in clients():   # a second signal: nothing waits any more
             if client.process is not None and client.process.pid is not None:
                 try:
                     os.kill(client.process.pid, signal.SIGKILL)

@@ -27,22 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
 from duoserve.entrypoints.errors import APIError, error_response
+from duoserve.entrypoints.model_registry import ModelRegistry, ModelSpec
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           EmbeddingRequest, GenerateRequest, RerankRequest, ScoreRequest,
-                                           TokenizeRequest)
-from duoserve.entrypoints.serving import OpenAIServing
+                                           EmbeddingRequest, GenerateRequest, ModelRequest, RerankRequest,
+                                           ScoreRequest, TokenizeRequest)
 from duoserve.entrypoints.responses_protocol import ResponsesRequest
-from duoserve.entrypoints.serving_anthropic import AnthropicServing
-from duoserve.entrypoints.responses_store import RedisResponseStore
 from duoserve.entrypoints.serving_responses import ResponsesServing
-from duoserve.entrypoints.server_config import ServerConfig
+from duoserve.entrypoints.server_config import ModelsConfig, ServerConfig
 from duoserve.entrypoints.tenants import KEY_TENANT, key_tenant, split_keys
-from duoserve.entrypoints.serving_chat import ChatServing
-from duoserve.entrypoints.serving_embeddings import EmbeddingServing
-from duoserve.entrypoints.serving_score import ScoreServing
-from duoserve.frontend.admission import Admission
 from duoserve.frontend.async_engine import AsyncEngine
-from duoserve.metrics import ServerMetrics
 
 logger = logging.getLogger("duoserve.api")
 
@@ -132,49 +125,36 @@ def _validation_param(exc: RequestValidationError) -> tuple[str | None, str]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the engine when shutdown begins so that it can end the
-    requests still running at the deadline cleanly, before uvicorn would cancel them."""
+    """uvicorn's server, telling the models' engines when shutdown begins so that they can end
+    the requests still running at the deadline cleanly, before uvicorn would cancel them."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, models: ModelRegistry, drain_timeout: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.models = models
         self.drain_timeout = drain_timeout
 
     async def shutdown(self, sockets=None) -> None:
-        self.engine.begin_drain(self.drain_timeout)
+        self.models.begin_drain(self.drain_timeout)
         await super().shutdown(sockets)
         if self.force_exit:   # uvicorn skipped the app's shutdown: the engines still stop before the exit
-            await self.engine.shutdown()
+            await self.models.shutdown()
 
     def handle_exit(self, sig, frame) -> None:
         # in the signal handler, not at uvicorn's next tick: an engine the signal reached too
         # (Ctrl-C, kill -TERM -PGID) may drain and exit first, and must not be relaunched
-        self.engine.stop_relaunching()
+        self.models.stop_relaunching()
         if self.should_exit and sig == signal.SIGTERM:   # a second SIGTERM forces, as a second Ctrl-C does
             self.force_exit = True
         super().handle_exit(sig, frame)
 
 
-def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: DisaggConfig | None = None,
-               cluster: ClusterConfig | None = None) -> FastAPI:
-    """The app: the engine group and its metrics in ``app.state``, the guards, the error shapes
-    and the routes of this module's ``router``."""
-    engine = AsyncEngine(engine_config, server.max_queue_len, disagg, cluster,
-                         Admission(server.max_waiting_per_tenant, server.max_waiting))
-    metrics = ServerMetrics(request_class=engine.admission.classes.get, model_name=server.served_model_name)
-    for hooks, hook in ((engine.on_output, metrics.observe_output), (engine.on_stats, metrics.observe_stats),
-                        (engine.on_place, metrics.observe_placement), (engine.on_migrate, metrics.observe_migration),
-                        (engine.on_resume, metrics.migration_resume.observe),
-                        (engine.on_first_token, metrics.observe_prediction),
-                        (engine.on_engine_down, metrics.engine_down)):
-        hooks.append(hook)
-
-    tracer = None
-    if server.otlp_traces_endpoint:   # imported only when asked for: no cost when off
-        from duoserve.tracing import RequestTracer
-
-        tracer = RequestTracer(server.otlp_traces_endpoint, server.served_model_name, engine.admission.classes.get)
-        engine.on_output.append(tracer.observe_output)
+def create_app(engine_config: EngineConfig | list[ModelSpec], server: ServerConfig, disagg: DisaggConfig | None = None,
+               cluster: ClusterConfig | None = None, limits: ModelsConfig | None = None) -> FastAPI:
+    """The app: the models (``ModelRegistry``: one engine config, or several models' specs) in
+    ``app.state.models``, the guards, the error shapes and the routes of this module's ``router``."""
+    specs = engine_config if isinstance(engine_config, list) else [
+        ModelSpec(server.served_model_name, engine_config, server)]
+    models = ModelRegistry(specs, server, disagg, cluster, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -183,25 +163,20 @@ def create_app(engine_config: EngineConfig, server: ServerConfig, disagg: Disagg
         if len(keys) > 1:
             logger.info("API keys name tenants: %s", ", ".join(f"key {i + 1}: {key_tenant(k)}"
                                                                 for i, k in enumerate(keys)))
-        await engine.start(wait=False)   # already done by `duoserve serve`; remote engines come later
-        logger.info("serving %s: %s in %.1fs", server.served_model_name,
-                    "ready" if engine.ready else engine.not_ready_reason(), time.monotonic() - start)
+        await models.start()   # already done by `duoserve serve`; remote engines come later
+        for entry in models.entries.values():
+            engine = entry.served.engine if entry.served is not None else None
+            logger.info("serving %s: %s in %.1fs", entry.spec.name, entry.state if engine is None else
+                        "ready" if engine.ready else engine.not_ready_reason(), time.monotonic() - start)
         try:
             yield
         finally:
-            await engine.shutdown()
-            if tracer is not None:
-                tracer.shutdown()
+            await models.shutdown()
 
     app = FastAPI(title="duoserve", lifespan=lifespan)
-    openai = OpenAIServing(engine, server.served_model_name)
-    app.state.engine, app.state.metrics, app.state.server = engine, metrics, server
-    app.state.openai, app.state.chat = openai, ChatServing(openai, server.tool_call_parser, server.reasoning_parser)
-    app.state.anthropic = AnthropicServing(app.state.chat)
-    kv_store = engine_config.kv_store
-    app.state.responses = ResponsesServing(app.state.chat, RedisResponseStore(kv_store.url) if kv_store else None)
-    app.state.embeddings = EmbeddingServing(openai, server.pooling)
-    app.state.scores = ScoreServing(openai)
+    app.state.models, app.state.server = models, server
+    # what needs no model: stored responses (shared by every model's Responses API)
+    app.state.stored_responses = ResponsesServing(None, models.store)
     app.add_middleware(BodyLimit, limit=server.max_request_bytes)
     app.add_middleware(APIKeyGuard, api_key=server.api_key)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -255,32 +230,42 @@ def require_engine(engine: AsyncEngine) -> None:
         raise APIError(503, f"the engine is unavailable: {engine.not_ready_reason()}")
 
 
+def model_of(raw: Request | WebSocket, name: str | None):
+    """The model a request names, loaded and held while its handler runs (``ModelRegistry.use``)."""
+    return raw.app.state.models.use(name)
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request):
     check_fields(body)
-    return await raw.app.state.openai.completions(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.openai.completions(body, raw)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request):
     check_fields(body)
-    return await raw.app.state.chat.chat(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.chat.chat(body, raw)
 
 
 @router.post("/v1/messages")
 async def anthropic_messages(body: MessagesRequest, raw: Request):
-    return await raw.app.state.anthropic.messages(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.anthropic.messages(body, raw)
 
 
 @router.post("/v1/messages/count_tokens")
 async def anthropic_count_tokens(body: CountTokensRequest, raw: Request):
-    return await raw.app.state.anthropic.count_tokens(body)
+    async with model_of(raw, body.model) as served:
+        return await served.anthropic.count_tokens(body)
 
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, raw: Request):
     check_fields(body)
-    return await raw.app.state.embeddings.embeddings(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.embeddings.embeddings(body, raw)
 
 
 @router.post("/v1/rerank")
@@ -288,96 +273,124 @@ async def embeddings(body: EmbeddingRequest, raw: Request):
 @router.post("/rerank")
 async def rerank(body: RerankRequest, raw: Request):
     check_fields(body)
-    return await raw.app.state.scores.rerank(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.scores.rerank(body, raw)
 
 
 @router.post("/score")
 @router.post("/v1/score")
 async def score(body: ScoreRequest, raw: Request):
     check_fields(body)
-    return await raw.app.state.scores.score(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.scores.score(body, raw)
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, raw: Request):
-    return await raw.app.state.responses.create(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.responses.create(body, raw)
 
 
 @router.websocket("/v1/responses")
 async def responses_socket(ws: WebSocket):
-    await ws.app.state.responses.socket(ws)
+    await ws.app.state.stored_responses.socket(ws, lambda name: model_of(ws, name))
 
 
 @router.post("/v1/responses/compact")
 async def responses_compact(body: ResponsesRequest, raw: Request):
-    return await raw.app.state.responses.compact(body)
+    async with model_of(raw, body.model) as served:
+        return await served.responses.compact(body)
 
 
 @router.get("/v1/responses/{response_id}")
 async def responses_get(response_id: str, raw: Request):
-    return raw.app.state.responses.get(response_id)
+    return raw.app.state.stored_responses.get(response_id)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def responses_delete(response_id: str, raw: Request):
-    return raw.app.state.responses.delete(response_id)
+    return raw.app.state.stored_responses.delete(response_id)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def responses_cancel(response_id: str, raw: Request):
-    return await raw.app.state.responses.cancel(response_id)
+    return await raw.app.state.stored_responses.cancel(response_id)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def responses_input_items(response_id: str, raw: Request, limit: int = 20, order: str = "desc",
                                 after: str | None = None):
-    return raw.app.state.responses.input_items(response_id, limit, order, after)
+    return raw.app.state.stored_responses.input_items(response_id, limit, order, after)
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, raw: Request):
     check_fields(body)
-    return await raw.app.state.chat.generate(body, raw)
+    async with model_of(raw, body.model) as served:
+        return await served.chat.generate(body, raw)
 
 
 @router.get("/v1/models")
+@router.get("/models")
 async def models(raw: Request):
-    state = raw.app.state
-    return {"object": "list", "data": [{"id": state.server.served_model_name, "object": "model",
-                                        "created": int(time.time()), "owned_by": "duoserve",
-                                        "max_model_len": state.engine.max_model_len}]}
+    registry = raw.app.state.models
+    return {"object": "list", "data": [registry.describe(entry) for entry in registry.entries.values()]}
+
+
+@router.post("/models/load")
+async def load_model(body: ModelRequest, raw: Request):
+    """llama.cpp's router: load a model now (unloading the least recently used past --models-max)."""
+    registry = raw.app.state.models
+    await registry.load_for_request(registry.entry(body.model))
+    return {"success": True}
+
+
+@router.post("/models/unload")
+async def unload_model(body: ModelRequest, raw: Request):
+    """llama.cpp's router: end a model's engines once the requests it holds finish."""
+    await raw.app.state.models.unload(body.model)
+    return {"success": True}
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, raw: Request):
-    state = raw.app.state
-    engine = state.engine
-    state.openai.check_model(body.model, generates=False)
-    require_engine(engine)
-    if body.messages is not None:
-        ids = state.chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
-                                                           add_generation_prompt=body.add_generation_prompt))
-    elif body.prompt is not None:
-        ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    else:
-        raise APIError(400, "give prompt or messages", param="prompt")
-    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+    async with model_of(raw, body.model) as served:
+        engine = served.engine
+        served.openai.check_model(body.model, generates=False)
+        require_engine(engine)
+        if body.messages is not None:
+            ids = served.chat.chat_prompt(ChatCompletionRequest(messages=body.messages,
+                                                                add_generation_prompt=body.add_generation_prompt))
+        elif body.prompt is not None:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give prompt or messages", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, raw: Request):
-    engine = raw.app.state.engine
-    raw.app.state.openai.check_model(body.model, generates=False)
-    require_engine(engine)
-    bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.vocab_size})", param="tokens")
-    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    async with model_of(raw, body.model) as served:
+        engine = served.engine
+        served.openai.check_model(body.model, generates=False)
+        require_engine(engine)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range [0, {engine.vocab_size})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
 @router.get("/health")
 async def health(raw: Request):
-    engine = raw.app.state.engine
+    """One model: its engines' health, as always (a sleeping model is healthy: /health never wakes
+    it). Several: 200 with each model's state."""
+    registry = raw.app.state.models
+    if not registry.single:
+        return {"status": "ok", "models": {name: e.state for name, e in registry.entries.items()}}
+    entry = next(iter(registry.entries.values()))
+    if entry.served is None:
+        return {"status": "ok", "model": entry.state}
+    engine = entry.served.engine
     if engine.ready:
         slow = engine.slow_engines()
         if slow:  # still serving: a long step is not a dead engine
@@ -388,25 +401,32 @@ async def health(raw: Request):
 
 @router.get("/metrics")
 async def prometheus(raw: Request):
-    engine, metrics = raw.app.state.engine, raw.app.state.metrics
-    for name, report in engine.engine_memory().items():
-        if report:
-            metrics.observe_memory(name, report)
-    metrics.observe_structured_requests(*engine.structured_request_counts())
-    metrics.observe_classes(engine.admission.counts(), engine.admission.refused)
-    metrics.observe_tenant_load(engine.tenant_load())
-    if engine.kv_event_feed is not None:
-        metrics.observe_kv_events(engine.kv_event_feed.received)
-    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    registry = raw.app.state.models
+    for entry in registry.loaded():
+        engine, metrics = entry.served.engine, entry.metrics
+        for name, report in engine.engine_memory().items():
+            if report:
+                metrics.observe_memory(name, report)
+        metrics.observe_structured_requests(*engine.structured_request_counts())
+        metrics.observe_tenant_load(engine.tenant_load())
+        if engine.kv_event_feed is not None:
+            metrics.observe_kv_events(engine.kv_event_feed.received)
+    # the requests by class are the server's, whatever their model: given once, unlabelled by model
+    first = next(iter(registry.entries.values()))
+    first.metrics.observe_classes(registry.admission.counts(), registry.admission.refused)
+    return Response(generate_latest(registry.collector), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/engines/{name}/drain")
-async def drain_engine(name: str, raw: Request):
+async def drain_engine(name: str, raw: Request, model: str | None = None):
     """Drain one engine this server launched: no new work goes to it, it finishes what it holds,
     stops, and is launched again (a rolling restart drains each engine in turn). 202 once it
     drains; 404 for no such engine; 409 for one that runs elsewhere (SIGTERM it on its host:
-    it drains the same way) or that is not up."""
-    engine = raw.app.state.engine
+    it drains the same way) or that is not up. With several models, ``?model=`` names its model."""
+    entry = raw.app.state.models.entry(model)
+    if entry.served is None:
+        raise APIError(409, f"the model `{entry.spec.name}` is {entry.state}: it has no engines", param="model")
+    engine = entry.served.engine
     try:
         held = engine.drain_engine(name)
     except KeyError:
@@ -419,7 +439,15 @@ async def drain_engine(name: str, raw: Request):
 
 @router.get("/v1/memory")
 async def memory(raw: Request):
-    """Each engine's start-up memory report, and this API process's resident size."""
+    """Each engine's start-up memory report, this API process's resident size, and each model's
+    state with what its engines held when it last unloaded or slept (``freed_bytes``)."""
     from duoserve.worker.memory import rss_bytes
 
-    return {"engines": raw.app.state.engine.engine_memory(), "api_process_rss_bytes": rss_bytes()}
+    registry = raw.app.state.models
+    engines, models = {}, {}
+    for name, entry in registry.entries.items():
+        reports = entry.served.engine.engine_memory() if entry.served is not None else {}
+        engines.update(reports if registry.single else {f"{name}/{engine}": r for engine, r in reports.items()})
+        models[name] = {"state": entry.state, "engines_rss_bytes": entry.served.resident_bytes()
+                        if entry.served is not None else 0, "freed_bytes": entry.freed_bytes}
+    return {"engines": engines, "models": models, "api_process_rss_bytes": rss_bytes()}

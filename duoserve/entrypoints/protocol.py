@@ -327,12 +327,18 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
+class ModelRequest(_Body):
+    """POST /models/load and /models/unload (llama.cpp's router)."""
+    model: str
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
 
 class GenerateRequest(SamplingFields):
+    model: str | None = None   # SGLang's has none: the server's one model, or which of several
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None

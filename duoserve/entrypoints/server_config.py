@@ -3,6 +3,7 @@ flag (``duoserve.flags``). Light: the command's parser imports it without the we
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from duoserve import envs
@@ -61,3 +62,35 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(name, value, "a positive number of requests, or unset for no limit")
+
+
+# a model's name in requests and in --model NAME=PATH: what llama.cpp's router and Ollama accept
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Several models behind one server (``--model NAME=PATH`` again, ``--models-dir``), loaded
+    when asked for and unloaded past ``--models-max`` or once idle (``duoserve.entrypoints.model_registry``)."""
+    FLAG_GROUP = ("models", "Several models behind one server: give --model NAME=PATH once per model, or "
+                  "--models-dir; a request picks one by its 'model' field")
+    models_dir: str | None = flag(None, "serve every .gguf file and Hugging Face folder in this directory, each "
+                                  "named by its file (without .gguf) or folder; loaded when first asked for",
+                                  default_help="none")
+    models_config: str | None = flag(
+        None, "per-model settings: a TOML or YAML file, one section (table) per model name, whose keys are engine "
+        "flags (max-model-len = 4096), tool-call-parser, reasoning-parser, pooling, model (its path) and "
+        "load-on-startup", default_help="none")
+    models_max: int = flag(4, "models loaded at once: loading one more first unloads the least recently used",
+                           parse=int)
+    models_autoload: bool = flag(True, "load a model that is not loaded when a request asks for it (else 400 until "
+                                 "POST /models/load)", parse=bool)
+    sleep_idle_seconds: float | None = flag(
+        None, "end a model's engines once it served nothing for this long (its weights and KV freed); the next "
+        "request for it starts them again, /health does not", parse=float, default_help="never")
+
+    def __post_init__(self) -> None:
+        if self.models_max < 1:
+            raise ConfigError("models_max", self.models_max, "a positive number of models")
+        if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:
+            raise ConfigError("sleep_idle_seconds", self.sleep_idle_seconds, "a positive number of seconds")

@@ -27,7 +27,8 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from fastapi import Request, WebSocket, WebSocketDisconnect
@@ -320,9 +321,10 @@ class ResponsesServing:
 
     # ---- WebSocket ----------------------------------------------------------------------------
 
-    async def socket(self, ws: WebSocket) -> None:
+    async def socket(self, ws: WebSocket, model_of: Callable[[str | None], AbstractAsyncContextManager]) -> None:
         """OpenAI's WebSocket mode: each ``response.create`` message runs one response, its events
-        sent back as messages; an error is an ``error`` message and the connection stays open."""
+        sent back as messages; an error is an ``error`` message and the connection stays open.
+        ``model_of(name)`` holds the model a message names (its ``.responses`` runs the turn)."""
         await ws.accept()
         cache: OrderedDict[str, StoredResponse] = OrderedDict()
         with contextlib.suppress(WebSocketDisconnect):
@@ -331,10 +333,11 @@ class ResponsesServing:
                 body = None
                 try:
                     body = self._socket_request(text)
-                    turn = await self.begin(body, cache)
-                    async with contextlib.aclosing(self.events(turn)) as events:   # a closed socket aborts it
-                        async for event in events:
-                            await ws.send_text(json.dumps(event))
+                    async with model_of(body.model) as served:
+                        turn = await served.responses.begin(body, cache)
+                        async with contextlib.aclosing(served.responses.events(turn)) as events:   # closed: aborted
+                            async for event in events:
+                                await ws.send_text(json.dumps(event))
                 except APIError as exc:
                     await ws.send_text(json.dumps(_socket_error(exc.status, exc.message, exc.param, exc.code)))
                     turn = None

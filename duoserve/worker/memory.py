@@ -25,15 +25,19 @@ if TYPE_CHECKING:  # torch-free at import: the API process reads its own size wi
     import torch
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _status_kb(field: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
 
-def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
+def rss_bytes(pid: int | str = "self") -> int:
+    """The resident size of this process, or of process ``pid`` (0 once it is gone)."""
+    try:
+        return _status_kb("VmRSS", pid) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
 def tensor_resident_bytes(tensor: "torch.Tensor") -> int:
