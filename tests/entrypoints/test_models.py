@@ -138,14 +138,26 @@ def test_models_max_one_alternating_loads_and_unloads_each_time_and_fails_nothin
         assert server.stop() == -15   # drained, then ended by the SIGTERM it was sent
 
 
-def test_no_autoload_answers_400_until_loaded(two_models, tmp_path):
-    server = Server(*tiny_args(two_models), "--models-max", "1", "--no-models-autoload", log=tmp_path / "server.log")
+def test_no_autoload_answers_400_until_loaded_and_a_model_that_fails_to_load_is_a_503(two_models, tmp_path):
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    (models_dir / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 60)   # a file, but no model
+    server = Server(*tiny_args(two_models), "--models-max", "1", "--no-models-autoload", "--models-dir",
+                    str(models_dir), log=tmp_path / "server.log")
     try:
+        assert model_states(server.url) == {"llama": "loaded", "qwen": "unloaded", "broken": "unloaded"}
+        failed = httpx.post(f"{server.url}/models/load", json={"model": "broken"}, timeout=600)
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_load_failed"
+        listed = {m["id"]: m["status"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+        assert listed["broken"]["value"] == "unloaded" and listed["broken"]["error"]
+        assert metric(server.url, "duoserve:model_load_failures_total", {"model_name": "broken"}) == 1
+        # room was made for it first (as llama.cpp's router does): the least recently used went
+        assert model_states(server.url) == {"llama": "unloaded", "qwen": "unloaded", "broken": "unloaded"}
         refused = generate(server.url, "qwen", PROMPTS[0])
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_loaded"
         assert "POST /models/load" in refused.json()["error"]["message"]
         assert httpx.post(f"{server.url}/models/load", json={"model": "qwen"}, timeout=600).json() == {"success": True}
-        assert model_states(server.url) == {"llama": "unloaded", "qwen": "loaded"}
+        assert model_states(server.url) == {"llama": "unloaded", "qwen": "loaded", "broken": "unloaded"}
         assert generate(server.url, "qwen", PROMPTS[0]).status_code == 200
     finally:
         assert server.stop() == -15   # drained, then ended by the SIGTERM it was sent
