@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from duoserve.entrypoints.llm import LLM
-    from duoserve.sampling_params import SamplingParams
+    from duoserve.sampling_params import LoRARequest, SamplingParams
 
 
 def __getattr__(name: str):
@@ -18,8 +18,8 @@ def __getattr__(name: str):
         from duoserve.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from duoserve.sampling_params import SamplingParams
+    if name in ("SamplingParams", "LoRARequest"):
+        from duoserve import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'duoserve' has no attribute {name!r}")

@@ -344,6 +344,59 @@ class TurnsConfig:
     quantum: float = 0.4   # prefill: seconds on the cores before a waiting decode step's turn (--prefill-turn)
 
 
+DEFAULT_MAX_LORAS = 8
+DEFAULT_MAX_LORA_RANK = 64
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters computed per request (``duoserve.worker.lora``): those loaded at start, by name,
+    and how many and how large an engine holds."""
+    modules: tuple[tuple[str, str], ...] = ()   # (name, PEFT folder or GGUF adapter file), loaded at start
+    max_loras: int = DEFAULT_MAX_LORAS           # adapters loaded at once: one more unloads the least recently used
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK   # a larger rank is refused
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError("max_loras", self.max_loras, "a positive number of adapters")
+        if self.max_lora_rank < 1:
+            raise ConfigError("max_lora_rank", self.max_lora_rank, "a positive rank")
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ConfigError("lora_modules", names, "adapters of different names")
+        if len(names) > self.max_loras:
+            raise ConfigError("lora_modules", names, f"at most --max-loras ({self.max_loras}) adapters")
+
+
+def parse_lora_modules(value, field_name: str) -> tuple[tuple[str, str], ...]:
+    """``["a=/p/a", "b=/p/b"]`` (the flag's words), a dict, or vLLM's JSON form
+    ``{"name": "a", "path": "/p/a"}`` -> (("a", "/p/a"), ("b", "/p/b"))."""
+    import json
+
+    if value is None:
+        return ()
+    items = list(value.items()) if isinstance(value, dict) else list(value if isinstance(value, (list, tuple))
+                                                                         else [value])
+    pairs = []
+    for item in items:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            try:
+                item = json.loads(item)
+            except json.JSONDecodeError:
+                raise ConfigError(field_name, item, "name=path, or JSON with name and path") from None
+        if isinstance(item, dict):
+            item = (item.get("name"), item.get("path"))
+        elif isinstance(item, str):
+            name, sep, path = item.partition("=")
+            item = (name, path) if sep else (None, None)
+        name, path = item
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise ConfigError(field_name, value, "adapters as name=path (a PEFT folder or a GGUF adapter file), "
+                              'or JSON {"name": ..., "path": ...}')
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -360,6 +413,7 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None       # None: no KV events published
     shutdown_timeout: float = 30.0   # a launched engine's SIGTERM gives its requests this long (serve's flag)
     turns: TurnsConfig | None = None # cores shared with engines of the other role (launcher.py)
+    lora: LoRAConfig | None = None   # None: no adapters (--enable-lora or --lora-modules turn them on)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

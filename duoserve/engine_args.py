@@ -21,9 +21,9 @@ from duoserve.config import (DEFAULT_CPU_KV_CACHE_GIB, DEFAULT_CPU_KV_SEQUENCES,
                              LATENCY_STEP_MS, LATENCY_STEP_TOKENS,
                              DEFAULT_NUM_SPECULATIVE_TOKENS,
                              DEFAULT_SPEC_DISABLE_BATCH_SIZE, DTYPES, GGUF_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                             SPEC_METHODS, parse_size, parse_tenant_weights,
-                             CacheConfig, EngineConfig, KVDiskConfig, KVEventsConfig, KVStoreConfig, ModelConfig, SchedulerConfig,
-                             SpeculativeConfig)
+                             SPEC_METHODS, parse_lora_modules, parse_size, parse_tenant_weights,
+                             CacheConfig, EngineConfig, KVDiskConfig, KVEventsConfig, KVStoreConfig, LoRAConfig,
+                             ModelConfig, SchedulerConfig, SpeculativeConfig)
 from duoserve.errors import ConfigError
 from duoserve.flags import add_flags, flag, values_from_args
 from duoserve.gguf_types import block_type_names
@@ -33,6 +33,7 @@ SPECULATIVE_GROUP = "speculative decoding (off unless --speculative-method is gi
 KV_STORE_GROUP = "shared KV store (off unless --kv-store is given)"
 KV_DISK_GROUP = "KV tier on disk (off unless --kv-disk-path is given)"
 KV_EVENTS_GROUP = "KV events for cluster routers (off unless --kv-events-endpoint is given)"
+LORA_GROUP = "LoRA adapters (off unless --enable-lora or --lora-modules is given)"
 
 
 def _spec_defaults(table: dict[str, int]) -> str:
@@ -140,6 +141,17 @@ class EngineArgs:
     speculative_config: dict[str, Any] | SpeculativeConfig | None = flag(
         None, "LLM(speculative_config=...): the speculative settings as one dict of SpeculativeConfig's fields",
         cli=False)
+    # LoRA adapters
+    enable_lora: bool = flag(False, "serve LoRA adapters (given later with POST /v1/load_lora_adapter); "
+                             "--lora-modules turns it on too", parse=bool, group=LORA_GROUP)
+    lora_modules: tuple[tuple[str, str], ...] = flag(
+        (), "adapters loaded at start, each name=path (a PEFT folder or a GGUF adapter file) or vLLM's JSON "
+        "{\"name\": ..., \"path\": ...}; a request names one in 'model'", convert=parse_lora_modules, nargs="+",
+        cli_default=None, group=LORA_GROUP, default_help="none")
+    max_loras: int = flag(LoRAConfig.max_loras, "adapters loaded at once: loading one more unloads the least "
+                          "recently used that no request uses", parse=int, group=LORA_GROUP)
+    max_lora_rank: int = flag(LoRAConfig.max_lora_rank, "the largest adapter rank loaded (a larger one is refused)",
+                              parse=int, group=LORA_GROUP)
     # the shared KV store
     kv_store: str | None = flag(
         None, "redis://[:password@]host:port/db (or rediss://): full KV blocks shared by every engine of the same "
@@ -205,7 +217,13 @@ class EngineArgs:
             kv_store=KVStoreConfig(self.kv_store, self.kv_store_ttl, self.kv_store_timeout,
                                    required=self.kv_store_required) if self.kv_store else None,
             kv_disk=KVDiskConfig(self.kv_disk_path, parse_size(self.kv_disk_bytes)) if self.kv_disk_path else None,
-            kv_events=self._kv_events())
+            kv_events=self._kv_events(), lora=self._lora())
+
+    def _lora(self) -> LoRAConfig | None:
+        modules = parse_lora_modules(self.lora_modules, "lora_modules")
+        if not (self.enable_lora or modules):
+            return None
+        return LoRAConfig(modules, self.max_loras, self.max_lora_rank)
 
     def _kv_events(self) -> KVEventsConfig | None:
         if self.kv_events_endpoint is None:

@@ -21,7 +21,7 @@ Convert = Callable[[Any, str], Any]   # (the flag's value, the field's name) -> 
 def flag(default: Any = None, help: str = "", *, parse: Callable[[str], Any] | None = None,
          choices: tuple[str, ...] | None = None, group: str | None = None, default_help: str | None = None,
          factory: Callable[[], Any] | None = None, cli: bool = True, name: str | None = None,
-         cli_default: Any = dataclasses.MISSING, convert: Convert | None = None):
+         cli_default: Any = dataclasses.MISSING, convert: Convert | None = None, nargs: str | None = None):
     """A dataclass field with what its flag needs:
 
     ``parse`` turns the flag's text into the value (``bool``: --x/--no-x); ``choices`` the values
@@ -30,9 +30,11 @@ def flag(default: Any = None, help: str = "", *, parse: Callable[[str], Any] | N
     the command line; ``name`` the flag's name where it is not the field's; ``cli_default`` the
     flag's own default where it differs from the field's (None, to tell a flag given from one left
     out; a callable is called when the parser is made); ``convert`` makes the field's value of
-    the flag's (a list in one string, checked and named by the field)."""
+    the flag's (a list in one string, checked and named by the field); ``nargs`` argparse's (words
+    after the flag, as a list)."""
     metadata = {"help": help, "parse": parse, "choices": choices, "group": group, "default_help": default_help,
-                "cli": cli, "name": name, "cli_default": cli_default, "convert": convert}
+                "cli": cli, "name": name, "cli_default": cli_default, "convert": convert,
+                "nargs": nargs}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -77,6 +79,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, groups: dict[str, argparse._
             kwargs["type"] = meta["parse"]
         if meta["choices"]:
             kwargs["choices"] = list(meta["choices"])
+        if meta.get("nargs"):
+            kwargs["nargs"] = meta["nargs"]
         if actions and f.name in actions:
             kwargs["action"] = actions[f.name]
         groups[group_title].add_argument(option(f), **kwargs)

@@ -102,6 +102,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None   # blocks cached under one salt serve only requests with the same salt
+    # the LoRA adapter computing this request (vLLM's LoRARequest, by name; None: the base model).
+    # Its digest, the adapter's content, is the engine's to fill in: the prefix cache, the KV tiers
+    # and the KV handoff key on it, so one adapter's KV never serves another's request
+    lora_name: str | None = None
+    lora_digest: str | None = None
     structured_outputs: StructuredOutputsParams | None = None   # a grammar every completion matches
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI's)
     allowed_token_ids: tuple[int, ...] | None = None   # only these may be drawn (vLLM's)
@@ -201,6 +206,9 @@ class SamplingParams:
             ("cache_salt", self.cache_salt, self.cache_salt is None or (isinstance(self.cache_salt, str)
                                                                           and self.cache_salt != ""),
              "a non-empty string, or None"),
+            ("lora_name", self.lora_name, self.lora_name is None or (isinstance(self.lora_name, str)
+                                                                        and 0 < len(self.lora_name) <= 128),
+             "an adapter's name (1 to 128 characters), or None for the base model"),
         ]
         for name, value, ok, allowed in checks:
             if not ok:
@@ -219,3 +227,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for ``LLM.generate(..., lora_request=...)`` (vLLM's ``LoRARequest``): its name and
+    where its files are (a PEFT folder or a GGUF adapter file); loaded on first use. ``lora_int_id``
+    is vLLM's and means nothing here."""
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""

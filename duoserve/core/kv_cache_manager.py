@@ -24,8 +24,11 @@ from duoserve.core.block_pool import Block, BlockPool, hash_block
 from duoserve.core.request import Request
 
 
-def salt_root(salt: str | None) -> bytes | None:
-    """The parent of a salted sequence's first block hash: its blocks hash apart from everyone else's."""
+def salt_root(salt: str | None, lora_digest: str | None = None) -> bytes | None:
+    """The parent of a sequence's first block hash where its KV is not everyone's: a cache salt's, or
+    a LoRA adapter's (its content digest), whose blocks hash apart from every other's."""
+    if lora_digest is not None:
+        return hashlib.sha256(b"duoserve-lora:" + lora_digest.encode() + b"\0" + (salt or "").encode()).digest()
     return None if salt is None else hashlib.sha256(b"duoserve-cache-salt:" + salt.encode()).digest()
 
 
@@ -124,7 +127,7 @@ class KVCacheManager:
         size = self.block_size
         while (len(hashes) + 1) * size <= num_tokens:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else salt_root(request.params.cache_salt)
+            parent = hashes[-1] if hashes else salt_root(request.params.cache_salt, request.params.lora_digest)
             hashes.append(hash_block(parent, request.token_ids(start, start + size)))
 
     def find_cached_prefix(self, request: Request) -> list[Block]:

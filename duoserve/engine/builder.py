@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from duoserve.config import EngineConfig, Role
+from duoserve.config import EngineConfig, LoRAConfig, Role
 from duoserve.core.kv_cache_manager import KVCacheManager, window_to_free
 from duoserve.core.kv_sources import KVSource, PrefixCacheSource, SwapSource
 from duoserve.core.scheduler import Scheduler, SchedulerSetup
@@ -31,6 +31,7 @@ from duoserve.kv.store import BlockStore, RedisTier, StoreSource
 from duoserve.model.encoder import EncoderArch
 from duoserve.model.fingerprint import describe, fingerprint
 from duoserve.model.loader import LoadedModel, check_max_model_len, weight_bytes
+from duoserve.model.lora import LoRALoadError
 from duoserve.model.paths import resolve_model_path
 from duoserve.platform import resolve
 from duoserve.structured.cache import GrammarCache
@@ -39,6 +40,7 @@ from duoserve.worker.backends import load_model
 from duoserve.worker.draft import DraftRunner, load_draft
 from duoserve.worker.grammar_masks import GrammarMasks
 from duoserve.worker.kv_cache import bytes_per_token, plan_kv_pool
+from duoserve.worker.lora import LoRAManager
 from duoserve.worker.memory import (estimate_prefill_scratch, measure_prefill_scratch, rss_bytes, scratch_measured,
                                     tensor_resident_bytes)
 from duoserve.worker.encoder_runner import EncoderRunner
@@ -193,10 +195,25 @@ class EngineBuilder:
         self.loading_bytes = self._loading_bytes(runner, sum(self.weights.values()))
         if self.num_swap_blocks:
             runner.allocate_swap(self.num_swap_blocks, cache.block_size, self.kv_dtype)
+        if config.lora is not None:
+            runner.lora = self._adapters(config.lora)
         if draft is not None:
             runner.drafter = DraftRunner(draft, num_blocks, cache.block_size, self.kv_dtype, self.device,
                                          config.model.seed, compile_model, max_catch_up=self.budget)
         return runner
+
+    def _adapters(self, config: LoRAConfig) -> LoRAManager:
+        """The LoRA adapters' hooks on the model, and the adapters given at start (a bad one is a
+        config error naming it)."""
+        loaded = self.loaded
+        manager = LoRAManager(loaded.model, loaded.arch, config, loaded.dtype, loaded.gguf_arch)
+        for name, path in config.modules:
+            try:
+                manager.load(name, path)
+            except LoRALoadError as exc:
+                raise ConfigError("lora_modules", f"{name}={path}", f"an adapter this model can serve: {exc}") \
+                    from None
+        return manager
 
     def _open_store(self, kv: KVCacheManager) -> StoreSource:
         """The KV tiers (disk first, then Redis), keyed by this model's fingerprint and KV layout;

@@ -11,6 +11,7 @@ turns them into text.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -23,15 +24,21 @@ from duoserve.core.swap_space import SwapCost
 from duoserve.engine.cpu_turns import CpuTurns
 from duoserve.engine.handoff import Handoff
 from duoserve.engine.measures import EngineMeasures
+from duoserve.errors import DuoserveError
 from duoserve.kv.connector import KVReceiver, KVSender
 from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe
 from duoserve.model.loader import LoadedModel
 from duoserve.structured.cache import GrammarCache
+from duoserve.worker.lora import adapter_problem
 from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class AdapterRefused(DuoserveError, ValueError):
+    """A request for a LoRA adapter this engine has not loaded."""
 
 
 class EngineCore:
@@ -122,6 +129,14 @@ class EngineCore:
         return self.arch.eos_token_ids
 
     def add_request(self, request: Request, kv_peer: str | None = None, kv_peer_instance: str | None = None) -> None:
+        """Take a request; ``AdapterRefused`` (nothing taken) for a LoRA adapter not loaded here."""
+        name = request.params.lora_name
+        if name is not None:
+            problem = adapter_problem(self.runner.lora, name)
+            if problem is not None:
+                raise AdapterRefused(problem)
+            # the adapter's identity: its KV's block hashes and any handoff are keyed by it
+            request.params = dataclasses.replace(request.params, lora_digest=self.runner.lora.digest(name))
         self.scheduler.add_request(request)
         self.handoff.route(request.request_id, kv_peer, kv_peer_instance)
 

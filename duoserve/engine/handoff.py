@@ -28,6 +28,7 @@ from duoserve.kv.connector import KVReceiver, KVSender, KVTransfer
 from duoserve.kv.reblock import extract_kv
 from duoserve.kv.staging import to_host
 from duoserve.messages import TransferMeta
+from duoserve.worker.lora import adapter_problem
 from duoserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -130,9 +131,9 @@ class ReceiveKV(Handoff):
     """A decode engine's: arrived transfers wait for blocks; once their KV is in, acks and the
     prefill engine's first token restated."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner | None = None) -> None:
         super().__init__()
-        self.scheduler = scheduler
+        self.scheduler, self.runner = scheduler, runner
         # requests ended before their KV arrived (the frontend's message overtook the transfer):
         # whole requests (aborted or released), and single samples stopped by a stop string
         self.aborted_early: collections.deque[str] = collections.deque(maxlen=4096)
@@ -144,12 +145,20 @@ class ReceiveKV(Handoff):
     def before_step(self) -> list[EngineCoreOutput]:
         if self.connector is None:
             return []
+        refused: list[EngineCoreOutput] = []
         for transfer in self.connector.poll_transfers():
             request_id = transfer.request_id
             if request_id.partition("/")[0] in self.aborted_early or request_id in self.stopped_early:
                 self.connector.acknowledge(request_id)   # free the sender's lease, compute nothing
                 continue
             request = transfer.meta.to_request()
+            problem = adapter_problem(self.runner.lora if self.runner else None, request.params.lora_name,
+                                      request.params.lora_digest)
+            if problem is not None:   # KV computed by another adapter than ours: never decoded on
+                logger.error("refused a transferred request: %s", problem)
+                self.connector.acknowledge(request_id)
+                refused.append(EngineCoreOutput(request_id, [], finish_reason="error", error=problem))
+                continue
             request.output_token_ids.append(transfer.meta.first_token)
             request.prompt_logprobs = None   # the prefill engine delivered them
             request.num_cached_tokens = transfer.meta.num_cached_tokens   # what the client's usage reports
@@ -158,7 +167,7 @@ class ReceiveKV(Handoff):
             except ValueError as exc:  # e.g. a duplicate id: refuse this one, keep serving
                 logger.error("refused a transferred request: %s", exc)
                 self.connector.acknowledge(request_id)
-        return []
+        return refused
 
     def after_step(self, plan: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         """Ack each arrived KV, and report the prefill engine's first token again.

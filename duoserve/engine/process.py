@@ -493,7 +493,13 @@ class EngineServer:
         core = self.core
         request_id = tag + TAG_SEP + message.request_id
         if isinstance(message, msg.AddRequest):
-            core.add_request(message.to_request(request_id), message.kv_peer, message.kv_peer_instance)
+            from duoserve.core.outputs import EngineCoreOutput
+            from duoserve.engine.core import AdapterRefused
+
+            try:
+                core.add_request(message.to_request(request_id), message.kv_peer, message.kv_peer_instance)
+            except AdapterRefused as exc:   # this request's error; the engine serves on
+                return [EngineCoreOutput(request_id, [], finish_reason="error", error=str(exc))]
             return []
         if isinstance(message, msg.AbortRequest):
             return core.abort(request_id)

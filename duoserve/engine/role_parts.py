@@ -79,7 +79,7 @@ class DecodeParts(ColocatedParts):
     takes_turns = True
 
     def handoff(self, config: EngineConfig, scheduler, runner) -> Handoff:
-        return ReceiveKV(scheduler)
+        return ReceiveKV(scheduler, runner)
 
     def kv_sources(self) -> list[KVSource]:
         return [TransferSource()]

@@ -17,7 +17,7 @@ from duoserve.errors import ConfigError
 from duoserve.frontend.frontend import Frontend
 from duoserve.model.reranker import pair_token_ids
 from duoserve.outputs import RequestOutput
-from duoserve.sampling_params import EMBEDDING_POOLINGS, SamplingParams
+from duoserve.sampling_params import EMBEDDING_POOLINGS, LoRARequest, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -98,9 +98,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete every prompt (strings or token-id lists); outputs come back in input order.
-        ``priority``: one per prompt, lower first (vLLM's; needs ``scheduling_policy="priority"``)."""
+        ``priority``: one per prompt, lower first (vLLM's; needs ``scheduling_policy="priority"``).
+        ``lora_request``: the adapter computing every prompt, or one per prompt (None: the base
+        model); each is loaded on first use (needs ``enable_lora=True`` or ``lora_modules``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -112,6 +115,12 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
             params_list = [dataclasses.replace(sp, priority=p) for sp, p in zip(params_list, priority)]
+        if lora_request is not None:
+            loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests: give one per prompt")
+            params_list = [sp if lora is None else dataclasses.replace(sp, lora_name=self._adapter(lora))
+                           for sp, lora in zip(params_list, loras)]
         for sp in params_list:
             self.engine.config.scheduler.check_priority(sp.priority)
         ids: list[str] = []
@@ -123,6 +132,23 @@ class LLM:
                 self.frontend.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def _adapter(self, lora: LoRARequest) -> str:
+        """The adapter's name, loaded first where it is not (or was loaded from elsewhere)."""
+        manager = self.engine.runner.lora
+        if manager is None:
+            raise ConfigError("lora_request", lora.lora_name, "None for an LLM made without enable_lora=True or "
+                              "lora_modules")
+        loaded = manager.adapters.get(lora.lora_name)
+        if loaded is None or (lora.lora_path and loaded.path != lora.lora_path):
+            if not lora.lora_path:
+                raise ConfigError("lora_request", lora.lora_name, "a LoRARequest with lora_path: the adapter is "
+                                  "not loaded")
+            manager.load(lora.lora_name, lora.lora_path, in_use=self._adapter_in_use)
+        return lora.lora_name
+
+    def _adapter_in_use(self, name: str) -> bool:
+        return any(r.params.lora_name == name for r in self.engine.scheduler.requests.values())
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -251,8 +251,9 @@ class EngineGroup:
     def choose(self, request: Request) -> tuple[EngineClient, EngineClient | None, placement.Choice, int]:
         """(decode engine, prefill engine or None, the choice, the prompt tokens it computes) for a
         new request, by the module docstring's rules. Raises EngineDeadError when no decode engine is up."""
+        # an adapter's blocks hash under its digest, which the engines know: such a request goes by load
         hashes = (self.prefixes.hashes(request.prompt_token_ids, request.params.cache_salt)
-                  if self.router.routing != "least-loaded" else [])
+                  if self.router.routing != "least-loaded" and request.params.lora_name is None else [])
         n = request.num_prompt_tokens
         mine = {name: count for (name, _), count in self.tenant_load(request.params.tenant).items()}
         decode = self._best(self.decode, hashes, n, mine)

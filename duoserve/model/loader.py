@@ -42,6 +42,7 @@ class LoadedModel:
     classifier_token_ids: tuple[int, ...] = ()
     classifier_head: torch.Tensor | None = None   # or its rows [no, yes] ([2, hidden]; a GGUF rank model's)
     score_template: str | None = None             # the file's yes/no prompt ({query}, {document})
+    gguf_arch: str | None = None                  # a GGUF file's general.architecture (its adapters' too)
 
 
 def check_max_model_len(arch: ModelArch | EncoderArch, max_model_len: int | None) -> int:
@@ -100,7 +101,7 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
         return load_encoder(config, path, dtype, device, encoder_label)
     overrides, classifier_tokens = split_reranker(config.hf_overrides)
     classifier_head, score_template = None, None   # a GGUF reranker's [no, yes] rows and prompt
-    reranker = None
+    reranker, gguf_arch = None, None
     if path.is_file():
         from duoserve.model.gguf_loader import GGUFSource, open_gguf, read_header
 
@@ -144,7 +145,7 @@ def load_checkpoint(config: ModelConfig, runtime: RunTime, blocks: BlockModules 
                        pooling=pooling,
                        reranker=reranker or (YES_NO if classifier_ids or classifier_head is not None else None),
                        classifier_token_ids=classifier_ids, classifier_head=classifier_head,
-                       score_template=score_template)
+                       score_template=score_template, gguf_arch=gguf_arch)
 
 
 def is_encoder_dir(path: Path) -> bool:

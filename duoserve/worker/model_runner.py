@@ -29,6 +29,7 @@ from duoserve.worker.backends import use_cpu_kernels
 from duoserve.worker.fused_decode import EagerDecodeStep
 from duoserve.worker.grammar_masks import GrammarMasks, StepMasks
 from duoserve.worker.kv_cache import allocate_kv_cache
+from duoserve.worker.lora import LoRAManager
 from duoserve.worker.sampler import SamplingRow, logprobs_of, sample_tensor, top_logprobs
 from duoserve.worker.spec_verify import verify
 
@@ -61,6 +62,7 @@ class ModelRunner:
         # a yes/no reranker's (model/reranker.py): its tokens' logits, or a GGUF file's rows for them
         self.classifier_token_ids = list(loaded.classifier_token_ids)
         self.classifier_head = loaded.classifier_head
+        self.lora: LoRAManager | None = None   # LoRA adapters (the builder sets it up where asked)
 
     def allocate_swap(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Host-memory blocks of the KV cache's layout for swapped-out requests (pinned for a GPU)."""
@@ -116,7 +118,11 @@ class ModelRunner:
         items = sorted(plan.scheduled, key=lambda s: s.num_new_tokens != 1)
         token_ids: list[int] = []
         positions: list[int] = []
+        adapter_rows: dict[str, list[int]] = {}   # a LoRA adapter's rows of the step
         for item in items:
+            if item.request.params.lora_name is not None:
+                adapter_rows.setdefault(item.request.params.lora_name, []).extend(
+                    range(len(positions), len(positions) + item.num_new_tokens))
             token_ids.extend(item.request.token_ids(item.start, item.start + item.num_known_tokens))
             token_ids.extend(item.spec_token_ids)
             positions.extend(range(item.start, item.start + item.num_new_tokens))
@@ -125,8 +131,15 @@ class ModelRunner:
             [i.block_ids for i in items], self.block_size, self.device)
         rows, row_hidden, owners = self._sampling_rows(items)
         masks = self._start_masks(owners)   # computed on another thread while the forward runs
-        hidden = self.forward(torch.tensor(token_ids, device=self.device),
-                              torch.tensor(positions, device=self.device), self.kv_caches, meta)
+        # adapter rows: the eager model, whose layers' hooks add them (no C++ step, no graph)
+        forward = self.model if self.lora is not None and self.lora.begin_step(adapter_rows, self.device) \
+            else self.forward
+        try:
+            hidden = forward(torch.tensor(token_ids, device=self.device),
+                             torch.tensor(positions, device=self.device), self.kv_caches, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         output = RunnerOutput(sampled={})
         if rows:
             self._sample(rows, row_hidden, owners, hidden, output, draft_probs,
