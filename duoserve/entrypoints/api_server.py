@@ -334,7 +334,8 @@ async def generate(body: GenerateRequest, raw: Request):
 @router.get("/models")
 async def models(raw: Request):
     registry = raw.app.state.models
-    return {"object": "list", "data": [registry.describe(entry) for entry in registry.entries.values()]}
+    return {"object": "list", "data": [registry.describe(entry) for entry in registry.entries.values()]
+            + registry.describe_adapters()}
 
 
 @router.post("/models/load")

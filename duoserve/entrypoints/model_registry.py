@@ -15,6 +15,7 @@ Loads and unloads take turns under one lock; requests to models already loaded n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from prometheus_client.metrics_core import Metric
 
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.errors import APIError
+from duoserve.errors import ConfigError
 from duoserve.entrypoints.responses_store import RedisResponseStore, ResponseStore
 from duoserve.entrypoints.server_config import ModelsConfig, ServerConfig
 from duoserve.entrypoints.serving import OpenAIServing
@@ -58,18 +60,46 @@ class ModelSpec:
     load_on_startup: bool = True
 
 
-class ServedModel:
-    """One loaded model: its engine group and every API surface over it."""
+class Surfaces:
+    """Every API surface over one engine group, answering as one model: the base, or one of its
+    LoRA adapters (``AdapterEngine``)."""
 
-    def __init__(self, spec: ModelSpec, engine: AsyncEngine, store: ResponseStore) -> None:
+    def __init__(self, name: str, engine, server: ServerConfig, store: ResponseStore) -> None:
         self.engine = engine
-        self.openai = OpenAIServing(engine, spec.name)
-        self.chat = ChatServing(self.openai, spec.server.tool_call_parser, spec.server.reasoning_parser)
+        self.openai = OpenAIServing(engine, name)
+        self.chat = ChatServing(self.openai, server.tool_call_parser, server.reasoning_parser)
         self.anthropic = AnthropicServing(self.chat)
         self.responses = ResponsesServing(self.chat, store)
-        self.embeddings = EmbeddingServing(self.openai, spec.server.pooling)
+        self.embeddings = EmbeddingServing(self.openai, server.pooling)
         self.scores = ScoreServing(self.openai)
+
+
+class AdapterEngine:
+    """An engine group seen through one LoRA adapter (vLLM's convention: the adapter's name is a
+    model): every request it starts is the adapter's; everything else is the engine group's."""
+
+    def __init__(self, engine: AsyncEngine, adapter: str) -> None:
+        self._engine, self.adapter = engine, adapter
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate(self, prompt, params, request_id: str, **kwargs):
+        return self._engine.generate(prompt, dataclasses.replace(params, lora_name=self.adapter), request_id, **kwargs)
+
+
+class ServedModel:
+    """One loaded model: its engine group, and the surfaces of the base and of each adapter."""
+
+    def __init__(self, spec: ModelSpec, engine: AsyncEngine, store: ResponseStore) -> None:
+        self.spec, self.engine, self.store = spec, engine, store
+        self.surfaces: dict[str | None, Surfaces] = {None: Surfaces(spec.name, engine, spec.server, store)}
         self.leases = 0   # requests between asking for the model and handing their streams to it
+
+    def surface(self, adapter: str | None) -> Surfaces:
+        if adapter not in self.surfaces:
+            self.surfaces[adapter] = Surfaces(adapter, AdapterEngine(self.engine, adapter), self.spec.server, self.store)
+        return self.surfaces[adapter]
 
     @property
     def busy(self) -> bool:
@@ -106,6 +136,11 @@ class ModelRegistry:
                                                                   model_name=spec.name), self._tracer(spec.name))
                         for spec in specs}
         self.single = len(specs) == 1
+        # a LoRA adapter's name -> (its base model's, its path): a request names either (vLLM's way)
+        self.adapters: dict[str, tuple[str, str]] = {}
+        for spec in specs:
+            for adapter, path in spec.engine_config.lora.modules if spec.engine_config.lora else ():
+                self.add_adapter(adapter, spec.name, path)
         self.collector = CollectorRegistry()
         self.collector.register(_ModelsCollector(self))
         self._counters(self.collector)
@@ -156,6 +191,17 @@ class ModelRegistry:
                            param="model", code="model_not_found")
         return entry
 
+    def resolve(self, name: str | None) -> tuple[ModelEntry, str | None]:
+        """(the model, the adapter or None) a request's ``model`` names."""
+        if name is not None and name in self.adapters:
+            return self.entries[self.adapters[name][0]], name
+        return self.entry(name), None
+
+    def add_adapter(self, adapter: str, model: str, path: str) -> None:
+        if adapter in self.entries or self.adapters.get(adapter, (model,))[0] != model:
+            raise ConfigError("lora_modules", adapter, "a name no model and no other model's adapter has")
+        self.adapters[adapter] = (model, path)
+
     def loaded(self) -> list[ModelEntry]:
         return [e for e in self.entries.values() if e.served is not None]
 
@@ -173,10 +219,10 @@ class ModelRegistry:
     # ---- serving ----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def use(self, name: str | None) -> AsyncIterator[ServedModel]:
-        """The model a request names, loaded (and loading it first where it is not), held loaded
-        until the request has handed its streams to the engines."""
-        entry = self.entry(name)
+    async def use(self, name: str | None) -> AsyncIterator[Surfaces]:
+        """The surfaces of the model (or adapter) a request names, the model loaded (first, where
+        it is not) and held loaded until the request has handed its streams to the engines."""
+        entry, adapter = self.resolve(name)
         if entry.state != "loaded":
             if entry.state == "unloaded" and not self.limits.models_autoload:
                 raise APIError(400, f"the model `{entry.spec.name}` is not loaded: POST /models/load first "
@@ -186,7 +232,7 @@ class ModelRegistry:
         served.leases += 1
         entry.last_used = time.monotonic()
         try:
-            yield served
+            yield served.surface(adapter)
         finally:
             served.leases -= 1
             entry.last_used = time.monotonic()
@@ -345,6 +391,12 @@ class ModelRegistry:
         if entry.error is not None:
             about["status"]["error"] = entry.error
         return about
+
+    def describe_adapters(self) -> list[dict]:
+        """Each LoRA adapter as vLLM lists it: its base model as ``parent``, its files as ``root``."""
+        return [{"id": adapter, "object": "model", "created": int(time.time()), "owned_by": "duoserve",
+                 "root": path, "parent": model, "status": {"value": self.entries[model].state}}
+                for adapter, (model, path) in self.adapters.items()]
 
 
 class _ModelsCollector:

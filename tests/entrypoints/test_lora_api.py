@@ -1,0 +1,93 @@
+"""LoRA adapters over HTTP: a request names an adapter in ``model`` (vLLM's convention), /v1/models
+lists each with its base as ``parent``, and the prefix cache keeps adapters apart (the metrics)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from duoserve import LLM, LoRARequest, SamplingParams
+from tests.e2e.test_lora import make_tiny_lora
+from tests.server_helpers import Server, metric, wait_metric
+
+PROMPT = list(range(40, 80))   # 40 tokens: two full blocks of 16
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir, tmp_path_factory):
+    base = tiny_dir("llama")
+    root = tmp_path_factory.mktemp("lora-api")
+    adapters = {name: make_tiny_lora(base, root / name, seed) for name, seed in (("a", 21), ("b", 22))}
+    llm = LLM(model=str(base), dtype="float32", kv_cache_memory=0.05,
+              lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    reference = {name: list(llm.generate([PROMPT], params, use_tqdm=False,
+                                         lora_request=LoRARequest(name) if name else None)[0].outputs[0].token_ids)
+                 for name in ("a", "b", None)}
+    server = Server("--model", str(base), "--served-model-name", "tiny", "--dtype", "float32",
+                    "--kv-cache-memory", "0.05", "--num-threads", "1", "--lora-modules",
+                    *[f"{n}={p}" for n, p in adapters.items()], log=root / "server.log")
+    yield server, adapters, reference
+    server.stop()
+
+
+def generate(url: str, model: str | None) -> httpx.Response:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(f"{url}/generate", json=body, timeout=600)
+
+
+def test_models_lists_each_adapter_with_its_base(setup):
+    server, adapters, _ = setup
+    data = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m.get("parent"), m.get("root")) for m in data] == [
+        ("tiny", None, None), ("a", "tiny", str(adapters["a"])), ("b", "tiny", str(adapters["b"]))]
+
+
+def test_requests_name_their_adapter_and_mixed_at_once_get_its_tokens(setup):
+    server, _, reference = setup
+    results, errors = {}, []
+
+    def run(model, i):
+        response = generate(server.url, model)
+        (results.__setitem__((model, i), response.json()["token_ids"]) if response.status_code == 200
+         else errors.append(response.text))
+
+    threads = [threading.Thread(target=run, args=(model, i)) for i in range(2) for model in ("a", "b", "tiny")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for (model, _), got in results.items():
+        assert got == reference[None if model == "tiny" else model], model
+    completion = httpx.post(f"{server.url}/v1/completions", json={"model": "b", "prompt": PROMPT, "max_tokens": 2},
+                            timeout=600).json()
+    assert completion["model"] == "b"
+    unknown = generate(server.url, "c")
+    assert unknown.status_code == 404 and "`tiny`" in unknown.json()["error"]["message"]
+
+
+def test_an_adapters_prompt_after_anothers_gets_no_prefix_hit(setup):
+    server, _, _ = setup
+    prompt = list(range(100, 149))   # three full blocks and a token, asked of nobody before
+    queries = "duoserve:prefix_cache_queries_total"
+    previous = None
+    while previous != (now := metric(server.url, queries)):   # the earlier tests' stats all in
+        previous = now
+        time.sleep(1.5)   # the engine sends stats once a second
+    start_hits = metric(server.url, "duoserve:prefix_cache_hits_total")
+
+    def cached(model: str) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).json()
+        return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(m) for m in ("a", "b", "tiny", "a")] == [0, 0, 0, 48]   # b and the base find none of a's
+    wait_metric(server.url, queries, lambda v: v >= previous + 4 * len(prompt))
+    assert metric(server.url, "duoserve:prefix_cache_hits_total") == start_hits + 48
