@@ -23,6 +23,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     parser.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters' names to send instead, a request each in turn (vLLM's flag; the "
+                             "server's --lora-modules names)")
     parser.add_argument("--tokenizer", default=None,
                         help="a local HF directory or GGUF file to count tokens with (default: the default model's)")
     parser.add_argument("--api-key", default=None)
@@ -148,7 +151,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     sampler.start()
     progress = None if args.quiet else tqdm(total=len(requests), desc="requests")
     try:
-        records, seconds = asyncio.run(run(args.base_url, args.endpoint, model, requests, args.request_rate,
+        names = [n.partition("=")[0] for n in args.lora_modules] if args.lora_modules else model
+        records, seconds = asyncio.run(run(args.base_url, args.endpoint, names, requests, args.request_rate,
                                            args.burstiness, args.max_concurrency, args.duration, args.ignore_eos,
                                            args.api_key, args.seed, progress=progress))
     finally:
@@ -156,6 +160,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
     config = {"base_url": args.base_url, "endpoint": args.endpoint, "model": model, "dataset": args.dataset,
+              "lora_modules": names if args.lora_modules else None,
               "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "range_ratio": args.range_ratio, "request_rate": args.request_rate, "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "seed": args.seed,

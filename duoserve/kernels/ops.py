@@ -198,7 +198,10 @@ def define_ops() -> torch.library.Library:
                "int gguf_exact) -> ()")
     # one decode step of that model: input_ids [rows] -> the final norm's output [rows, hidden]
     lib.define("decode_step(int context, Tensor input_ids, Tensor positions, Tensor slot_mapping, "
-               "Tensor block_tables, Tensor seq_lens) -> Tensor")
+               "Tensor block_tables, Tensor seq_lens, Tensor row_adapter, Tensor lora_tables) -> Tensor")
+    # LoRA adapters' updates added to a projection's output rows in place (csrc/lora.c): each row's
+    # adapter (-1: none) indexes lora_tables, the addresses of the adapters' tables (worker/lora.py)
+    lib.define("lora_rows(Tensor(a!) y, Tensor x, Tensor row_adapter, Tensor lora_tables, int index) -> ()")
     native = load_torch_op_library()  # csrc/cpu_ops.cpp: the C++ kernels of the linears and attention
     if not native:
         lib.impl("linear", linear_any_m, "CPU")

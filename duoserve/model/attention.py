@@ -62,6 +62,8 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     block_size: int
     _decode_gather: dict = field(default_factory=dict)   # window -> (slots, mask): see decode_gather
+    # LoRA rows (worker/lora.py): each token's adapter (-1: none) and the adapters' table addresses
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None
     _longest: int | None = None                          # see longest_context
 
     def longest_context(self) -> int:

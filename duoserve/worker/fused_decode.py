@@ -170,6 +170,9 @@ class _Projections:
         return self.empty
 
 
+NO_LORA = torch.empty(0, dtype=torch.long)   # a step without LoRA rows
+
+
 class FusedDecodeStep:
     """``step(input_ids, positions, meta)``: the final hidden states of a step of decodes."""
 
@@ -229,7 +232,9 @@ class FusedDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tables, lens = meta.token_contexts()
-        return torch.ops.duoserve.decode_step(self.context, input_ids, positions, meta.slot_mapping, tables, lens)
+        row_adapter, lora_tables = meta.lora if meta.lora is not None else (NO_LORA, NO_LORA)
+        return torch.ops.duoserve.decode_step(self.context, input_ids, positions, meta.slot_mapping, tables, lens,
+                                              row_adapter, lora_tables)
 
 
 def fused_step(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], context: StepContext,

@@ -15,6 +15,7 @@ least recently used that no request in the engine uses.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -30,23 +31,77 @@ from duoserve.model.lora import LoRAAdapter, LoRALayer, LoRALoadError, adapter_t
 logger = logging.getLogger(__name__)
 
 
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")   # a layer's, in lora.h's order
+MAX_SLICES, MAX_STACKED = 3, 768                     # lora.h's LORA_MAX_SLICES, LORA_MAX_STACKED
+
+
+class _Slice(ctypes.Structure):   # lora.h's struct lora_slice
+    _fields_ = [("bt", ctypes.c_void_p), ("offset", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("r0", ctypes.c_int64), ("r1", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+class _Update(ctypes.Structure):   # lora.h's struct lora_update
+    _fields_ = [("a", ctypes.c_void_p), ("stacked", ctypes.c_int64), ("in_", ctypes.c_int64),
+                ("num_slices", ctypes.c_int64), ("bf16", ctypes.c_int64), ("slices", _Slice * MAX_SLICES)]
+
+
+def c_lora_available() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("duoserve::lora_rows", "CPU")
+
+
+class AdapterTable:
+    """An adapter's updates as csrc/lora.c reads them: copies of its matrices (B transposed) in
+    the model's dtype, float32 or bfloat16 (the bytes a step reads: four rank-16 adapters of
+    SmolLM2-135M are 78 MB in float32), and one ``struct lora_update`` per layer and projection
+    (index layer * 4 + projection)."""
+
+    def __init__(self, adapter: LoRAAdapter, num_layers: int, dtype: torch.dtype) -> None:
+        self.dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.tensors: list[torch.Tensor] = []   # what the table points into, kept alive with it
+        self.updates = (_Update * (num_layers * len(PROJECTIONS)))()
+        for name, layer in adapter.modules.items():
+            _, index, projection = name.split(".")
+            update = self.updates[int(index) * len(PROJECTIONS) + PROJECTIONS.index(projection)]
+            a = self._keep(layer.a)
+            update.a, update.stacked, update.in_ = a.data_ptr(), a.shape[0], a.shape[1]
+            update.num_slices, update.bf16 = len(layer.slices), int(self.dtype == torch.bfloat16)
+            for i, piece in enumerate(layer.slices):
+                bt = self._keep(piece.b.T)   # transposed: lora.c sums across outputs
+                update.slices[i] = _Slice(bt.data_ptr(), piece.offset, piece.rows, piece.ranks[0], piece.ranks[1],
+                                          piece.scale)
+        self.address = ctypes.addressof(self.updates)
+
+    def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        kept = tensor.to(self.dtype).contiguous()
+        self.tensors.append(kept)
+        return kept
+
+
 @dataclass
 class LoRAStep:
-    """A step's rows by adapter: (the adapter's layers, the rows' indices)."""
+    """A step's rows by adapter: (the adapter's layers, the rows' indices) for the torch path;
+    each row's adapter index and the adapters' table addresses for csrc/lora.c."""
     groups: list[tuple[dict[str, LoRALayer], torch.Tensor]]
+    row_adapter: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
 
 
 class _LoRAHook:
-    """The forward hook of one projection: adds each group's update to its rows."""
+    """The forward hook of one projection: adds each row's adapter update to its output row."""
 
     def __init__(self, manager: "LoRAManager", layer: str) -> None:
         self.manager, self.layer = manager, layer
+        _, index, projection = layer.split(".")
+        self.index = int(index) * len(PROJECTIONS) + PROJECTIONS.index(projection)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         step = self.manager.step
         if step is None or torch.compiler.is_compiling():
             return None
         x = args[0]
+        if step.tables is not None:   # the C kernel: the decode step's own arithmetic
+            torch.ops.duoserve.lora_rows(output, x.contiguous(), step.row_adapter, step.tables, self.index)
+            return output
         for modules, rows in step.groups:
             update = modules.get(self.layer)
             if update is None:
@@ -63,6 +118,8 @@ class LoRAManager:
                  gguf_arch: str | None = None) -> None:
         self.arch, self.config, self.dtype, self.gguf_arch = arch, config, dtype, gguf_arch
         self.adapters: dict[str, LoRAAdapter] = {}
+        self.tables: dict[str, AdapterTable] = {}   # csrc/lora.c's, where it is built
+        self.c_kernel = c_lora_available()
         self.last_used: dict[str, float] = {}
         self.step: LoRAStep | None = None
         modules = dict(model.named_modules())
@@ -83,6 +140,10 @@ class LoRAManager:
             victim = min(idle, key=lambda n: self.last_used[n])
             logger.info("unloading LoRA adapter %s (least recently used) for %s", victim, name)
             self.unload(victim)
+        if any(layer.a.shape[0] > MAX_STACKED for layer in adapter.modules.values()):
+            raise LoRALoadError(f"adapter {name!r}: its ranks over a fused projection's parts pass {MAX_STACKED}")
+        if self.c_kernel:
+            self.tables[name] = AdapterTable(adapter, self.arch.num_layers, self.dtype)
         self.adapters[name] = adapter
         self.last_used[name] = time.monotonic()
         logger.info("LoRA adapter %s loaded from %s: rank %d, %d layers, %.1f MiB", name, path, adapter.rank,
@@ -91,6 +152,7 @@ class LoRAManager:
 
     def unload(self, name: str) -> None:
         self.adapters.pop(name, None)
+        self.tables.pop(name, None)
         self.last_used.pop(name, None)
 
     def digest(self, name: str) -> str | None:
@@ -99,7 +161,7 @@ class LoRAManager:
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def begin_step(self, rows_by_adapter: dict[str, list[int]], device: torch.device) -> bool:
+    def begin_step(self, rows_by_adapter: dict[str, list[int]], num_rows: int, device: torch.device) -> bool:
         """Group the step's rows by adapter; False (nothing to add) for a step of base rows only."""
         if not rows_by_adapter:
             return False
@@ -109,7 +171,18 @@ class LoRAManager:
             self.last_used[name] = now
             groups.append((self.adapters[name].modules, torch.tensor(rows, dtype=torch.long, device=device)))
         self.step = LoRAStep(groups)
+        if self.c_kernel and device.type == "cpu":
+            row_adapter = torch.full((num_rows,), -1, dtype=torch.long)
+            for i, (name, rows) in enumerate(rows_by_adapter.items()):
+                row_adapter[rows] = i
+            self.step.row_adapter = row_adapter
+            self.step.tables = torch.tensor([self.tables[name].address for name in rows_by_adapter], dtype=torch.long)
         return True
+
+    def step_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows for the C decode step (None: its adapters go through the hooks only)."""
+        step = self.step
+        return None if step is None or step.tables is None else (step.row_adapter, step.tables)
 
     def end_step(self) -> None:
         self.step = None

@@ -131,9 +131,13 @@ class ModelRunner:
             [i.block_ids for i in items], self.block_size, self.device)
         rows, row_hidden, owners = self._sampling_rows(items)
         masks = self._start_masks(owners)   # computed on another thread while the forward runs
-        # adapter rows: the eager model, whose layers' hooks add them (no C++ step, no graph)
-        forward = self.model if self.lora is not None and self.lora.begin_step(adapter_rows, self.device) \
-            else self.forward
+        # adapter rows: the C++ decode step adds them (meta.lora), the eager model's hooks likewise;
+        # a compiled graph calls no hook, so such a step runs the eager model
+        forward = self.forward
+        if self.lora is not None and self.lora.begin_step(adapter_rows, len(positions), self.device):
+            meta.lora = self.lora.step_rows()
+            if self.compiled or meta.lora is None:
+                forward = self.model
         try:
             hidden = forward(torch.tensor(token_ids, device=self.device),
                              torch.tensor(positions, device=self.device), self.kv_caches, meta)

@@ -39,6 +39,7 @@
 
 #include "decode_step.h"
 #include "glue.h"
+#include "lora.h"
 
 extern "C" {
 int gguf_linear_exact(const void *x, const uint8_t *w, int type, int m, int n, int k, void *y, int io_bf16,
@@ -72,6 +73,7 @@ TORCH_LIBRARY_IMPL(duoserve, CPU, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("paged_attention", &paged_attention);
     m.impl("decode_step", &decode_step_op);
+    m.impl("lora_rows", &lora_rows_op);
     m.impl("rms_norm", &rms_norm_op);
     m.impl("rotary", &rotary_op);
     m.impl("silu_mul", &silu_mul_op);

@@ -211,7 +211,8 @@ void decode_model_moe(int64_t context, int64_t layer, at::TensorList weights, at
 }
 
 at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at::Tensor &positions,
-                          const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens) {
+                          const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens,
+                          const at::Tensor &row_adapter, const at::Tensor &lora_tables) {
     const DecodeModel *model = nullptr;
     {
         std::lock_guard<std::mutex> lock(decode_models_mutex);
@@ -239,6 +240,15 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
     for (const decode_layer &layer : model->layers)
         TORCH_CHECK(layer.moe || layer.gate_up.packed || layer.gate_up.num_runs,
                     "decode_step: a routed layer without its experts (duoserve::decode_model_moe)");
+    const bool lora = row_adapter.numel() > 0;
+    TORCH_CHECK(!lora || (row_adapter.numel() == m && row_adapter.scalar_type() == at::kLong &&
+                          row_adapter.is_contiguous() && lora_tables.scalar_type() == at::kLong &&
+                          lora_tables.is_contiguous()),
+                "decode_step: an adapter index a row (int64, -1 for none) and int64 table addresses");
+    for (int64_t t = 0; lora && t < m; t++) {
+        const int64_t a = row_adapter.data_ptr<int64_t>()[t];
+        TORCH_CHECK(a >= -1 && a < lora_tables.numel(), "decode_step: row ", t, "'s adapter ", a, " has no table");
+    }
     const auto options = at::TensorOptions().dtype(model->dtype);
     at::Tensor residual = at::empty({m, model->shape.hidden}, options);
     at::Tensor out = at::empty({m, model->shape.hidden}, options);
@@ -247,10 +257,29 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
                                    residual.data_ptr(), out.data_ptr(), pos.data_ptr<int64_t>(),
                                    slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
                                    seq_lens.data_ptr<int64_t>(), (int)m, (int)block_tables.size(1),
-                                   at::get_num_threads());
+                                   at::get_num_threads(), lora ? row_adapter.data_ptr<int64_t>() : nullptr,
+                                   lora ? lora_tables.data_ptr<int64_t>() : nullptr);
     TORCH_CHECK(status == 0, status == -1 ? "decode_step: this build cannot run these packed weights"
                                           : "decode_step: out of memory for the step's scratch");
     return out;
+}
+
+/* y [m, out] += the LoRA updates of x [m, in]'s rows (lora.c), in place: the eager model's hook */
+void lora_rows_op(const at::Tensor &y, const at::Tensor &x, const at::Tensor &row_adapter, const at::Tensor &lora_tables,
+                  int64_t index) {
+    TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && y.is_contiguous() && x.is_contiguous() &&
+                y.scalar_type() == x.scalar_type() &&
+                (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "lora_rows: x [m, in] and y [m, out], contiguous, both float32 or both bfloat16");
+    TORCH_CHECK(row_adapter.numel() == x.size(0) && row_adapter.scalar_type() == at::kLong &&
+                lora_tables.scalar_type() == at::kLong && row_adapter.is_contiguous() && lora_tables.is_contiguous(),
+                "lora_rows: an adapter index a row (int64) and int64 table addresses");
+    const int64_t *rows = row_adapter.data_ptr<int64_t>(), *tables = lora_tables.data_ptr<int64_t>();
+    for (int64_t t = 0; t < x.size(0); t++)
+        TORCH_CHECK(rows[t] >= -1 && rows[t] < lora_tables.numel(), "lora_rows: row ", t, " has no table");
+    const int bf = x.scalar_type() == at::kBFloat16, m = (int)x.size(0), in = (int)x.size(1), out = (int)y.size(1);
+    TORCH_CHECK(lora_rows(rows, tables, index, x.data_ptr(), y.data_ptr(), m, in, out, bf, at::get_num_threads()) == 0,
+                "lora_rows: out of memory for its scratch");
 }
 
 #endif

@@ -43,6 +43,7 @@
 #include "decode_step.h"
 #include "glue.h"
 #include "gguf_team.h"
+#include "lora.h"
 
 #define MAX_HEAD_DIM 512   /* decode_step() refuses larger heads */
 
@@ -317,7 +318,8 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                 const struct decode_shape *s, const float *const *cos_tables, const float *const *sin_tables,
                 const void *embedding, const int64_t *ids, void *x, void *out,
                 const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
-                const int64_t *seq_lens, int m, int max_blocks, int num_threads) {
+                const int64_t *seq_lens, int m, int max_blocks, int num_threads, const int64_t *row_adapter,
+                const int64_t *lora_tables) {
     const int bf = s->is_bf16, elem = bf ? 2 : 4, hidden = s->hidden, inter = s->intermediate;
     const int q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
     if ((any_packed(layers, num_layers) && !packed_linear_supported(bf)) || s->head_dim > MAX_HEAD_DIM) return -1;
@@ -331,7 +333,8 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     /* activations: qkv, q and attention out (float32), attention out (model dtype), o / down out,
      * gate_up, act */
     const size_t bytes = (size_t)m * ((size_t)qkv_size * elem + (size_t)q_size * 8 + (size_t)q_size * elem +
-                                      (size_t)hidden * elem + (size_t)3 * inter * elem) + 64 * 6;
+                                      (size_t)hidden * elem + (size_t)3 * inter * elem) + 64 * 7 +
+                         (row_adapter ? (size_t)m * LORA_MAX_STACKED * 4 : 0);
     struct moe_scratch moe = {0};
     const size_t moe_bytes = moe_scratch_take(NULL, moe_dims, m, hidden, elem, &moe);
     char *scratch = malloc(bytes + moe_bytes);
@@ -348,6 +351,7 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
     void *proj = TAKE((size_t)m * hidden * elem);
     void *gate_up = TAKE((size_t)m * 2 * inter * elem);
     void *act = TAKE((size_t)m * inter * elem);
+    float *xa = row_adapter ? (float *)TAKE((size_t)m * LORA_MAX_STACKED * 4) : NULL;   /* LoRA rows' A x */
 #undef TAKE
     moe_scratch_take(scratch + bytes, moe_dims, m, hidden, elem, &moe);
     int failed = 0;
@@ -360,6 +364,7 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
         for (int l = 0; l < num_layers; l++) {
             const struct decode_layer *layer = &layers[l];
             linear_team(&layer->qkv, layer->qkv_bias, out, qkv, m, qkv_size, hidden, bf, &rows, &failed);
+            if (row_adapter) lora_rows_team(row_adapter, lora_tables, l * 4 + 0, out, qkv, m, hidden, qkv_size, bf, xa);
             rotate_and_store(qkv, positions, cos_tables[layer->local], sin_tables[layer->local], slots, layer, s, q,
                              m);
             paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, NULL, m,
@@ -372,13 +377,18 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                         store(attn, (int64_t)t * q_size + i, attn32[(int64_t)t * q_size + i], 1);
             }
             linear_team(&layer->o_proj, NULL, attn, proj, m, hidden, q_size, bf, &rows, &failed);
+            if (row_adapter) lora_rows_team(row_adapter, lora_tables, l * 4 + 1, attn, proj, m, q_size, hidden, bf, xa);
             residual_norm(x, proj, layer->attn_out_norm, layer->post_norm, out, m, s);
             if (layer->moe) {
                 moe_mlp(layer->moe, out, proj, m, s, &moe, &rows, &failed);
             } else {
                 linear_team(&layer->gate_up, NULL, out, gate_up, m, 2 * inter, hidden, bf, &rows, &failed);
+                if (row_adapter)
+                    lora_rows_team(row_adapter, lora_tables, l * 4 + 2, out, gate_up, m, hidden, 2 * inter, bf, xa);
                 gate_mul(gate_up, act, m, inter, bf, s->gemma);
                 linear_team(&layer->down, NULL, act, proj, m, hidden, inter, bf, &rows, &failed);
+                if (row_adapter) lora_rows_team(row_adapter, lora_tables, l * 4 + 3, act, proj, m, inter, hidden, bf,
+                                               xa);
             }
             residual_norm(x, proj, layer->mlp_out_norm, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm,
                           out, m, s);

@@ -53,7 +53,8 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                 const struct decode_shape *s, const float *const *cos_tables, const float *const *sin_tables,
                 const void *embedding, const int64_t *ids, void *x, void *out,
                 const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
-                const int64_t *seq_lens, int m, int max_blocks, int num_threads);
+                const int64_t *seq_lens, int m, int max_blocks, int num_threads, const int64_t *row_adapter,
+                const int64_t *lora_tables);   /* LoRA rows (lora.h), or NULLs */
 
 #ifdef __cplusplus
 }
