@@ -214,7 +214,11 @@ def test_the_decode_step_refuses_a_slot_position_or_token_out_of_range_and_write
     ids, vocab = torch.tensor([3, 4]), runner.model.arch.vocab_size
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 1])
     context = runner.forward.context.handle
-    step = torch.ops.duoserve.decode_step
+    none = torch.empty(0, dtype=torch.long)
+
+    def step(*args, lora=(none, none)):
+        return torch.ops.duoserve.decode_step(*args, *lora)
+
     with pytest.raises(RuntimeError, match=f"decode_step: slot {num_slots} outside the cache's {num_slots}"):
         step(context, ids, torch.tensor([0, 0]), torch.tensor([1, num_slots]), tables, lens)
     positions = runner.model.rotary.cos.shape[0]
@@ -224,6 +228,9 @@ def test_the_decode_step_refuses_a_slot_position_or_token_out_of_range_and_write
         step(context, torch.tensor([3, vocab]), torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens)
     with pytest.raises(RuntimeError, match="decode_step: no model 12345"):
         step(12345, ids, torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens)
+    with pytest.raises(RuntimeError, match="decode_step: row 1's adapter 1 has no table"):
+        step(context, ids, torch.tensor([0, 0]), torch.tensor([1, 2]), tables, lens,
+             lora=(torch.tensor([-1, 1]), torch.tensor([0])))
     for (k, v), (k0, v0) in zip(runner.kv_caches, caches):
         assert torch.equal(k, k0) and torch.equal(v, v0), "a refused step wrote to the caches"
 
