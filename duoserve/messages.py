@@ -79,6 +79,15 @@ class ReleaseRequest(msgspec.Struct, tag=True):
     request_id: str
 
 
+class ChangeAdapter(msgspec.Struct, tag=True):
+    """Load a LoRA adapter from ``path`` (None: unload it). The engine answers with one output of
+    request id ``op_id``: finish_reason "stop" done, "abort" refused because requests use it,
+    "error" refused for the reason in ``error``."""
+    op_id: str
+    name: str
+    path: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -220,7 +229,7 @@ class TransferAck(msgspec.Struct, tag=True):
     request_id: str
 
 
-ToEngine = Hello | AddRequest | AbortRequest | FinishStopped | ReleaseRequest | Shutdown
+ToEngine = Hello | AddRequest | AbortRequest | FinishStopped | ReleaseRequest | ChangeAdapter | Shutdown
 FromEngine = EngineReady | EngineOutputs | EngineFailed
 AtEngine = ToEngine | PeerHello | TransferMeta            # what an engine's listening socket receives
 AtPrefillPeer = PeerWelcome | PeerRefused | TransferAck   # what a prefill engine hears from a decode engine

@@ -30,6 +30,7 @@ from duoserve.kv.store import BlockStore, StoreSource
 from duoserve.messages import EngineStats
 from duoserve.model.fingerprint import describe
 from duoserve.model.loader import LoadedModel
+from duoserve.model.lora import LoRALoadError
 from duoserve.structured.cache import GrammarCache
 from duoserve.worker.lora import adapter_problem
 from duoserve.worker.model_runner import ModelRunner
@@ -132,13 +133,35 @@ class EngineCore:
         """Take a request; ``AdapterRefused`` (nothing taken) for a LoRA adapter not loaded here."""
         name = request.params.lora_name
         if name is not None:
-            problem = adapter_problem(self.runner.lora, name)
+            problem = adapter_problem(self.runner.lora, name, in_use=self.adapter_in_use)
             if problem is not None:
                 raise AdapterRefused(problem)
             # the adapter's identity: its KV's block hashes and any handoff are keyed by it
             request.params = dataclasses.replace(request.params, lora_digest=self.runner.lora.digest(name))
         self.scheduler.add_request(request)
         self.handoff.route(request.request_id, kv_peer, kv_peer_instance)
+
+    def change_adapter(self, name: str, path: str | None) -> tuple[str, str | None]:
+        """Load LoRA adapter ``name`` from ``path``, or unload it (path None): ("stop", None) done,
+        ("abort", why) refused because requests use it, ("error", why) refused otherwise."""
+        lora = self.runner.lora
+        if lora is None:
+            return "error", "this engine serves no LoRA adapters: start it with --enable-lora"
+        if path is None:
+            if name not in lora.adapters:
+                return "error", f"LoRA adapter {name!r} is not loaded"
+            if self.adapter_in_use(name):
+                return "abort", f"LoRA adapter {name!r} has requests in this engine"
+            lora.unload(name)
+            return "stop", None
+        try:
+            lora.load(name, path, in_use=self.adapter_in_use)
+        except LoRALoadError as exc:
+            return "error", str(exc)
+        return "stop", None
+
+    def adapter_in_use(self, name: str) -> bool:
+        return any(r.params.lora_name == name for r in self.scheduler.requests.values())
 
     def abort(self, request_id: str) -> list[EngineCoreOutput]:
         """Abort a request and all its samples."""

@@ -491,6 +491,8 @@ class EngineServer:
         from duoserve import messages as msg
 
         core = self.core
+        if isinstance(message, msg.ChangeAdapter):
+            return _change_adapter_answer(core, tag, message)
         request_id = tag + TAG_SEP + message.request_id
         if isinstance(message, msg.AddRequest):
             from duoserve.core.outputs import EngineCoreOutput
@@ -508,6 +510,16 @@ class EngineServer:
         elif isinstance(message, msg.ReleaseRequest):
             core.release(request_id)
         return []
+
+
+def _change_adapter_answer(core, tag: str, message) -> list:
+    from duoserve.core.outputs import EngineCoreOutput
+
+    try:
+        reason, error = core.change_adapter(message.name, message.path)
+    except Exception as exc:   # answered all the same: the frontend waits for it
+        reason, error = "error", f"{type(exc).__name__}: {exc}"
+    return [EngineCoreOutput(tag + TAG_SEP + message.op_id, [], finish_reason=reason, error=error)]
 
 
 def _tokenizer_json(tok) -> str:

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,8 +29,8 @@ from duoserve.entrypoints.anthropic_protocol import CountTokensRequest, Messages
 from duoserve.entrypoints.errors import APIError, error_response
 from duoserve.entrypoints.model_registry import ModelRegistry, ModelSpec
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           EmbeddingRequest, GenerateRequest, ModelRequest, RerankRequest,
-                                           ScoreRequest, TokenizeRequest)
+                                           EmbeddingRequest, GenerateRequest, LoadLoRARequest, ModelRequest,
+                                           RerankRequest, ScoreRequest, TokenizeRequest, UnloadLoRARequest)
 from duoserve.entrypoints.responses_protocol import ResponsesRequest
 from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.server_config import ModelsConfig, ServerConfig
@@ -353,6 +353,22 @@ async def unload_model(body: ModelRequest, raw: Request):
     return {"success": True}
 
 
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, raw: Request):
+    """vLLM's: load a LoRA adapter on every engine of its model (``model``: which, with several)."""
+    check_fields(body)
+    await raw.app.state.models.load_adapter(body.lora_name, body.lora_path, body.model, body.load_inplace)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, raw: Request):
+    """vLLM's: unload an adapter once its requests end (409 if they outlast --shutdown-timeout)."""
+    check_fields(body)
+    await raw.app.state.models.unload_adapter(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, raw: Request):
     async with model_of(raw, body.model) as served:
@@ -412,6 +428,7 @@ async def prometheus(raw: Request):
         metrics.observe_tenant_load(engine.tenant_load())
         if engine.kv_event_feed is not None:
             metrics.observe_kv_events(engine.kv_event_feed.received)
+    registry.observe_adapters()
     # the requests by class are the server's, whatever their model: given once, unlabelled by model
     first = next(iter(registry.entries.values()))
     first.metrics.observe_classes(registry.admission.counts(), registry.admission.refused)

@@ -144,11 +144,8 @@ class LLM:
             if not lora.lora_path:
                 raise ConfigError("lora_request", lora.lora_name, "a LoRARequest with lora_path: the adapter is "
                                   "not loaded")
-            manager.load(lora.lora_name, lora.lora_path, in_use=self._adapter_in_use)
+            manager.load(lora.lora_name, lora.lora_path, in_use=self.engine.adapter_in_use)
         return lora.lora_name
-
-    def _adapter_in_use(self, name: str) -> bool:
-        return any(r.params.lora_name == name for r in self.engine.scheduler.requests.values())
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

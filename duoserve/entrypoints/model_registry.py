@@ -15,6 +15,7 @@ Loads and unloads take turns under one lock; requests to models already loaded n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -29,13 +30,14 @@ from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.errors import APIError
 from duoserve.errors import ConfigError
 from duoserve.entrypoints.responses_store import RedisResponseStore, ResponseStore
-from duoserve.entrypoints.server_config import ModelsConfig, ServerConfig
+from duoserve.entrypoints.server_config import MODEL_NAME, ModelsConfig, ServerConfig
 from duoserve.entrypoints.serving import OpenAIServing
 from duoserve.entrypoints.serving_anthropic import AnthropicServing
 from duoserve.entrypoints.serving_chat import ChatServing
 from duoserve.entrypoints.serving_embeddings import EmbeddingServing
 from duoserve.entrypoints.serving_responses import ResponsesServing
 from duoserve.entrypoints.serving_score import ScoreServing
+from duoserve.frontend.adapters import AdapterChangeError
 from duoserve.frontend.admission import Admission
 from duoserve.frontend.async_engine import AsyncEngine
 from duoserve.frontend.engine_client import EngineClient, EngineStartError
@@ -80,12 +82,27 @@ class AdapterEngine:
 
     def __init__(self, engine: AsyncEngine, adapter: str) -> None:
         self._engine, self.adapter = engine, adapter
+        self.waiting = self.running = 0   # its requests in flight: before and after their first output
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def generate(self, prompt, params, request_id: str, **kwargs):
-        return self._engine.generate(prompt, dataclasses.replace(params, lora_name=self.adapter), request_id, **kwargs)
+    async def generate(self, prompt, params, request_id: str, **kwargs):
+        self.waiting += 1
+        started = False
+        try:
+            async with contextlib.aclosing(self._engine.generate(
+                    prompt, dataclasses.replace(params, lora_name=self.adapter), request_id, **kwargs)) as outputs:
+                async for out in outputs:
+                    if not started:
+                        started = True
+                        self.waiting, self.running = self.waiting - 1, self.running + 1
+                    yield out
+        finally:
+            if started:
+                self.running -= 1
+            else:
+                self.waiting -= 1
 
 
 class ServedModel:
@@ -138,6 +155,7 @@ class ModelRegistry:
         self.single = len(specs) == 1
         # a LoRA adapter's name -> (its base model's, its path): a request names either (vLLM's way)
         self.adapters: dict[str, tuple[str, str]] = {}
+        self.unloading: set[str] = set()   # adapters no new request gets
         for spec in specs:
             for adapter, path in spec.engine_config.lora.modules if spec.engine_config.lora else ():
                 self.add_adapter(adapter, spec.name, path)
@@ -165,6 +183,12 @@ class ModelRegistry:
                                      registry=r)
         self.state_gauge = Gauge("duoserve:model_state", "1 for each model's current state", ["model_name", "state"],
                                  registry=r)
+        self.lora_info = Gauge("vllm:lora_requests_info", "The LoRA adapters with requests running and waiting "
+                               "(vLLM's; the value: when it was read)", ["running_lora_adapters",
+                                                                         "waiting_lora_adapters", "max_lora"],
+                               registry=r)
+        self.lora_requests = Gauge("duoserve:lora_requests", "Requests in flight by LoRA adapter and state (waiting "
+                                   "for their first token, or running)", ["adapter", "state"], registry=r)
         for entry in self.entries.values():
             self._set_state(entry, entry.state)
 
@@ -193,7 +217,7 @@ class ModelRegistry:
 
     def resolve(self, name: str | None) -> tuple[ModelEntry, str | None]:
         """(the model, the adapter or None) a request's ``model`` names."""
-        if name is not None and name in self.adapters:
+        if name is not None and name in self.adapters and name not in self.unloading:
             return self.entries[self.adapters[name][0]], name
         return self.entry(name), None
 
@@ -296,6 +320,11 @@ class ModelRegistry:
         """A new engine group for the model, reporting to its metrics (kept across loads)."""
         engine = AsyncEngine(entry.spec.engine_config, self.server.max_queue_len, self.disagg, self.cluster,
                              self.admission)
+        lora = entry.spec.engine_config.lora
+        static = set(lora.modules) if lora is not None else set()
+        # adapters loaded while serving, given to the engines as they come up (AdapterChanges)
+        engine.adapters.loaded = {a: path for a, (model, path) in self.adapters.items()
+                                  if model == entry.spec.name and (a, path) not in static}
         metrics = entry.metrics
         for hooks, hook in ((engine.on_output, metrics.observe_output), (engine.on_stats, metrics.observe_stats),
                             (engine.on_place, metrics.observe_placement),
@@ -357,6 +386,70 @@ class ModelRegistry:
                     async with self.lock:
                         if entry.state == "loaded" and not entry.served.busy:
                             await self._unload(entry, "sleeping", "idle")
+
+    # ---- LoRA adapters while serving (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) --------
+
+    async def load_adapter(self, name: str, path: str, model: str | None = None, replace: bool = False) -> None:
+        if not MODEL_NAME.fullmatch(name) or name in self.entries:
+            raise APIError(400, f"{name!r} cannot name an adapter: a name of letters, digits and . _ : - that no "
+                           "model has", param="lora_name")
+        if name in self.adapters and not replace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace: true replaces "
+                           "it)", param="lora_name")
+        entry = self.entry(model)
+        if name in self.adapters and self.adapters[name][0] != entry.spec.name:
+            raise APIError(400, f"adapter '{name}' belongs to model `{self.adapters[name][0]}`", param="lora_name")
+        if entry.state != "loaded":
+            await self.load_for_request(entry)
+        try:
+            await entry.served.engine.change_adapter(name, path)
+        except AdapterChangeError as exc:
+            raise APIError(409 if exc.in_use else 400, str(exc), param="lora_path") from None
+        self.adapters[name] = (entry.spec.name, path)
+        logger.info("LoRA adapter %s loaded on %s from %s", name, entry.spec.name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """New requests for it are refused at once; those in flight get --shutdown-timeout to
+        end, else 409 and it stays."""
+        if name not in self.adapters or name in self.unloading:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
+        entry = self.entries[self.adapters[name][0]]
+        self.unloading.add(name)
+        try:
+            if entry.served is not None:
+                view = entry.served.surfaces.get(name)
+                deadline = time.monotonic() + self.server.shutdown_timeout
+                while view is not None and (view.engine.waiting or view.engine.running) and (
+                        time.monotonic() < deadline):
+                    await asyncio.sleep(0.05)
+                if view is not None and (view.engine.waiting or view.engine.running):
+                    raise APIError(409, f"LoRA adapter '{name}' still has requests after --shutdown-timeout "
+                                   f"({self.server.shutdown_timeout:g}s): it stays loaded", param="lora_name")
+                try:
+                    await entry.served.engine.change_adapter(name, None)
+                except AdapterChangeError as exc:
+                    raise APIError(409 if exc.in_use else 400, str(exc), param="lora_name") from None
+                entry.served.surfaces.pop(name, None)
+            del self.adapters[name]
+        finally:
+            self.unloading.discard(name)
+        logger.info("LoRA adapter %s unloaded", name)
+
+    def observe_adapters(self) -> None:
+        """The adapters' gauges as they are now (at each scrape)."""
+        counts = {name: (view.engine.waiting, view.engine.running) for entry in self.loaded()
+                  for name, view in entry.served.surfaces.items() if name is not None}
+        self.lora_requests.clear()
+        for name in self.adapters:
+            waiting, running = counts.get(name, (0, 0))
+            self.lora_requests.labels(name, "waiting").set(waiting)
+            self.lora_requests.labels(name, "running").set(running)
+        max_lora = max((e.spec.engine_config.lora.max_loras for e in self.entries.values()
+                        if e.spec.engine_config.lora is not None), default=0)
+        self.lora_info.clear()
+        if max_lora:
+            self.lora_info.labels(",".join(n for n, (_, r) in counts.items() if r),
+                                  ",".join(n for n, (w, _) in counts.items() if w), str(max_lora)).set(time.time())
 
     # ---- shutdown (what ``DrainingServer`` calls) ---------------------------------------------
 

@@ -332,6 +332,20 @@ class ModelRequest(_Body):
     model: str
 
 
+class LoadLoRARequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's body; ``model``: the base, where the server has several)."""
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    model: str | None = None
+
+
+class UnloadLoRARequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is vLLM's and means nothing here)."""
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

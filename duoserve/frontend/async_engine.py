@@ -37,6 +37,7 @@ from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.core.outputs import EngineCoreOutput
 from duoserve.core.scheduler import QUEUE_TIMEOUT
 from duoserve.errors import ConfigError, DuoserveError, InvalidInputError
+from duoserve.frontend.adapters import AdapterChanges
 from duoserve.frontend.admission import Admission, QueueFullError, QueueTimeoutError
 from duoserve.frontend.engine_client import EngineClient, EngineDeadError, new_frontend_id, process_running
 from duoserve.frontend.frontend import tell_engines
@@ -131,6 +132,7 @@ class AsyncEngine:
         self.on_engine_down = self.supervisor.on_engine_down
         self._tasks: list[asyncio.Task] = []
         self.kv_event_feed = None   # --routing kv-events: the engines' KV events, feeding the prefix map
+        self.adapters = AdapterChanges()   # LoRA adapters loaded while serving
         self._started = False
         self._draining = False
         self._shut_down = False
@@ -359,6 +361,7 @@ class AsyncEngine:
                       self.disagg.prefill_turn if turns else 0.0, prefill.scheduler.token_budget(max_model_len))
 
     def engine_up(self, client: EngineClient) -> None:
+        self.adapters.engine_up(client)
         if self.group is None and client in self.decode_clients:
             turns = any(c.config is not None and c.config.turns is not None for c in self.decode_clients)
             router = (Router(routing=self.routing) if self.disagg is None else self._disagg_router(
@@ -382,6 +385,7 @@ class AsyncEngine:
 
     def engine_outputs(self, client: EngineClient, outputs: list[EngineCoreOutput]) -> None:
         """A batch from ``client``: to text, to the engines what it ended, to each request's queue."""
+        outputs = self.adapters.take_answers(outputs)
         try:
             self._deliver(self.group.note_outputs(client, outputs))
         except Exception as exc:  # a bug here fails this batch's requests, never the reader
@@ -450,6 +454,10 @@ class AsyncEngine:
         self.parked.clear()
         for queue in self.queues.values():
             queue.put_nowait(EngineUnavailableError(reason))
+
+    async def change_adapter(self, name: str, path: str | None) -> None:
+        """Load (path) or unload (None) a LoRA adapter on every engine (``AdapterChangeError``)."""
+        await self.adapters.change(self.clients, name, path)
 
     # ---- shutdown -----------------------------------------------------------------------
 

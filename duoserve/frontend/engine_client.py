@@ -264,6 +264,10 @@ class EngineClient:
         except zmq.Again:
             raise EngineDeadError(f"{self.name} is not connected") from None
 
+    def send(self, message: msgspec.Struct) -> None:
+        """A control message (``ChangeAdapter``); EngineDeadError when it cannot be sent."""
+        self._send(message)
+
     def add_request(self, request: Request, kv_peer: str | None = None, kv_peer_instance: str | None = None) -> None:
         self._send(msg.AddRequest.from_request(request, max_total_tokens=request.max_total_tokens or self.max_model_len,
                                                kv_peer=kv_peer, kv_peer_instance=kv_peer_instance,

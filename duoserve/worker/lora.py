@@ -118,6 +118,7 @@ class LoRAManager:
                  gguf_arch: str | None = None) -> None:
         self.arch, self.config, self.dtype, self.gguf_arch = arch, config, dtype, gguf_arch
         self.adapters: dict[str, LoRAAdapter] = {}
+        self.known: dict[str, str] = {}   # every adapter loaded and not unloaded, by path: one LRU-unloaded is read again
         self.tables: dict[str, AdapterTable] = {}   # csrc/lora.c's, where it is built
         self.c_kernel = c_lora_available()
         self.last_used: dict[str, float] = {}
@@ -139,18 +140,21 @@ class LoRAManager:
                                     "has requests: unload one, or wait for them")
             victim = min(idle, key=lambda n: self.last_used[n])
             logger.info("unloading LoRA adapter %s (least recently used) for %s", victim, name)
-            self.unload(victim)
+            self.unload(victim, forget=False)
         if any(layer.a.shape[0] > MAX_STACKED for layer in adapter.modules.values()):
             raise LoRALoadError(f"adapter {name!r}: its ranks over a fused projection's parts pass {MAX_STACKED}")
         if self.c_kernel:
             self.tables[name] = AdapterTable(adapter, self.arch.num_layers, self.dtype)
-        self.adapters[name] = adapter
+        self.adapters[name], self.known[name] = adapter, path
         self.last_used[name] = time.monotonic()
         logger.info("LoRA adapter %s loaded from %s: rank %d, %d layers, %.1f MiB", name, path, adapter.rank,
                     len(adapter.modules), adapter.nbytes() / 2**20)
         return adapter
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, forget: bool = True) -> None:
+        """Unload an adapter; ``forget=False`` (past --max-loras) keeps its path to read it again."""
+        if forget:
+            self.known.pop(name, None)
         self.adapters.pop(name, None)
         self.tables.pop(name, None)
         self.last_used.pop(name, None)
@@ -188,13 +192,20 @@ class LoRAManager:
         self.step = None
 
 
-def adapter_problem(manager: LoRAManager | None, name: str | None, digest: str | None = None) -> str | None:
-    """Why this engine cannot compute a request of adapter ``name`` (None: it can). ``digest``: the
-    adapter another engine computed its KV with (a handoff), which must be the same adapter."""
+def adapter_problem(manager: LoRAManager | None, name: str | None, digest: str | None = None,
+                    in_use: Callable[[str], bool] = lambda name: True) -> str | None:
+    """Why this engine cannot compute a request of adapter ``name`` (None: it can), reading again
+    one unloaded past --max-loras. ``digest``: the adapter another engine computed its KV with (a
+    handoff), which must be the same adapter."""
     if name is None:
         return None
     if manager is None:
         return f"LoRA adapter {name!r} asked of an engine serving no adapters (start it with --enable-lora)"
+    if name not in manager.adapters and name in manager.known:
+        try:
+            manager.load(name, manager.known[name], in_use)
+        except LoRALoadError as exc:
+            return str(exc)
     ours = manager.digest(name)
     if ours is None:
         return f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(manager.adapters) or 'none'})"

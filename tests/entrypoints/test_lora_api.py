@@ -91,3 +91,70 @@ def test_an_adapters_prompt_after_anothers_gets_no_prefix_hit(setup):
     assert [cached(m) for m in ("a", "b", "tiny", "a")] == [0, 0, 0, 48]   # b and the base find none of a's
     wait_metric(server.url, queries, lambda v: v >= previous + 4 * len(prompt))
     assert metric(server.url, "duoserve:prefix_cache_hits_total") == start_hits + 48
+
+
+def test_adapters_loaded_and_unloaded_while_serving_fail_no_request(tiny_dir, tmp_path):
+    base = tiny_dir("llama")
+    adapters = {name: make_tiny_lora(base, tmp_path / name, seed) for name, seed in (("a", 31), ("b", 32), ("c", 33))}
+    other_base = make_tiny_lora(tiny_dir("llama", hidden_size=96), tmp_path / "other", 34)
+    llm = LLM(model=str(base), dtype="float32", kv_cache_memory=0.05, enable_lora=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    reference = {name: list(llm.generate([PROMPT], params, use_tqdm=False, lora_request=LoRARequest(
+        name, 1, str(path)))[0].outputs[0].token_ids) for name, path in adapters.items()}
+    server = Server("--model", str(base), "--dtype", "float32", "--kv-cache-memory", "0.05", "--num-threads", "1",
+                    "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", log=tmp_path / "server.log")
+    load, unload = f"{server.url}/v1/load_lora_adapter", f"{server.url}/v1/unload_lora_adapter"
+    failures, done = [], threading.Event()
+
+    def background() -> None:   # the base model's requests all along: none may fail
+        while not done.is_set():
+            response = generate(server.url, None)
+            if response.status_code != 200:
+                failures.append(response.text)
+
+    worker = threading.Thread(target=background)
+    worker.start()
+    try:
+        loaded = httpx.post(load, json={"lora_name": "a", "lora_path": str(adapters["a"])}, timeout=60)
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'a' added successfully."
+        assert generate(server.url, "a").json()["token_ids"] == reference["a"]
+        again = httpx.post(load, json={"lora_name": "a", "lora_path": str(adapters["a"])}, timeout=60)
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        assert httpx.post(load, json={"lora_name": "a", "lora_path": str(adapters["a"]), "load_inplace": True},
+                          timeout=60).status_code == 200
+
+        # unloading an adapter in use waits for its request, which finishes whole
+        long = {}
+        streaming = threading.Thread(target=lambda: long.setdefault("r", httpx.post(
+            f"{server.url}/generate", json={"model": "a", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True},
+            timeout=600)))
+        streaming.start()
+        wait_metric(server.url, "duoserve:lora_requests", lambda v: v >= 1, {"adapter": "a"})
+        removed = httpx.post(unload, json={"lora_name": "a"}, timeout=120)
+        streaming.join()
+        assert removed.status_code == 200 and removed.text == "Success: LoRA adapter 'a' removed successfully."
+        assert long["r"].status_code == 200 and len(long["r"].json()["token_ids"]) == 200
+        assert generate(server.url, "a").status_code == 404
+        assert httpx.post(unload, json={"lora_name": "a"}, timeout=60).status_code == 404
+
+        # loaded again, and past --max-loras: the least recently used is read again when asked for
+        for name in ("a", "b", "c"):
+            assert httpx.post(load, json={"lora_name": name, "lora_path": str(adapters[name])},
+                              timeout=60).status_code == 200
+        for name in ("a", "b", "c", "a"):
+            assert generate(server.url, name).json()["token_ids"] == reference[name], name
+
+        # a bad adapter: 400 naming why, nothing listed, the server serves on
+        bad = httpx.post(load, json={"lora_name": "x", "lora_path": str(other_base)}, timeout=60)
+        assert bad.status_code == 400 and "another base model" in bad.json()["error"]["message"]
+        missing = httpx.post(load, json={"lora_name": "y", "lora_path": str(tmp_path / "none")}, timeout=60)
+        assert missing.status_code == 400 and "no PEFT folder" in missing.json()["error"]["message"]
+        listed = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]]
+        assert listed[1:] == ["a", "b", "c"]
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'vllm:lora_requests_info{max_lora="2"' in text
+    finally:
+        done.set()
+        worker.join()
+        server.stop()
+    assert failures == []
