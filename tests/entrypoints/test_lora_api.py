@@ -158,3 +158,20 @@ def test_adapters_loaded_and_unloaded_while_serving_fail_no_request(tiny_dir, tm
         worker.join()
         server.stop()
     assert failures == []
+
+
+def test_disaggregated_engines_compute_the_adapter_on_both_sides(setup, tiny_dir, tmp_path):
+    """The prefill engine computes the prompt with the adapter, the decode engine goes on with
+    it: the same tokens as one engine (the handoff carries the adapter's digest, checked)."""
+    _, adapters, reference = setup
+    server = Server("--model", str(tiny_dir("llama")), "--dtype", "float32", "--kv-cache-memory", "0.05",
+                    "--mode", "disaggregated", "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()],
+                    log=tmp_path / "server.log")
+    try:
+        for model in ("a", "b", None):
+            response = generate(server.url, model)
+            assert response.status_code == 200, response.text
+            assert response.json()["token_ids"] == reference[model], model
+        assert metric(server.url, "duoserve:kv_transfer_seconds_count") >= 3   # each went through the handoff
+    finally:
+        server.stop()
