@@ -18,7 +18,7 @@ from pathlib import Path
 
 from duoserve.cli.configs import engine_config_from_args
 from duoserve.engine_args import EngineArgs
-from duoserve.entrypoints.model_registry import ModelSpec
+from duoserve.entrypoints.served_model import ModelSpec
 from duoserve.entrypoints.server_config import MODEL_NAME, ServerConfig
 from duoserve.errors import ConfigError
 from duoserve.flags import add_flags, dest, flagged_fields

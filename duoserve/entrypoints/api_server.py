@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from duoserve.config import ClusterConfig, DisaggConfig, EngineConfig
 from duoserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest
 from duoserve.entrypoints.errors import APIError, error_response
-from duoserve.entrypoints.model_registry import ModelRegistry, ModelSpec
+from duoserve.entrypoints.model_registry import ModelRegistry
+from duoserve.entrypoints.served_model import ModelSpec
 from duoserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                            EmbeddingRequest, GenerateRequest, LoadLoRARequest, ModelRequest,
                                            RerankRequest, ScoreRequest, TokenizeRequest, UnloadLoRARequest)

@@ -369,9 +369,11 @@ def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_pat
     once."""
     log = tmp_path / "log"
     srv = Server(*ONE_THREAD, "--shutdown-timeout", "0.5", log=log)
+    # long enough to outlast the deadline on a fast CPU: 120 tokens took 0.43 s on a Zen 5's core
+    num_tokens = 600
     try:
         (engine_pid,) = engine_children(srv.proc.pid)
-        lines, thread = _streaming(srv.url, "Tell me a long story", 120)
+        lines, thread = _streaming(srv.url, "Tell me a long story", num_tokens)
         os.kill(engine_pid, signal.SIGTERM)
         exited_after = _wait_for(lambda: not alive(engine_pid), 60, "the engine exiting at its deadline")
         thread.join(600)
@@ -381,7 +383,7 @@ def test_an_engine_draining_past_its_deadline_exits_and_its_stream_moves(tmp_pat
     assert "the drain deadline passed: stopping with 1 requests unfinished" in text
     assert exited_after >= 0.5 - 0.1, f"it exited {exited_after:.2f}s after SIGTERM, before its deadline"
     assert lines[-1] == "data: [DONE]" and not [ln for ln in lines if "error" in ln], lines[-3:]
-    assert len(lines) == 120 + 1 and "moving the 1 requests it held" in text
+    assert len(lines) == num_tokens + 1 and "moving the 1 requests it held" in text
 
 
 def test_sigterm_to_a_starting_engine_stops_it_at_once(tmp_path, monkeypatch):
