@@ -87,7 +87,8 @@ class ServedModel:
 
     def surface(self, adapter: str | None) -> Surfaces:
         if adapter not in self.surfaces:
-            self.surfaces[adapter] = Surfaces(adapter, AdapterEngine(self.engine, adapter), self.spec.server, self.store)
+            self.surfaces[adapter] = Surfaces(adapter, AdapterEngine(self.engine, adapter), self.spec.server,
+                                              self.store)
         return self.surfaces[adapter]
 
     @property

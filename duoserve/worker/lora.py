@@ -118,7 +118,8 @@ class LoRAManager:
                  gguf_arch: str | None = None) -> None:
         self.arch, self.config, self.dtype, self.gguf_arch = arch, config, dtype, gguf_arch
         self.adapters: dict[str, LoRAAdapter] = {}
-        self.known: dict[str, str] = {}   # every adapter loaded and not unloaded, by path: one LRU-unloaded is read again
+        # every adapter loaded and not unloaded, by path: one unloaded past --max-loras is read again
+        self.known: dict[str, str] = {}
         self.tables: dict[str, AdapterTable] = {}   # csrc/lora.c's, where it is built
         self.c_kernel = c_lora_available()
         self.last_used: dict[str, float] = {}

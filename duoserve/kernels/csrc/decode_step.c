@@ -364,7 +364,9 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
         for (int l = 0; l < num_layers; l++) {
             const struct decode_layer *layer = &layers[l];
             linear_team(&layer->qkv, layer->qkv_bias, out, qkv, m, qkv_size, hidden, bf, &rows, &failed);
-            if (row_adapter) lora_rows_team(row_adapter, lora_tables, l * 4 + 0, out, qkv, m, hidden, qkv_size, bf, xa);
+            if (row_adapter)
+                lora_rows_team(row_adapter, lora_tables, l * 4 + 0, out, qkv, m, hidden, qkv_size, bf, xa,
+                               LORA_MAX_STACKED);
             rotate_and_store(qkv, positions, cos_tables[layer->local], sin_tables[layer->local], slots, layer, s, q,
                              m);
             paged_decode_team(q, layer->k_cache, layer->v_cache, bf, block_tables, seq_lens, attn32, NULL, m,
@@ -377,18 +379,22 @@ int decode_step(const struct decode_layer *layers, int num_layers, const void *f
                         store(attn, (int64_t)t * q_size + i, attn32[(int64_t)t * q_size + i], 1);
             }
             linear_team(&layer->o_proj, NULL, attn, proj, m, hidden, q_size, bf, &rows, &failed);
-            if (row_adapter) lora_rows_team(row_adapter, lora_tables, l * 4 + 1, attn, proj, m, q_size, hidden, bf, xa);
+            if (row_adapter)
+                lora_rows_team(row_adapter, lora_tables, l * 4 + 1, attn, proj, m, q_size, hidden, bf, xa,
+                               LORA_MAX_STACKED);
             residual_norm(x, proj, layer->attn_out_norm, layer->post_norm, out, m, s);
             if (layer->moe) {
                 moe_mlp(layer->moe, out, proj, m, s, &moe, &rows, &failed);
             } else {
                 linear_team(&layer->gate_up, NULL, out, gate_up, m, 2 * inter, hidden, bf, &rows, &failed);
                 if (row_adapter)
-                    lora_rows_team(row_adapter, lora_tables, l * 4 + 2, out, gate_up, m, hidden, 2 * inter, bf, xa);
+                    lora_rows_team(row_adapter, lora_tables, l * 4 + 2, out, gate_up, m, hidden, 2 * inter, bf, xa,
+                                   LORA_MAX_STACKED);
                 gate_mul(gate_up, act, m, inter, bf, s->gemma);
                 linear_team(&layer->down, NULL, act, proj, m, hidden, inter, bf, &rows, &failed);
-                if (row_adapter) lora_rows_team(row_adapter, lora_tables, l * 4 + 3, act, proj, m, inter, hidden, bf,
-                                               xa);
+                if (row_adapter)
+                    lora_rows_team(row_adapter, lora_tables, l * 4 + 3, act, proj, m, inter, hidden, bf, xa,
+                                   LORA_MAX_STACKED);
             }
             residual_norm(x, proj, layer->mlp_out_norm, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm,
                           out, m, s);

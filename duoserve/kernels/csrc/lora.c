@@ -1,9 +1,10 @@
 /* LoRA updates of a step's rows, each by its own adapter. A step's rows are grouped by adapter;
  * then, in two passes shared out by the threads, xa = x A^T for each group (every slice's A
- * stacked: a row of A read once for all the group's rows), and y[:, slice] += scale * xa B^T a
- * block of outputs at a time (B stored transposed: the sum runs across outputs). In float32, y rounded to the model dtype once per
- * element, as one add. The decode step (decode_step.c) and the eager model's hooks
- * (duoserve::lora_rows) both call this, so a row's update is the same bits on either path. */
+ * stacked: a row of A read once for all the group's rows, four rows' sums in flight), and
+ * y[:, slice] += scale * xa B^T a block of outputs at a time (B stored transposed: the sum runs
+ * across outputs). In float32, y rounded to the model dtype once per element, as one add. The
+ * decode step (decode_step.c) and the eager model's hooks (duoserve::lora_rows) both call this,
+ * so a row's update is the same bits on either path. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -35,7 +36,7 @@ static int group_rows(const int64_t *row_adapter, int m, int *order) {
 }
 
 void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t index, const void *x, void *y,
-                    int m, int in, int out, int bf, float *xa) {
+                    int m, int in, int out, int bf, float *xa, int stride) {
     int order[m > 0 ? m : 1], starts[m + 1];
     const int n = group_rows(row_adapter, m, order);   /* every thread the same: no barrier needed */
     int groups = 0, widest = 0;
@@ -43,7 +44,7 @@ void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t i
         if (p > 0 && row_adapter[order[p - 1]] == row_adapter[order[p]]) continue;
         starts[groups++] = p;
         const struct lora_update *u = update_of(tables, row_adapter[order[p]], index);
-        if (u->a && u->in == in && u->stacked > widest) widest = (int)u->stacked;
+        if (u->a && u->in == in && u->stacked > widest && u->stacked <= stride) widest = (int)u->stacked;
     }
     starts[groups] = n;
     /* xa[t][j] = A_j . x_t for each group's rows: a row of A read once for them all */
@@ -51,7 +52,7 @@ void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t i
     for (int64_t item = 0; item < (int64_t)groups * widest; item++) {
         const int g = (int)(item / widest), j = (int)(item % widest);
         const struct lora_update *u = update_of(tables, row_adapter[order[starts[g]]], index);
-        if (!u->a || u->in != in || j >= u->stacked) continue;
+        if (!u->a || u->in != in || j >= u->stacked || u->stacked > stride) continue;
         const int wb = (int)u->bf16;
         const void *a = (const char *)u->a + (int64_t)j * in * (wb ? 2 : 4);
         for (int q = starts[g]; q < starts[g + 1]; q += 4) {   /* four rows at once: four sums in flight */
@@ -86,7 +87,7 @@ void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t i
                     for (int i = 0; i < in; i++)
                         acc[c] += lora_load(a, i, wb) * lora_load(x, (int64_t)order[q + c] * in + i, bf);
             }
-            for (int c = 0; c < k; c++) xa[(int64_t)order[q + c] * LORA_MAX_STACKED + j] = acc[c];
+            for (int c = 0; c < k; c++) xa[(int64_t)order[q + c] * stride + j] = acc[c];
         }
     }
     /* y[t][lo:hi] += scale * xa[t][r0:r1] B^T for each block of LORA_BLOCK outputs of a group's
@@ -97,7 +98,7 @@ void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t i
         const int g = (int)(item / blocks), o0 = (int)(item % blocks) * LORA_BLOCK;
         const int o1 = o0 + LORA_BLOCK < out ? o0 + LORA_BLOCK : out;
         const struct lora_update *u = update_of(tables, row_adapter[order[starts[g]]], index);
-        if (!u->a || u->in != in) continue;
+        if (!u->a || u->in != in || u->stacked > stride) continue;
         for (int64_t s = 0; s < u->num_slices; s++) {
             const struct lora_slice *sl = &u->slices[s];
             const int64_t lo = o0 > sl->offset ? o0 : sl->offset;
@@ -106,8 +107,8 @@ void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t i
             const int64_t rank = sl->r1 - sl->r0, width = hi - lo;
             for (int q = starts[g]; q < starts[g + 1]; q += 2) {   /* two rows at once: twice the sums in flight */
                 const int k = starts[g + 1] - q < 2 ? starts[g + 1] - q : 2;
-                const float *v0 = xa + (int64_t)order[q] * LORA_MAX_STACKED + sl->r0;
-                const float *v1 = xa + (int64_t)order[q + k - 1] * LORA_MAX_STACKED + sl->r0;
+                const float *v0 = xa + (int64_t)order[q] * stride + sl->r0;
+                const float *v1 = xa + (int64_t)order[q + k - 1] * stride + sl->r0;
                 float acc0[LORA_BLOCK] = {0}, acc1[LORA_BLOCK] = {0};
                 for (int64_t j = 0; j < rank; j++) {
                     const int64_t first = j * sl->rows + (lo - sl->offset);
@@ -134,10 +135,16 @@ void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t i
 
 int lora_rows(const int64_t *row_adapter, const int64_t *tables, int64_t index, const void *x, void *y, int m, int in,
               int out, int bf, int num_threads) {
-    float *xa = malloc((size_t)(m > 0 ? m : 1) * LORA_MAX_STACKED * sizeof(float));
+    int stride = 1;   /* the widest stacked A among the rows' adapters: a long prompt's scratch stays small */
+    for (int t = 0; t < m; t++) {
+        if (row_adapter[t] < 0) continue;
+        const struct lora_update *u = update_of(tables, row_adapter[t], index);
+        if (u->a && u->stacked > stride && u->stacked <= LORA_MAX_STACKED) stride = (int)u->stacked;
+    }
+    float *xa = malloc((size_t)(m > 0 ? m : 1) * stride * sizeof(float));
     if (!xa) return -2;
     #pragma omp parallel num_threads(num_threads)
-    lora_rows_team(row_adapter, tables, index, x, y, m, in, out, bf, xa);
+    lora_rows_team(row_adapter, tables, index, x, y, m, in, out, bf, xa, stride);
     free(xa);
     return 0;
 }

@@ -24,17 +24,18 @@ struct lora_slice {
 struct lora_update {
     const void *a;                 /* [stacked, in]: every slice's A */
     int64_t stacked, in, num_slices;
-    int64_t bf16;                  /* a and bt in bfloat16 (a bfloat16 model's: half the bytes a step reads), else float32 */
+    int64_t bf16;                  /* a and bt in bfloat16 (a bfloat16 model's: half the bytes), else float32 */
     struct lora_slice slices[LORA_MAX_SLICES];
 };
 
 /* y [m, out] += each row's adapter's update `index` (layer * LORA_PROJECTIONS + projection) of
  * x [m, in], both in the model dtype (bf: bfloat16); row_adapter[t] indexes tables (each an
  * adapter's struct lora_update [layers * LORA_PROJECTIONS]) or is -1: the base, left as it is.
- * xa: scratch shared by the team, [m, LORA_MAX_STACKED] floats. A team entry: every thread of a
- * parallel region calls it (the work shared out; it ends at a barrier). */
+ * xa: scratch shared by the team, [m, stride] floats (stride: at least every update's stacked
+ * rows, at most LORA_MAX_STACKED). A team entry: every thread of a parallel region calls it (the
+ * work shared out; it ends at a barrier). */
 void lora_rows_team(const int64_t *row_adapter, const int64_t *tables, int64_t index, const void *x, void *y,
-                    int m, int in, int out, int bf, float *xa);
+                    int m, int in, int out, int bf, float *xa, int stride);
 
 /* the same in a parallel region of its own (the eager model's hooks: duoserve::lora_rows);
  * returns 0, or -2 when its scratch could not be allocated */
