@@ -126,14 +126,17 @@ def test_adapters_loaded_and_unloaded_while_serving_fail_no_request(tiny_dir, tm
         # unloading an adapter in use waits for its request, which finishes whole
         long = {}
         streaming = threading.Thread(target=lambda: long.setdefault("r", httpx.post(
-            f"{server.url}/generate", json={"model": "a", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True},
+            f"{server.url}/generate", json={"model": "a", "prompt": PROMPT, "max_tokens": 460, "ignore_eos": True},
             timeout=600)))
         streaming.start()
-        wait_metric(server.url, "duoserve:lora_requests", lambda v: v >= 1, {"adapter": "a"})
+        deadline = time.monotonic() + 120
+        while not metric(server.url, "duoserve:lora_requests", {"adapter": "a"}):   # in flight, as /metrics says
+            assert streaming.is_alive() and time.monotonic() < deadline, long.get("r") and long["r"].text
+            time.sleep(0.02)
         removed = httpx.post(unload, json={"lora_name": "a"}, timeout=120)
         streaming.join()
         assert removed.status_code == 200 and removed.text == "Success: LoRA adapter 'a' removed successfully."
-        assert long["r"].status_code == 200 and len(long["r"].json()["token_ids"]) == 200
+        assert long["r"].status_code == 200 and len(long["r"].json()["token_ids"]) == 460
         assert generate(server.url, "a").status_code == 404
         assert httpx.post(unload, json={"lora_name": "a"}, timeout=60).status_code == 404
 
