@@ -143,17 +143,14 @@ def test_an_adapter_on_the_default_models_gguf_blocks_in_exact_mode_equals_peft(
     """The packaged Q4_1 file computed from its blocks (exact mode), an adapter trained on what
     transformers dequantizes from it: the same greedy tokens as transformers + PEFT."""
     import transformers
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     from duoserve.model.loader import default_model_path
 
     path = default_model_path()
-
-    def reference_model():
-        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
-
-    peft_model = get_peft_model(reference_model(), LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    peft_model = get_peft_model(reference, LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS))
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -165,8 +162,7 @@ def test_an_adapter_on_the_default_models_gguf_blocks_in_exact_mode_equals_peft(
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.encode("The capital of France is")
     (got,) = tokens(llm, [prompt], LoRARequest("s"))
-    reference = PeftModel.from_pretrained(reference_model(), str(tmp_path / "smol-lora")).eval()
-    want, logits = hf_greedy(reference, prompt, MAX_TOKENS)
+    want, logits = hf_greedy(peft_model.eval(), prompt, MAX_TOKENS)   # the adapter just saved, in PEFT
     assert_same_greedy(got, want, logits, "default model + adapter")
     assert got != tokens(llm, [prompt], None)[0]
 
