@@ -233,6 +233,12 @@ class Scheduler:
         reserved = self.role.order(self.waiting, self.running, budget)
         made_room = self._make_room_by_priority(plan) if self.by_priority else 0
         first = self._prompt_first() if self.by_priority else None
+        if first is not None and self.pacer is not None:
+            # the outranking prompt whole in its step (up to the configured budget): the pace is
+            # the outranked requests', and a prompt cut in two waits a second step for its token
+            need = min(first.num_tokens - first.num_computed_tokens, self.token_budget)
+            if need > budget:
+                self.step_budget = budget = need
         reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))

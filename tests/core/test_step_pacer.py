@@ -70,17 +70,19 @@ def test_running_requests_take_turns_when_they_outnumber_the_budget():
     assert all(r.num_output_tokens == 12 for r in requests) and s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
 
 
-def test_an_outranking_prompt_still_goes_first_in_a_paced_step():
+def test_an_outranking_prompt_goes_first_and_whole_in_a_paced_step():
+    """The pace (16 tokens a step here) is the outranked requests': the outranking prompt is
+    computed whole in its step, up to the configured budget, so its first token waits one step."""
     s = paced()
     low = [add(s, f"low{i}", 1, max_tokens=30, priority=10) for i in range(40)]
     step(s)
     s.pacer.tokens_per_s = 160.0
     urgent = add(s, "urgent", 24, max_tokens=2, priority=0)
     plan = step(s)
-    assert [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled] == [("urgent", 16)]
-    plan = step(s)   # its last 8 prompt tokens first, the step's other 8 tokens for others' turns
-    assert [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled if i.request is urgent] == [("urgent", 8)]
-    assert plan.num_batched_tokens == 16 and urgent.num_output_tokens == 1   # its prompt done: its first token
+    assert [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled] == [("urgent", 24)]
+    assert plan.num_batched_tokens == 24 and urgent.num_output_tokens == 1   # its prompt done: its first token
+    plan = step(s)   # then the pace again: its decode and the others' turns in 16 tokens
+    assert plan.num_batched_tokens == 16 and urgent in [i.request for i in plan.scheduled]
     run_to_end(s)
     assert all(r.num_output_tokens == 30 for r in low)
 
