@@ -233,12 +233,7 @@ class Scheduler:
         reserved = self.role.order(self.waiting, self.running, budget)
         made_room = self._make_room_by_priority(plan) if self.by_priority else 0
         first = self._prompt_first() if self.by_priority else None
-        if first is not None and self.pacer is not None:
-            # the outranking prompt whole in its step (up to the configured budget): the pace is
-            # the outranked requests', and a prompt cut in two waits a second step for its token
-            need = min(first.num_tokens - first.num_computed_tokens, self.token_budget)
-            if need > budget:
-                self.step_budget = budget = need
+        budget = self._room_for(first, budget)
         reserved += self._held_for_arrived_kv(reserved)
         budget -= reserved
         speculate = self.speculation is not None and self.speculation.enabled_for_step(len(self.running))
@@ -284,6 +279,17 @@ class Scheduler:
         plan.block_copies, self.pending_copies = self.pending_copies, []
         plan.swap_out, self.pending_swap_out = self.pending_swap_out, []
         return plan
+
+    def _room_for(self, first: Request | None, budget: int) -> int:
+        """The step's budget with an outranking prompt in it: the whole prompt (up to the configured
+        budget) when the pace would cut it, since the pace is the outranked requests' and a prompt
+        cut in two waits a second step for its first token."""
+        if first is None or self.pacer is None:
+            return budget
+        need = min(first.num_tokens - first.num_computed_tokens, self.token_budget)
+        if need > budget:
+            self.step_budget = budget = need
+        return budget
 
     def _in_turn(self) -> list[Request]:
         """The running requests in the order a paced step serves them when it cannot serve all:

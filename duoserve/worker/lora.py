@@ -117,6 +117,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, arch: ModelArch, config: LoRAConfig, dtype: torch.dtype,
                  gguf_arch: str | None = None) -> None:
         self.arch, self.config, self.dtype, self.gguf_arch = arch, config, dtype, gguf_arch
+        self.device = torch.device(getattr(model, "device", "cpu"))
         self.adapters: dict[str, LoRAAdapter] = {}
         # every adapter loaded and not unloaded, by path: one unloaded past --max-loras is read again
         self.known: dict[str, str] = {}
@@ -134,6 +135,13 @@ class LoRAManager:
         """Load an adapter under ``name`` (again: replaced), first unloading the least recently
         used that no request uses when ``--max-loras`` are loaded. ``LoRALoadError`` says why not."""
         adapter = load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype, self.gguf_arch)
+        if any(layer.a.shape[0] > MAX_STACKED for layer in adapter.modules.values()):
+            raise LoRALoadError(f"adapter {name!r}: its ranks over a fused projection's parts pass {MAX_STACKED}")
+        if self.device.type != "cpu":   # the torch path computes it where the model is
+            for layer in adapter.modules.values():
+                layer.a = layer.a.to(self.device)
+                for piece in layer.slices:
+                    piece.b = piece.b.to(self.device)
         if name not in self.adapters and len(self.adapters) >= self.config.max_loras:
             idle = [n for n in self.adapters if not in_use(n)]
             if not idle:
@@ -142,9 +150,7 @@ class LoRAManager:
             victim = min(idle, key=lambda n: self.last_used[n])
             logger.info("unloading LoRA adapter %s (least recently used) for %s", victim, name)
             self.unload(victim, forget=False)
-        if any(layer.a.shape[0] > MAX_STACKED for layer in adapter.modules.values()):
-            raise LoRALoadError(f"adapter {name!r}: its ranks over a fused projection's parts pass {MAX_STACKED}")
-        if self.c_kernel:
+        if self.c_kernel and self.device.type == "cpu":
             self.tables[name] = AdapterTable(adapter, self.arch.num_layers, self.dtype)
         self.adapters[name], self.known[name] = adapter, path
         self.last_used[name] = time.monotonic()
@@ -176,7 +182,7 @@ class LoRAManager:
             self.last_used[name] = now
             groups.append((self.adapters[name].modules, torch.tensor(rows, dtype=torch.long, device=device)))
         self.step = LoRAStep(groups)
-        if self.c_kernel and device.type == "cpu":
+        if self.tables:
             row_adapter = torch.full((num_rows,), -1, dtype=torch.long)
             for i, (name, rows) in enumerate(rows_by_adapter.items()):
                 row_adapter[rows] = i
