@@ -43,7 +43,8 @@ def c_flags(march: str = "native") -> list[str]:
     return [f"-march={march}" if flag.startswith("-march=") else flag for flag in C_FLAGS]
 
 # the C sources of the C++ op library, linked into it
-OP_LIBRARY_SOURCES = ("small_m_linear", "packed_linear", "gguf_linear", "paged_decode", "paged_prefill", "glue", "decode_step", "lora")
+OP_LIBRARY_SOURCES = ("small_m_linear", "packed_linear", "gguf_linear", "paged_decode", "paged_prefill", "glue",
+                      "decode_step", "lora")
 
 # what a ctypes library links besides csrc/<name>.c
 _LINKED = {"paged_decode": ("paged_prefill",)}

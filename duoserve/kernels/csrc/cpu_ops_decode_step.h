@@ -265,8 +265,8 @@ at::Tensor decode_step_op(int64_t context, const at::Tensor &input_ids, const at
 }
 
 /* y [m, out] += the LoRA updates of x [m, in]'s rows (lora.c), in place: the eager model's hook */
-void lora_rows_op(const at::Tensor &y, const at::Tensor &x, const at::Tensor &row_adapter, const at::Tensor &lora_tables,
-                  int64_t index) {
+void lora_rows_op(const at::Tensor &y, const at::Tensor &x, const at::Tensor &row_adapter,
+                  const at::Tensor &lora_tables, int64_t index) {
     TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && y.is_contiguous() && x.is_contiguous() &&
                 y.scalar_type() == x.scalar_type() &&
                 (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
