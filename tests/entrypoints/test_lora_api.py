@@ -72,7 +72,8 @@ def test_requests_name_their_adapter_and_mixed_at_once_get_its_tokens(setup):
     # embeddings too: the adapter's hidden states, not the base's
     vectors = {m: httpx.post(f"{server.url}/v1/embeddings", json={"model": m, "input": PROMPT}, timeout=600).json()
                for m in ("a", "tiny")}
-    assert vectors["a"]["model"] == "a" and vectors["a"]["data"][0]["embedding"] != vectors["tiny"]["data"][0]["embedding"]
+    assert vectors["a"]["model"] == "a"
+    assert vectors["a"]["data"][0]["embedding"] != vectors["tiny"]["data"][0]["embedding"]
     unknown = generate(server.url, "c")
     assert unknown.status_code == 404 and "`tiny`" in unknown.json()["error"]["message"]
 
