@@ -24,7 +24,7 @@ from duoserve.core.block_pool import Block, BlockPool, hash_block
 from duoserve.core.request import Request
 
 
-def salt_root(salt: str | None, lora_digest: str | None = None) -> bytes | None:
+def chain_root(salt: str | None, lora_digest: str | None = None) -> bytes | None:
     """The parent of a sequence's first block hash where its KV is not everyone's: a cache salt's, or
     a LoRA adapter's (its content digest), whose blocks hash apart from every other's."""
     if lora_digest is not None:
@@ -127,7 +127,7 @@ class KVCacheManager:
         size = self.block_size
         while (len(hashes) + 1) * size <= num_tokens:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else salt_root(request.params.cache_salt, request.params.lora_digest)
+            parent = hashes[-1] if hashes else chain_root(request.params.cache_salt, request.params.lora_digest)
             hashes.append(hash_block(parent, request.token_ids(start, start + size)))
 
     def find_cached_prefix(self, request: Request) -> list[Block]:

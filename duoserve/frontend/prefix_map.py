@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from duoserve.core.block_pool import hash_block
-from duoserve.core.kv_cache_manager import salt_root
+from duoserve.core.kv_cache_manager import chain_root
 
 
 def short_hash(block_hash: bytes) -> int:
@@ -41,7 +41,7 @@ class PrefixMap:
 
     def hashes(self, tokens: list[int], cache_salt: str | None = None) -> list[int]:
         """The chained hashes of ``tokens``' full blocks, as the engines key them."""
-        chain, parent = [], salt_root(cache_salt)
+        chain, parent = [], chain_root(cache_salt)
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
             parent = hash_block(parent, tokens[start:start + self.block_size])
             chain.append(short_hash(parent))

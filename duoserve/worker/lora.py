@@ -177,17 +177,17 @@ class LoRAManager:
         if not rows_by_adapter:
             return False
         now = time.monotonic()
-        groups = []
-        for name, rows in rows_by_adapter.items():
+        for name in rows_by_adapter:
             self.last_used[name] = now
-            groups.append((self.adapters[name].modules, torch.tensor(rows, dtype=torch.long, device=device)))
-        self.step = LoRAStep(groups)
-        if self.tables:
+        if self.tables:   # csrc/lora.c: each row's adapter, and the adapters' tables
             row_adapter = torch.full((num_rows,), -1, dtype=torch.long)
-            for i, (name, rows) in enumerate(rows_by_adapter.items()):
+            for i, rows in enumerate(rows_by_adapter.values()):
                 row_adapter[rows] = i
-            self.step.row_adapter = row_adapter
-            self.step.tables = torch.tensor([self.tables[name].address for name in rows_by_adapter], dtype=torch.long)
+            self.step = LoRAStep([], row_adapter, torch.tensor([self.tables[name].address for name in rows_by_adapter],
+                                                               dtype=torch.long))
+        else:             # torch's matmuls: each adapter's rows as an index
+            self.step = LoRAStep([(self.adapters[name].modules, torch.tensor(rows, dtype=torch.long, device=device))
+                                  for name, rows in rows_by_adapter.items()])
         return True
 
     def step_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:

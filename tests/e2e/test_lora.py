@@ -27,13 +27,18 @@ def make_tiny_lora(base: Path, out: Path, seed: int, targets: list[str] = ALL_TA
     model = hf_model(base)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
                                                   lora_dropout=0.0, use_rslora=rslora))
+    seed_lora_weights(peft_model, seed, 0.15)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def seed_lora_weights(peft_model, seed: int, scale: float) -> None:
+    """Every A and B of a PEFT model drawn from a seeded normal times ``scale``."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
-    peft_model.save_pretrained(out)
-    return out
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +156,7 @@ def test_an_adapter_on_the_default_models_gguf_blocks_in_exact_mode_equals_peft(
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32).eval()
     peft_model = get_peft_model(reference, LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS))
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    seed_lora_weights(peft_model, 11, 0.02)
     peft_model.save_pretrained(tmp_path / "smol-lora")
     llm = LLM(dtype="float32", quantization="gguf", gguf_mode="exact", kv_cache_memory=0.05,
               lora_modules=[f"s={tmp_path / 'smol-lora'}"])
