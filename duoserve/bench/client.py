@@ -94,23 +94,25 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict, record: Request
 async def run(base_url: str, endpoint: str, model: str | list[str], requests: list[BenchRequest], request_rate: float,
               burstiness: float = 1.0, max_concurrency: int | None = None, duration: float | None = None,
               ignore_eos: bool = False, api_key: str | None = None, seed: int = 0, timeout: float = 600.0,
-              progress=None, extra_body: dict | None = None) -> tuple[list[RequestRecord], float]:
+              progress=None, extra_body: dict | list[dict] | None = None,
+              headers: dict[str, str] | None = None) -> tuple[list[RequestRecord], float]:
     """Records of every request sent, and the seconds from the first send to the last answer
     (``extra_body``: fields added to every request's body, e.g. a priority; ``model``: several
-    names are taken in turn, a request each, e.g. LoRA adapters)."""
+    names are taken in turn, a request each, e.g. LoRA adapters; so are several extra bodies;
+    ``headers``: sent with every request, e.g. llama-server's ``Connection: close``)."""
     rng = random.Random(seed)
-    headers = auth_headers(api_key)
+    headers = {**auth_headers(api_key), **(headers or {})}
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     records: list[RequestRecord] = []
     url = base_url.rstrip("/") + endpoint
     connections = httpx.Limits(max_connections=max_concurrency or None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=connections) as client:
         models = [model] if isinstance(model, str) else model
+        extras = extra_body if isinstance(extra_body, list) else [extra_body or {}]
 
-        async def one(request: BenchRequest, record: RequestRecord, name: str) -> None:
+        async def one(request: BenchRequest, record: RequestRecord, name: str, extra: dict) -> None:
             async with limit:
-                await _send(client, url, {**_body(request, endpoint, name, ignore_eos), **(extra_body or {})},
-                            record)
+                await _send(client, url, {**_body(request, endpoint, name, ignore_eos), **extra}, record)
             if progress is not None:
                 progress.update(1)
 
@@ -121,7 +123,8 @@ async def run(base_url: str, endpoint: str, model: str | list[str], requests: li
                 break
             record = RequestRecord(request.prompt_len, request.output_len)
             records.append(record)
-            tasks.append(asyncio.create_task(one(request, record, models[len(tasks) % len(models)])))
+            tasks.append(asyncio.create_task(one(request, record, models[len(tasks) % len(models)],
+                                                 extras[len(tasks) % len(extras)])))
             if request_rate != float("inf"):
                 # gamma gaps with mean 1/rate; shape = burstiness (1: Poisson arrivals)
                 await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
